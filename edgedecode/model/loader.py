@@ -1,0 +1,71 @@
+"""A registered model, opened: its GGUF, spec, tokenizer, and built graphs (cached on disk).
+
+Built graphs live beside the model under ``graphs/`` and are keyed by the GGUF's SHA-256, the
+builder version and the graph options, so a new GGUF, a builder change or another option never
+reuses a stale graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import onnx
+from gguf import GGUFReader
+
+from edgedecode.model.gguf_file import open_gguf
+from edgedecode.model.graph import GraphOptions, build_graph
+from edgedecode.model.registry import ModelRecord, model_dir, resolve_model
+from edgedecode.model.spec import ModelSpec
+from edgedecode.model.tokenizer import Tokenizer
+from edgedecode.model.weights import load_tensors
+
+logger = logging.getLogger(__name__)
+# Bump whenever graph.py, weights.py or onnx_builder.py change what they emit.
+BUILDER_VERSION = 1
+
+
+def graph_key(gguf_sha256: str, options: GraphOptions) -> str:
+    """Cache key of a built graph."""
+    payload = json.dumps({"gguf": gguf_sha256, "builder": BUILDER_VERSION, **asdict(options)}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+@dataclass
+class LoadedModel:
+    """One model's metadata and tokenizer; graphs are built on first request."""
+
+    record: ModelRecord
+    reader: GGUFReader
+    spec: ModelSpec
+    tokenizer: Tokenizer
+
+    def graph_path(self, options: GraphOptions) -> Path:
+        """Where the graph for these options lives (whether or not it is built yet)."""
+        key = graph_key(self.record.sha256, options)
+        return model_dir(self.record.name) / "graphs" / f"{options.kind}-{options.dtype}-acc{options.accuracy_level}-{key}.onnx"
+
+    def graph(self, options: GraphOptions) -> Path:
+        """Path of the built graph for these options, building and caching it if needed."""
+        path = self.graph_path(options)
+        if not path.exists():
+            logger.info("building %s graph for %s (%s)", options.kind, self.record.name, options)
+            tensors = load_tensors(self.reader, self.spec, dense=options.kind == "prefill")
+            model = build_graph(self.spec, tensors, options)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".partial-{os.getpid()}")
+            onnx.save(model, partial)
+            os.replace(partial, path)
+        return path
+
+
+def load_model(name: str | None = None) -> LoadedModel:
+    """Open a registered model (the default one when name is None)."""
+    record = resolve_model(name)
+    reader = open_gguf(record.gguf_path)
+    spec = ModelSpec.from_gguf(reader, record.name)
+    return LoadedModel(record, reader, spec, Tokenizer.from_gguf(reader, spec))

@@ -1,0 +1,86 @@
+"""onnxruntime in one place: the install check, execution-provider choice and session options."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+from pathlib import Path
+
+import psutil
+
+from edgedecode.errors import EdgeDecodeError
+
+logger = logging.getLogger(__name__)
+_ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu")
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+class RuntimeSetupError(EdgeDecodeError):
+    """onnxruntime is missing, installed twice, or lacks the requested execution provider."""
+
+
+def installed_onnxruntime() -> list[str]:
+    """The onnxruntime distributions installed in this environment."""
+    found = []
+    for dist in _ORT_DISTRIBUTIONS:
+        try:
+            importlib.metadata.version(dist)
+            found.append(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def import_onnxruntime():
+    """Import onnxruntime after checking that exactly one build of it is installed.
+
+    Both `onnxruntime` and `onnxruntime-gpu` install the same module; with both present the CUDA
+    provider silently disappears (microsoft/onnxruntime#7748), so that state is refused.
+    """
+    found = installed_onnxruntime()
+    if len(found) > 1:
+        raise RuntimeSetupError(
+            "both onnxruntime and onnxruntime-gpu are installed, which hides the CUDA provider; fix with: "
+            "pip uninstall -y onnxruntime onnxruntime-gpu && pip install 'edgedecode[gpu]' (or '[cpu]')"
+        )
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise RuntimeSetupError("onnxruntime is not installed: pip install 'edgedecode[cpu]' or 'edgedecode[gpu]'") from exc
+    return onnxruntime
+
+
+def available_devices() -> list[str]:
+    """Devices ('cpu', 'cuda') whose execution provider this onnxruntime build offers."""
+    providers = set(import_onnxruntime().get_available_providers())
+    return [device for device, provider in PROVIDERS.items() if provider in providers]
+
+
+def default_threads() -> int:
+    """Physical cores: decode is memory-bound and hyper-threads only add contention."""
+    return int(os.environ.get("EDGEDECODE_THREADS") or psutil.cpu_count(logical=False) or os.cpu_count() or 1)
+
+
+def create_session(path: Path, *, device: str = "cpu", threads: int | None = None):
+    """An InferenceSession for a built graph on the given device.
+
+    Raises:
+        RuntimeSetupError: the device's execution provider is not available.
+    """
+    ort = import_onnxruntime()
+    if device not in PROVIDERS:
+        raise RuntimeSetupError(f"unknown device {device!r}; choose one of {', '.join(PROVIDERS)}")
+    if device not in available_devices():
+        raise RuntimeSetupError(
+            f"the {PROVIDERS[device]} is not available in this onnxruntime build "
+            f"(available: {', '.join(ort.get_available_providers())})"
+        )
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads or default_threads()
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    providers = [PROVIDERS[device]] + ([PROVIDERS["cpu"]] if device != "cpu" else [])
+    logger.debug("creating %s session for %s with %d threads", device, path, options.intra_op_num_threads)
+    return ort.InferenceSession(str(path), options, providers=providers)

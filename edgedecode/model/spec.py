@@ -1,0 +1,163 @@
+"""The model's architecture and special tokens, read from GGUF metadata (never hard-coded)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from gguf import GGUFReader
+
+from edgedecode.model.gguf_file import ModelFileError, field_array, field_value, tensor_table
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+# Token texts that end a turn in the chat templates we know; tokens present in the vocab as
+# control tokens join eos as stop tokens (llama.cpp's end-of-generation set does the same).
+_END_OF_TURN_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+_CONTROL_TOKEN_TYPE = 3
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How the KV cache of one layer is laid out; a producer and a consumer must agree on all of it."""
+
+    axes: str = "kv_heads,seq,head_dim"  # per layer; batch is 1 on the wire
+    keys_post_rope: bool = True
+    rope_order: str = "rotate_half"  # HF order, i.e. GGUF's interleaved Q/K rows un-permuted
+
+    def describe(self) -> str:
+        """Human-readable one-liner, used in errors and `edgedecode info`."""
+        rope = "post-RoPE" if self.keys_post_rope else "pre-RoPE"
+        return f"[{self.axes}] keys {rope}, {self.rope_order} order"
+
+
+DECODER_KV_LAYOUT = KVLayout()
+
+
+@dataclass(frozen=True)
+class KVContract:
+    """What KV produced by one graph must share with the graph that consumes it.
+
+    The weights and their precision are deliberately absent: KV from a higher-precision prefill of
+    the same architecture and tokenizer is a valid (cross-quant) handoff.
+    """
+
+    architecture: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    layout: KVLayout
+    tokenizer_hash: str
+
+    def mismatches(self, other: "KVContract") -> list[str]:
+        """Names and values of every field that differs, e.g. ["n_layers: 30 != 24"]."""
+        return [
+            f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
+            for name in self.__dataclass_fields__
+            if getattr(self, name) != getattr(other, name)
+        ]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything about a model that graph building, tokenization and the KV contract need."""
+
+    name: str
+    architecture: str
+    n_layers: int
+    hidden_size: int
+    ffn_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_dim: int
+    norm_eps: float
+    vocab_size: int
+    context_length: int
+    bos_token_id: int | None
+    eos_token_id: int
+    add_bos: bool
+    stop_token_ids: tuple[int, ...]
+    chat_template: str | None
+    tokenizer_model: str
+    tokenizer_pre: str
+    tokenizer_hash: str
+    tied_embeddings: bool
+    kv_layout: KVLayout = field(default=DECODER_KV_LAYOUT)
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise ModelFileError(f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}")
+        if self.rope_dim != self.head_dim:
+            raise ModelFileError(f"partial rotary (rope dim {self.rope_dim} < head_dim {self.head_dim}) is not supported")
+
+    @property
+    def kv_contract(self) -> KVContract:
+        """The contract any KV injected into this model's graphs must satisfy."""
+        return KVContract(self.architecture, self.n_layers, self.n_kv_heads, self.head_dim, self.rope_theta,
+                          self.kv_layout, self.tokenizer_hash)
+
+    @property
+    def kv_bytes_per_token_fp16(self) -> int:
+        """FP16 bytes of K and V for one token over all layers."""
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * 2
+
+    @classmethod
+    def from_gguf(cls, reader: GGUFReader, name: str) -> "ModelSpec":
+        """Read the spec from GGUF metadata; a missing key or an unsupported model is a ModelFileError."""
+        arch = field_value(reader, "general.architecture")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelFileError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+        def need(key: str):
+            value = field_value(reader, f"{arch}.{key}" if not key.startswith("tokenizer.") else key)
+            if value is None:
+                raise ModelFileError(f"GGUF metadata lacks {key!r}")
+            return value
+
+        tensors = tensor_table(reader)
+        if "rope_freqs.weight" in tensors or field_value(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
+            raise ModelFileError("RoPE frequency scaling (rope_freqs / rope.scaling) is not supported yet")
+        hidden = int(need("embedding_length"))
+        n_heads = int(need("attention.head_count"))
+        head_dim = int(field_value(reader, f"{arch}.attention.key_length") or hidden // n_heads)
+        tokens = need("tokenizer.ggml.tokens")
+        token_types = field_array(reader, "tokenizer.ggml.token_type")
+        merges = field_value(reader, "tokenizer.ggml.merges") or []
+        eos = int(need("tokenizer.ggml.eos_token_id"))
+        stops = {eos}
+        for i, text in enumerate(tokens):
+            if text in _END_OF_TURN_TEXTS and (token_types is None or token_types[i] == _CONTROL_TOKEN_TYPE):
+                stops.add(i)
+        tok_hash = hashlib.sha256()
+        for text in tokens:
+            tok_hash.update(text.encode() + b"\0")
+        for merge in merges:
+            tok_hash.update(merge.encode() + b"\0")
+        bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+        add_bos = field_value(reader, "tokenizer.ggml.add_bos_token")
+        return cls(
+            name=name,
+            architecture=arch,
+            n_layers=int(need("block_count")),
+            hidden_size=hidden,
+            ffn_size=int(need("feed_forward_length")),
+            n_heads=n_heads,
+            n_kv_heads=int(field_value(reader, f"{arch}.attention.head_count_kv") or n_heads),
+            head_dim=head_dim,
+            rope_theta=float(field_value(reader, f"{arch}.rope.freq_base") or 10000.0),
+            rope_dim=int(field_value(reader, f"{arch}.rope.dimension_count") or head_dim),
+            norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+            vocab_size=int(field_value(reader, f"{arch}.vocab_size") or len(tokens)),
+            context_length=int(need("context_length")),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_id=eos,
+            add_bos=bool(True if add_bos is None else add_bos),
+            stop_token_ids=tuple(sorted(stops)),
+            chat_template=field_value(reader, "tokenizer.chat_template"),
+            tokenizer_model=str(need("tokenizer.ggml.model")),
+            tokenizer_pre=str(field_value(reader, "tokenizer.ggml.pre") or "default"),
+            tokenizer_hash=tok_hash.hexdigest(),
+            tied_embeddings="output.weight" not in tensors,
+        )

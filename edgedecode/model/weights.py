@@ -1,0 +1,223 @@
+"""GGUF tensors adapted once, at load time, into the two forms the graphs consume.
+
+* ``BlockQuantized``: a weight as ``W[n, k] = scale[n, b] * (code[n, k] - 2**(bits-1)) + offset[n, b]``
+  with ``b = k // block_size``. Codes minus the implicit zero point is exactly what onnxruntime's
+  MatMulNBits computes on its fast path (no zero-point input); ``offset`` is the per-block
+  correction that makes Q4_1 exact (``d*q + m = d*(q - 8) + (m + 8d)``), None where it is zero
+  (Q4_0, Q8_0).
+* dense float32 ``[N, K]`` arrays for the higher-precision prefill graph and the numpy reference.
+
+GGUF stores the Q and K projection rows permuted for llama.cpp's interleaved RoPE; both forms
+undo that here, so every graph uses HF (rotate-half) order and the KV layout is the same everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFReader
+from gguf.gguf_reader import ReaderTensor
+from gguf.quants import dequantize
+
+from edgedecode.model.gguf_file import ModelFileError, tensor_table
+from edgedecode.model.spec import ModelSpec
+
+SUPPORTED_TENSOR_TYPES = frozenset({QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1})
+BLOCK = 32  # every supported quantized type uses 32-element blocks
+
+
+@dataclass(frozen=True)
+class BlockQuantized:
+    """A [N, K] weight in MatMulNBits' blockwise form (see module docstring)."""
+
+    codes: np.ndarray  # uint8 [N, K], values in [0, 2**bits)
+    scales: np.ndarray  # float32 [N, K // BLOCK]
+    offsets: np.ndarray | None  # float32 [N, K // BLOCK]
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 [N, K] weight this block form represents."""
+        n, k = self.codes.shape
+        centred = self.codes.reshape(n, k // BLOCK, BLOCK).astype(np.float32) - (1 << (self.bits - 1))
+        w = centred * self.scales[..., None]
+        if self.offsets is not None:
+            w += self.offsets[..., None]
+        return w.reshape(n, k)
+
+    def packed(self) -> np.ndarray:
+        """uint8 [N, K/BLOCK, BLOCK*bits/8] in MatMulNBits order (element 2i in the low nibble)."""
+        n, k = self.codes.shape
+        blocks = self.codes.reshape(n, k // BLOCK, BLOCK)
+        if self.bits == 8:
+            return np.ascontiguousarray(blocks)
+        return (blocks[..., 0::2] | (blocks[..., 1::2] << 4)).astype(np.uint8)
+
+    def with_rows(self, order: np.ndarray) -> "BlockQuantized":
+        """The same weight with its output rows reordered."""
+        return BlockQuantized(
+            self.codes[order], self.scales[order], None if self.offsets is None else self.offsets[order], self.bits
+        )
+
+
+def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
+    """Stack weights of equal bit width along N (fused QKV, fused gate+up)."""
+    if len({p.bits for p in parts}) != 1:
+        raise ValueError("cannot fuse weights of different bit widths")
+    offsets = None
+    if any(p.offsets is not None for p in parts):
+        offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
+    return BlockQuantized(
+        np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]), offsets, parts[0].bits
+    )
+
+
+def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """Row order that turns GGUF's interleaved-RoPE Q/K rows back into HF (rotate-half) order."""
+    head_dim = n_rows // n_heads
+    return np.arange(n_rows).reshape(n_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(n_rows)
+
+
+def _blocks(tensor: ReaderTensor, block_bytes: int) -> np.ndarray:
+    n = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
+    return np.asarray(tensor.data, dtype=np.uint8).reshape(n, -1, block_bytes)
+
+
+def _q4_codes(qs: np.ndarray) -> np.ndarray:
+    # GGUF Q4 block: byte j holds element j (low nibble) and element j+16 (high nibble).
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _quantize_4bit(w: np.ndarray) -> BlockQuantized:
+    """Asymmetric min/max 4-bit quantization of a float weight (used for F16/F32 files)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    lo, hi = blocks.min(-1), blocks.max(-1)
+    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
+    codes = np.clip(np.rint((blocks - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    return BlockQuantized(codes.reshape(n, k), scale, (lo + 8.0 * scale).astype(np.float32), 4)
+
+
+def _quantize_8bit_symmetric(w: np.ndarray) -> BlockQuantized:
+    """Q8_0-style symmetric 8-bit blocks (used for non-Q8_0 embeddings)."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    scale = (np.abs(blocks).max(-1) / 127.0).astype(np.float32)
+    safe = np.where(scale > 0, scale, 1.0)
+    codes = (np.clip(np.rint(blocks / safe[..., None]), -127, 127) + 128).astype(np.uint8)
+    return BlockQuantized(codes.reshape(n, k), scale, None, 8)
+
+
+def load_block_quantized(tensor: ReaderTensor) -> BlockQuantized:
+    """Convert a GGUF matrix to block form without loss (Q4_0, Q4_1, Q8_0) or by 4-bit quantization (F16, F32)."""
+    kind = QType(tensor.tensor_type)
+    if kind == QType.Q4_1:
+        raw = _blocks(tensor, 20)
+        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = _q4_codes(raw[..., 4:20]).reshape(raw.shape[0], -1)
+        return BlockQuantized(codes, d, m + 8.0 * d, 4)
+    if kind == QType.Q4_0:
+        raw = _blocks(tensor, 18)
+        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        return BlockQuantized(_q4_codes(raw[..., 2:18]).reshape(raw.shape[0], -1), d, None, 4)
+    if kind == QType.Q8_0:
+        raw = _blocks(tensor, 34)
+        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return BlockQuantized(codes.reshape(raw.shape[0], -1), d, None, 8)
+    return _quantize_4bit(load_dense(tensor))
+
+
+def load_dense(tensor: ReaderTensor) -> np.ndarray:
+    """Dequantize a GGUF tensor to float32 [N, K] (or [K] for vectors)."""
+    kind = QType(tensor.tensor_type)
+    if kind not in SUPPORTED_TENSOR_TYPES:
+        raise ModelFileError(f"tensor {tensor.name!r} has unsupported type {kind.name}")
+    return np.asarray(dequantize(tensor.data, kind), dtype=np.float32)
+
+
+def check_tensor_types(reader: GGUFReader) -> None:
+    """Raise ModelFileError naming every tensor whose type the builder cannot handle."""
+    bad = sorted({QType(t.tensor_type).name for t in reader.tensors if QType(t.tensor_type) not in SUPPORTED_TENSOR_TYPES})
+    if bad:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
+        raise ModelFileError(f"unsupported tensor types {', '.join(bad)}; supported: {supported}")
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """One transformer block's tensors; matrices are [N, K] with Q/K rows in HF order."""
+
+    attn_norm: np.ndarray
+    qkv: list  # [q, k, v], each BlockQuantized or dense
+    o: object
+    ffn_norm: np.ndarray
+    gate_up: list  # [gate, up]
+    down: object
+
+
+@dataclass(frozen=True)
+class ModelTensors:
+    """All weights of a model in one form (block-quantized or dense)."""
+
+    embedding: object  # BlockQuantized (8-bit) or dense [V, hidden]
+    layers: list[LayerTensors]
+    output_norm: np.ndarray
+    lm_head: object | None  # None when tied to the embedding
+
+
+def load_tensors(reader: GGUFReader, spec: ModelSpec, dense: bool) -> ModelTensors:
+    """Load every weight of a llama-family model, dense float32 or block-quantized."""
+    check_tensor_types(reader)
+    table = tensor_table(reader)
+
+    def get(name: str) -> ReaderTensor:
+        if name not in table:
+            raise ModelFileError(f"GGUF lacks tensor {name!r}")
+        return table[name]
+
+    def matrix(name: str, heads: int | None = None):
+        tensor = get(name)
+        weight = load_dense(tensor) if dense else load_block_quantized(tensor)
+        if heads is None:
+            return weight
+        order = unpermute_rows(int(tensor.shape[1]), heads)
+        return weight[order] if dense else weight.with_rows(order)
+
+    def embedding_table(name: str):
+        tensor = get(name)
+        if dense:
+            return load_dense(tensor)
+        if QType(tensor.tensor_type) == QType.Q8_0:
+            return load_block_quantized(tensor)
+        return _quantize_8bit_symmetric(load_dense(tensor))
+
+    layers = []
+    for i in range(spec.n_layers):
+        p = f"blk.{i}."
+        layers.append(
+            LayerTensors(
+                attn_norm=load_dense(get(p + "attn_norm.weight")),
+                qkv=[
+                    matrix(p + "attn_q.weight", spec.n_heads),
+                    matrix(p + "attn_k.weight", spec.n_kv_heads),
+                    matrix(p + "attn_v.weight"),
+                ],
+                o=matrix(p + "attn_output.weight"),
+                ffn_norm=load_dense(get(p + "ffn_norm.weight")),
+                gate_up=[matrix(p + "ffn_gate.weight"), matrix(p + "ffn_up.weight")],
+                down=matrix(p + "ffn_down.weight"),
+            )
+        )
+    return ModelTensors(
+        embedding=embedding_table("token_embd.weight"),
+        layers=layers,
+        output_norm=load_dense(get("output_norm.weight")),
+        lm_head=None if spec.tied_embeddings else embedding_table("output.weight"),
+    )

@@ -1,0 +1,115 @@
+"""The engine on the real model: generation, KV export and injection, and its errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from edgedecode.decode.engine import ContextOverflowError
+from edgedecode.decode.kvcache import KVInjectionError
+from edgedecode.decode.sampler import SamplingParams
+from edgedecode.model.registry import UnknownModelError
+from edgedecode.model.spec import KVLayout
+
+GREEDY_32 = SamplingParams(max_tokens=32)
+NEAR_TIE = 0.5
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+@pytest.mark.parametrize("prompt", ("prose", "code", "chat"))
+def test_handoff_from_prefill_graph_matches_local_prefill(prompt, decoder, prefiller, logit_vectors):
+    """KV from the fp32 prefill graph, injected into the INT4 decoder, gives the same greedy tokens as
+    the INT4 decoder prefilling itself, except past a near-tie (top-2 logit margin < 0.5)."""
+    ids = logit_vectors[f"{prompt}_ids"]
+    local = list(decoder.generate(ids, GREEDY_32))
+    prefiller.prefill(ids)
+    kv = prefiller.export_kv()
+    handed = list(decoder.generate(ids, GREEDY_32, kv=kv))
+    assert decoder.stats.injected_tokens == len(ids) - 1
+    split = _first_divergence(local, handed)
+    if split is None:
+        assert local == handed
+        return
+    context = np.concatenate([ids, local[:split]])
+    local_logits = decoder.prefill(context).copy()
+    handed_logits = decoder.prefill(context, kv=kv).copy()
+    local_margin = local_logits[local[split]] - local_logits[handed[split]]
+    handed_margin = handed_logits[handed[split]] - handed_logits[local[split]]
+    print(f"{prompt}: diverge at token {split}: local picks {local[split]} by {local_margin:.3f}, "
+          f"handoff picks {handed[split]} by {handed_margin:.3f}")
+    assert 0 <= local_margin < NEAR_TIE and 0 <= handed_margin < NEAR_TIE
+
+
+def test_greedy_generation_is_deterministic_and_stops_at_eos(decoder, smollm2_model):
+    tok = smollm2_model.tokenizer
+    ids = tok.encode_chat([{"role": "user", "content": "Say hello in one word."}])
+    first = list(decoder.generate(ids, SamplingParams(max_tokens=64)))
+    assert first == list(decoder.generate(ids, SamplingParams(max_tokens=64)))
+    assert decoder.stats.finish_reason == "stop"
+    assert 0 < len(first) < 64 and all(t not in smollm2_model.spec.stop_token_ids for t in first)
+
+
+def test_seeded_sampling_reproduces_and_seeds_differ(decoder, logit_vectors):
+    ids = logit_vectors["prose_ids"]
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=7)
+    a = list(decoder.generate(ids, params))
+    assert a == list(decoder.generate(ids, params))
+    assert a != list(decoder.generate(ids, dataclasses.replace(params, seed=8)))
+
+
+def test_exported_kv_round_trips_into_the_same_graph(exact_decoder, logit_vectors):
+    """Exact arithmetic (acc0) so that running the last token alone computes what the full pass did;
+    at acc4 MatMulNBits' int8 activation path differs between one row and many."""
+    ids = logit_vectors["code_ids"]
+    reference = exact_decoder.prefill(ids).copy()
+    kv = exact_decoder.export_kv()
+    assert kv.keys.shape == (30, 3, len(ids), 64) and kv.contract.layout.keys_post_rope
+    np.testing.assert_allclose(exact_decoder.prefill(ids, kv=kv), reference, atol=1e-3)
+
+
+def test_unknown_model_is_a_clear_error():
+    from edgedecode.model.loader import load_model
+
+    with pytest.raises(UnknownModelError, match="no-such-model"):
+        load_model("no-such-model")
+
+
+def test_prompt_longer_than_context_is_refused(decoder):
+    with pytest.raises(ContextOverflowError, match="2048"):
+        decoder.prefill(np.full(decoder.max_context, 42))
+    with pytest.raises(ContextOverflowError, match="empty"):
+        decoder.prefill(np.array([], np.int64))
+
+
+@pytest.fixture(scope="module")
+def chat_kv(prefiller, logit_vectors):
+    prefiller.prefill(logit_vectors["chat_ids"])
+    return prefiller.export_kv()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda kv: dataclasses.replace(kv, keys=kv.keys[:, :2]), "keys have shape"),
+        (lambda kv: dataclasses.replace(kv, values=kv.values[:-1]), "values have shape"),
+        (lambda kv: dataclasses.replace(kv, contract=dataclasses.replace(
+            kv.contract, layout=KVLayout(rope_order="interleaved"))), "layout"),
+        (lambda kv: dataclasses.replace(kv, contract=dataclasses.replace(kv.contract, n_layers=24)), "n_layers"),
+        (lambda kv: dataclasses.replace(kv, contract=dataclasses.replace(kv.contract, tokenizer_hash="0" * 64)),
+         "tokenizer_hash"),
+        (lambda kv: dataclasses.replace(kv, positions=kv.positions + 3), "positions"),
+        (lambda kv: dataclasses.replace(kv, token_ids=kv.token_ids[::-1].copy()), "prefix"),
+    ],
+    ids=["head-count", "layer-count", "layout", "contract-layers", "tokenizer", "positions", "other-prompt"],
+)
+def test_mismatched_kv_is_refused_by_name(change, message, decoder, chat_kv, logit_vectors):
+    with pytest.raises(KVInjectionError, match=message):
+        decoder.prefill(logit_vectors["chat_ids"], kv=change(chat_kv))
