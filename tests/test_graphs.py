@@ -12,8 +12,8 @@ PROMPTS = ("prose", "code", "chat")
 
 
 @pytest.fixture(scope="session")
-def quantized_tensors(smollm2_model):
-    return load_tensors(smollm2_model.reader, smollm2_model.spec, dense=False)
+def quantized_tensors(smollm2_reader, smollm2_model):
+    return load_tensors(smollm2_reader, smollm2_model.spec, dense=False)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
