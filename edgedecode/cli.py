@@ -93,6 +93,7 @@ def generate(
     handoff: bool = typer.Option(False, help="Prefill with the higher-precision graph and hand its KV to the INT4 decoder."),
     accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level of the decode graph."),
     threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads (default: physical cores)."),
+    device: str = typer.Option("cpu", help="cpu (float32 graphs) or cuda (float16 graphs, onnxruntime-gpu)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text with the INT4 decode graph, streaming it as it comes."""
@@ -108,10 +109,11 @@ def generate(
             prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
         else:
             prompt_ids = tokenizer.encode(prompt)
-        decoder = Engine(loaded, GraphOptions("decode", "float32", accuracy_level), threads=threads)
+        dtype = "float16" if device == "cuda" else "float32"
+        decoder = Engine(loaded, GraphOptions("decode", dtype, accuracy_level), threads=threads, device=device)
         kv = None
         if handoff:
-            prefiller = Engine(loaded, GraphOptions("prefill", "float32", 0), threads=threads)
+            prefiller = Engine(loaded, GraphOptions("prefill", dtype, 0), threads=threads, device=device)
             prefiller.prefill(prompt_ids)
             kv = prefiller.export_kv()
         stream = tokenizer.stream_decoder()
@@ -126,6 +128,10 @@ def generate(
     stats = decoder.stats
     if not as_json:
         sys.stdout.write(stream.flush() + "\n")
+        typer.echo(
+            f"[{stats.prompt_tokens} prompt tokens ({stats.injected_tokens} injected), prefill "
+            f"{stats.prefill_seconds:.2f} s; generated {stats.generated_tokens} tokens at "
+            f"{stats.decode_tokens_per_second:.1f} tok/s; {stats.finish_reason}]", err=True)
         return
     typer.echo(json.dumps({
         "prompt_token_ids": [int(t) for t in prompt_ids],

@@ -126,7 +126,20 @@ def rss_child(args) -> None:
     model = load_model(args.model)
     runner = make_runner(args.rss_child, args, model)
     runner.run(prompt_tokens(model.tokenizer, max(args.past)))
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print(own_peak_rss_mib())
+
+
+def own_peak_rss_mib() -> float:
+    """This process's peak RSS. Linux's ru_maxrss survives fork+exec (it would report the parent's
+    peak), so read the per-address-space high-water mark VmHWM where there is one."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main() -> None:
@@ -164,6 +177,11 @@ def main() -> None:
                               "decode_tok_s": statistics.median(s[1] for s in samples[(runner.name, p)])}
                      for p in args.past},
         }
+    if "llama.cpp" in results["engines"]:
+        ours, theirs = (results["engines"][name]["past"] for name in ("edgedecode", "llama.cpp"))
+        results["ratio_edgedecode_over_llama_cpp"] = {
+            past: {metric: ours[past][metric] / theirs[past][metric] for metric in ("prefill_tok_s", "decode_tok_s")}
+            for past in ours}
     if args.json:
         print(json.dumps(results, indent=2))
         return

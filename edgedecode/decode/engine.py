@@ -17,7 +17,7 @@ from edgedecode.decode.sampler import Sampler, SamplingParams
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
-from edgedecode.model.session import create_session, import_onnxruntime
+from edgedecode.model.session import create_session
 
 PREFILL_CHUNK_TOKENS = 512
 
@@ -53,22 +53,20 @@ class Engine:
 
     def __init__(self, model: LoadedModel, options: GraphOptions, *, max_context: int | None = None,
                  device: str = "cpu", threads: int | None = None) -> None:
-        ort = import_onnxruntime()
         self.spec = model.spec
         self.options = options
         self.producer = f"{model.record.name} {options.kind} {options.dtype} gguf:{model.record.sha256[:16]}"
         self.max_context = min(max_context or self.spec.context_length, self.spec.context_length)
         self.session = create_session(model.graph(options), device=device, threads=threads)
-        self.cache = KVCache(self.spec, self.max_context, options.np_dtype)
+        self.cache = KVCache(self.spec, self.max_context, options.np_dtype, device)
         self.stats = GenerationStats()
         self._tokens = np.zeros(self.max_context, np.int64)  # ids of the positions in the cache
         self._mask = np.ones((1, self.max_context), np.int64)
         self._last_position = np.array([-1], np.int64)
         self._logits = np.empty((1, 1, self.spec.vocab_size), options.np_dtype)
         self._io = self.session.io_binding()
-        for layer in range(self.spec.n_layers):
-            for kind, name in enumerate(("key", "value")):
-                buffer = ort.OrtValue.ortvalue_from_numpy(self.cache.layer_buffer(layer, kind))
+        for layer, pair in enumerate(self.cache.ortvalues):
+            for name, buffer in zip(("key", "value"), pair):
                 self._io.bind_ortvalue_input(f"past_key_values.{layer}.{name}", buffer)
                 self._io.bind_ortvalue_output(f"present.{layer}.{name}", buffer)
         self.forward(np.array([self.spec.eos_token_id]))  # warm-up: the first run allocates ORT's arenas

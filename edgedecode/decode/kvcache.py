@@ -1,9 +1,10 @@
 """Preallocated KV buffers shared by a graph's past and present, and KV snapshots that move between graphs.
 
-The buffers are one numpy array ``[layers, 2 (k, v), 1, kv_heads, max_context, head_dim]``; each
-layer's K and V slice is bound to onnxruntime as both ``past_key_values.i.*`` and ``present.i.*``,
-so GroupQueryAttention appends in place and injecting KV is a slice assignment (no graph run, no
-copy of the past on any step). Pages of the buffer are only committed as they are written.
+Each layer's K and V buffer ``[1, kv_heads, max_context, head_dim]`` is bound to onnxruntime as both
+``past_key_values.i.*`` and ``present.i.*``, so GroupQueryAttention appends in place and no step
+copies the past. On CPU the buffers are slices of one numpy array ``[layers, 2 (k, v), 1, kv_heads,
+max_context, head_dim]``, so injecting KV is a slice assignment (no graph run); its pages are only
+committed as they are written.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.model.session import import_onnxruntime
 from edgedecode.model.spec import KVContract, ModelSpec
 
 
@@ -37,34 +39,52 @@ class KVSnapshot:
 
 
 class KVCache:
-    """The decode graph's KV buffers and how many positions of them are valid."""
+    """The graph's KV buffers (bound as both past and present) and how many positions are valid.
 
-    def __init__(self, spec: ModelSpec, max_context: int, dtype: np.dtype = np.float32) -> None:
+    On CPU the bound OrtValues alias ``host`` (numpy), so writes and reads are plain slicing. On
+    CUDA the KV stays resident on the device; ``host`` is a staging mirror for injection and export,
+    which move whole layer buffers (onnxruntime's Python API has no partial device copy).
+    """
+
+    def __init__(self, spec: ModelSpec, max_context: int, dtype: np.dtype = np.float32, device: str = "cpu") -> None:
+        ort = import_onnxruntime()
         self.spec = spec
         self.max_context = max_context
-        self.buffers = np.zeros((spec.n_layers, 2, 1, spec.n_kv_heads, max_context, spec.head_dim), dtype)
+        self.device = device
+        self.host = np.zeros((spec.n_layers, 2, 1, spec.n_kv_heads, max_context, spec.head_dim), dtype)
+        if device == "cpu":
+            self.ortvalues = [[ort.OrtValue.ortvalue_from_numpy(self.host[layer, kind]) for kind in (0, 1)]
+                              for layer in range(spec.n_layers)]
+        else:
+            shape = list(self.host.shape[2:])
+            self.ortvalues = [[ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0) for _ in (0, 1)]
+                              for _ in range(spec.n_layers)]
         self.length = 0
-
-    def layer_buffer(self, layer: int, kind: int) -> np.ndarray:
-        """The contiguous [1, kv_heads, max_context, head_dim] buffer of one layer's K (0) or V (1)."""
-        return self.buffers[layer, kind]
 
     def update(self, start: int, keys: np.ndarray, values: np.ndarray) -> None:
         """Write KV for positions [start, start + n); keys/values are [layers, kv_heads, n, head_dim]."""
         end = start + keys.shape[2]
-        self.buffers[:, 0, 0, :, start:end] = keys
-        self.buffers[:, 1, 0, :, start:end] = values
+        self.host[:, 0, 0, :, start:end] = keys
+        self.host[:, 1, 0, :, start:end] = values
+        if self.device != "cpu":
+            for layer, pair in enumerate(self.ortvalues):
+                for kind, value in enumerate(pair):
+                    value.update_inplace(self.host[layer, kind])
         self.length = end
 
     def snapshot(self, token_ids: np.ndarray, producer: str) -> KVSnapshot:
         """Copy out the KV of the first len(token_ids) positions."""
         n = len(token_ids)
+        if self.device != "cpu":
+            for layer, pair in enumerate(self.ortvalues):
+                for kind, value in enumerate(pair):
+                    self.host[layer, kind] = value.numpy()
         return KVSnapshot(
             contract=self.spec.kv_contract,
             token_ids=np.asarray(token_ids, np.int64).copy(),
             positions=np.arange(n, dtype=np.int64),
-            keys=self.buffers[:, 0, 0, :, :n].copy(),
-            values=self.buffers[:, 1, 0, :, :n].copy(),
+            keys=self.host[:, 0, 0, :, :n].copy(),
+            values=self.host[:, 1, 0, :, :n].copy(),
             producer=producer,
         )
 

@@ -76,6 +76,8 @@ def create_session(path: Path, *, device: str = "cpu", threads: int | None = Non
             f"the {PROVIDERS[device]} is not available in this onnxruntime build "
             f"(available: {', '.join(ort.get_available_providers())})"
         )
+    if device == "cuda":
+        ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* pip wheels, when that is where they are
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or default_threads()
     options.inter_op_num_threads = 1

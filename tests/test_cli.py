@@ -1,0 +1,88 @@
+"""The `edgedecode` command line on the real model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from edgedecode.cli import app
+from edgedecode.decode.sampler import SamplingParams
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_model):
+    return smollm2_model
+
+
+def test_generate_json_reports_ids_text_and_timings(model, decoder):
+    result = invoke("generate", "The capital of France is", "--max-tokens", "12", "--json", "--threads", "2")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["prompt_token_ids"] == model.tokenizer.encode("The capital of France is")
+    expected = list(decoder.generate(report["prompt_token_ids"], SamplingParams(max_tokens=12)))
+    assert report["token_ids"] == expected
+    assert report["text"] == model.tokenizer.decode(expected)
+    timings = report["timings"]
+    assert timings["prefill_seconds"] > 0 and timings["decode_seconds"] > 0 and timings["decode_tokens_per_second"] > 0
+
+
+def test_generate_streams_the_same_text(model):
+    streamed = invoke("generate", "Once upon a time", "-n", "16", "--threads", "2")
+    as_json = json.loads(invoke("generate", "Once upon a time", "-n", "16", "--threads", "2", "--json").stdout)
+    assert streamed.exit_code == 0
+    assert streamed.stdout == as_json["text"] + "\n"
+    assert "generated 16 tokens" in streamed.stderr
+
+
+def test_chat_handoff_injects_the_prefill_graphs_kv(model):
+    result = invoke("generate", "Name a river in Paris.", "--chat", "--handoff", "-n", "8", "--json", "--threads", "2")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["prompt_token_ids"][0] == model.tokenizer.encode("<|im_start|>")[0]
+    assert report["timings"]["injected_tokens"] == len(report["prompt_token_ids"]) - 1
+    assert report["token_ids"]
+
+
+def test_info_prints_spec_files_and_providers(model):
+    report = json.loads(invoke("info").stdout)
+    assert report["spec"]["n_layers"] == 30 and report["spec"]["n_kv_heads"] == 3
+    assert report["model"]["sha256"] == model.record.sha256
+    assert "cpu" in report["onnxruntime"]["devices"]
+    assert report["onnxruntime"]["distributions"] == ["onnxruntime"]
+    assert report["kv_bytes_per_token_fp16"] == 23040
+
+
+def test_build_reports_the_cached_graph(model):
+    result = invoke("build", "--kind", "decode")
+    assert result.exit_code == 0
+    assert "decode:" in result.stdout and ".onnx" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'"),
+        (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+        (["build", "--kind", "sideways"], "graph kind must be one of"),
+    ],
+)
+def test_bad_input_is_a_clear_error_with_exit_code_2(model, args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+
+
+def test_registering_a_non_gguf_file_fails_clearly(tmp_path, model):
+    bogus = tmp_path / "weights.gguf"
+    bogus.write_bytes(b"PK\x03\x04 definitely a zip")
+    result = invoke("fetch-model", "bogus", "--gguf", str(bogus))
+    assert result.exit_code == 2
+    assert "not a GGUF file" in result.stderr
