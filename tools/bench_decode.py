@@ -45,8 +45,10 @@ def prompt_tokens(tokenizer, n: int) -> np.ndarray:
 class EdgeDecodeRunner:
     name = "edgedecode"
 
-    def __init__(self, model, threads: int, context: int, accuracy_level: int) -> None:
-        self.engine = Engine(model, GraphOptions("decode", "float32", accuracy_level), max_context=context, threads=threads)
+    def __init__(self, model, threads: int, context: int, accuracy_level: int, device: str) -> None:
+        dtype = "float16" if device == "cuda" else "float32"
+        self.engine = Engine(model, GraphOptions("decode", dtype, accuracy_level), max_context=context,
+                             threads=threads, device=device)
 
     def run(self, ids: np.ndarray) -> tuple[float, float]:
         """(prefill tokens/s, decode tokens/s) for one prompt."""
@@ -106,13 +108,13 @@ def make_runner(name: str, args, model):
     context = max(args.past) + DECODE_STEPS + 8
     if name == "llama.cpp":
         return LlamaCppRunner(model.record.gguf_path, args.threads, context)
-    return EdgeDecodeRunner(model, args.threads, context, args.accuracy_level)
+    return EdgeDecodeRunner(model, args.threads, context, args.accuracy_level, args.device)
 
 
 def peak_rss_mib(engine: str, args) -> float | None:
     """Peak RSS of a fresh process that runs one engine at the largest past length."""
     cmd = [sys.executable, __file__, "--rss-child", engine, "--threads", str(args.threads),
-           "--accuracy-level", str(args.accuracy_level), "--past", str(max(args.past))]
+           "--accuracy-level", str(args.accuracy_level), "--past", str(max(args.past)), "--device", args.device]
     if args.model:
         cmd += ["--model", args.model]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -149,6 +151,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--past", type=int, nargs="+", default=[16, 512, 2048])
     parser.add_argument("--accuracy-level", type=int, default=4)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda runs the float16 graphs on onnxruntime-gpu (llama.cpp is then skipped: "
+                             "the [bench] extra builds it for the CPU)")
     parser.add_argument("--no-llama", action="store_true", help="Skip llama.cpp even if it is installed.")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
@@ -157,7 +162,8 @@ def main() -> None:
         return rss_child(args)
 
     model = load_model(args.model)
-    names = ["edgedecode"] + (["llama.cpp"] if not args.no_llama and llama_cpp_available() else [])
+    with_llama = not args.no_llama and args.device == "cpu" and llama_cpp_available()
+    names = ["edgedecode"] + (["llama.cpp"] if with_llama else [])
     runners = [make_runner(name, args, model) for name in names]
     prompts = {p: prompt_tokens(model.tokenizer, p) for p in args.past}
     samples = {(r.name, p): [] for r in runners for p in args.past}
@@ -167,7 +173,7 @@ def main() -> None:
         for past in args.past:
             for runner in runners:
                 samples[(runner.name, past)].append(runner.run(prompts[past]))
-    results = {"threads": args.threads, "runs": args.runs, "decode_steps": DECODE_STEPS,
+    results = {"device": args.device, "threads": args.threads, "runs": args.runs, "decode_steps": DECODE_STEPS,
                "accuracy_level": args.accuracy_level, "machine": platform.processor() or platform.machine(),
                "engines": {}}
     for runner in runners:
@@ -185,7 +191,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"median of {args.runs} alternating runs, {args.threads} threads, {DECODE_STEPS} greedy decode steps")
+    print(f"{args.device}: median of {args.runs} alternating runs, {args.threads} threads, "
+          f"{DECODE_STEPS} greedy decode steps")
     print(f"{'engine':<12}{'past':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ratio':>14}")
     engines = results["engines"]
     for past in map(str, args.past):
@@ -196,7 +203,8 @@ def main() -> None:
                 ratio = f"{row['decode_tok_s'] / engines['llama.cpp']['past'][past]['decode_tok_s']:.2f}x"
             print(f"{name:<12}{past:>6}{row['prefill_tok_s']:>15.1f}{row['decode_tok_s']:>14.1f}{ratio:>14}")
     for name, result in engines.items():
-        print(f"peak RSS {name}: {result['peak_rss_mib']:.0f} MiB")
+        rss = result["peak_rss_mib"]
+        print(f"peak RSS {name}: {'n/a' if rss is None else f'{rss:.0f} MiB'}")
 
 
 if __name__ == "__main__":

@@ -90,15 +90,14 @@ class Engine:
         start, n = self.length, len(token_ids)
         if start + n > self.max_context:
             raise ContextOverflowError(f"{start + n} tokens exceed the context of {self.max_context}")
-        outputs = []
-        for offset in range(0, n, PREFILL_CHUNK_TOKENS):
-            chunk = token_ids[offset:offset + PREFILL_CHUNK_TOKENS]
-            outputs.append(self._run(chunk, all_logits))
+        self._tokens[start:start + n] = token_ids
+        outputs = [self._run(min(PREFILL_CHUNK_TOKENS, n - offset), all_logits)
+                   for offset in range(0, n, PREFILL_CHUNK_TOKENS)]
         return np.concatenate(outputs) if all_logits else outputs[-1]
 
-    def _run(self, chunk: np.ndarray, all_logits: bool) -> np.ndarray:
-        start, n = self.length, len(chunk)
-        self._tokens[start:start + n] = chunk
+    def _run(self, n: int, all_logits: bool) -> np.ndarray:
+        """Run the n tokens already written at ``_tokens[length:length + n]`` through the graph."""
+        start = self.length
         io = self._io
         io.bind_cpu_input("input_ids", self._tokens[None, start:start + n])
         io.bind_cpu_input("attention_mask", self._mask[:, :start + n])
@@ -167,5 +166,6 @@ class Engine:
             if self.length >= self.max_context:
                 stats.finish_reason = "context"
                 break
-            logits = self._run(np.array([token], np.int64), False)
+            self._tokens[self.length] = token
+            logits = self._run(1, False)
         stats.decode_seconds = time.perf_counter() - first_token_at

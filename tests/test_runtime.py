@@ -1,0 +1,60 @@
+"""onnxruntime install checks, execution-provider errors and the graph build cache."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+from edgedecode.model import session
+from edgedecode.model.graph import GraphOptions
+from edgedecode.model.loader import graph_key
+from edgedecode.model.session import RuntimeSetupError, available_devices, create_session
+
+
+def test_cpu_and_gpu_builds_installed_together_are_refused(monkeypatch):
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "1.31.1")
+    with pytest.raises(RuntimeSetupError, match="both onnxruntime and onnxruntime-gpu"):
+        session.import_onnxruntime()
+
+
+def test_exactly_one_build_is_installed_here():
+    assert len(session.installed_onnxruntime()) == 1
+
+
+@pytest.mark.skipif("cuda" in available_devices(), reason="this host has CUDA")
+def test_cuda_without_the_provider_is_a_clear_error(smollm2_model):
+    path = smollm2_model.graph(GraphOptions("decode", "float32", 4))
+    with pytest.raises(RuntimeSetupError, match="CUDAExecutionProvider is not available"):
+        create_session(path, device="cuda")
+
+
+def test_unknown_device_is_refused(smollm2_model):
+    with pytest.raises(RuntimeSetupError, match="unknown device 'tpu'"):
+        create_session(smollm2_model.graph(GraphOptions()), device="tpu")
+
+
+def test_graph_key_depends_on_weights_options_and_builder(monkeypatch):
+    base = graph_key("a" * 64, GraphOptions("decode", "float32", 4))
+    assert base != graph_key("b" * 64, GraphOptions("decode", "float32", 4))
+    assert base != graph_key("a" * 64, GraphOptions("decode", "float32", 0))
+    assert base != graph_key("a" * 64, GraphOptions("decode", "float16", 4))
+    assert base != graph_key("a" * 64, GraphOptions("prefill", "float32", 4))
+    monkeypatch.setattr("edgedecode.model.loader.BUILDER_VERSION", -1)
+    assert base != graph_key("a" * 64, GraphOptions("decode", "float32", 4))
+
+
+def test_a_built_graph_is_reused_not_rebuilt(smollm2_model):
+    options = GraphOptions("decode", "float32", 4)
+    path = smollm2_model.graph(options)
+    before = path.stat().st_mtime_ns
+    assert smollm2_model.graph(options) == path
+    assert path.stat().st_mtime_ns == before
+    assert path.name.startswith("decode-float32-acc4-")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kind="encode"), "graph kind"), (dict(dtype="int8"), "dtype"), (dict(accuracy_level=7), "accuracy_level")])
+def test_invalid_graph_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GraphOptions(**kwargs)
