@@ -12,7 +12,8 @@ import typer
 
 from edgedecode.errors import EdgeDecodeError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="edgedecode: decode with an INT4 onnxruntime graph from KV prefilled elsewhere.")
 logger = logging.getLogger("edgedecode")
 
 

@@ -1,0 +1,5 @@
+"""`python -m edgedecode` runs the command line."""
+
+from edgedecode.cli import app
+
+app()
