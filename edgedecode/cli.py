@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -81,11 +82,22 @@ def build(
         _fail(EdgeDecodeError(str(exc)))
 
 
+def _prompt_ids(tokenizer, prompt: str, chat: bool, system: Optional[str]) -> list[int]:
+    """Token ids of the prompt ('-' reads standard input), chat-templated with --chat."""
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if not chat:
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tokenizer.encode_chat(messages)
+
+
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="The prompt (a user message with --chat)."),
+    prompt: str = typer.Argument(..., help="The prompt (a user message with --chat); '-' reads standard input."),
     model: Optional[str] = typer.Option(None, "--model", "-m"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
+    system: Optional[str] = typer.Option(None, help="System message for --chat (default: the template's own)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
     top_k: int = typer.Option(0, "--top-k"),
@@ -93,6 +105,7 @@ def generate(
     seed: Optional[int] = typer.Option(None),
     handoff: bool = typer.Option(False, help="Prefill with the higher-precision graph and hand its KV to the INT4 decoder."),
     accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level of the decode graph."),
+    max_context: Optional[int] = typer.Option(None, help="KV buffer length in tokens (default: the model's context)."),
     threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads (default: physical cores)."),
     device: str = typer.Option("cpu", help="cpu (float32 graphs) or cuda (float16 graphs, onnxruntime-gpu)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
@@ -102,22 +115,22 @@ def generate(
     from edgedecode.decode.sampler import SamplingParams
     from edgedecode.model.graph import GraphOptions
 
+    dtype = "float16" if device == "cuda" else "float32"
+    engine_args = dict(max_context=max_context, threads=threads, device=device)
+    handoff_seconds = 0.0
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         loaded = _open_model(model)
-        tokenizer = loaded.tokenizer
-        if chat:
-            prompt_ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        else:
-            prompt_ids = tokenizer.encode(prompt)
-        dtype = "float16" if device == "cuda" else "float32"
-        decoder = Engine(loaded, GraphOptions("decode", dtype, accuracy_level), threads=threads, device=device)
+        prompt_ids = _prompt_ids(loaded.tokenizer, prompt, chat, system)
+        decoder = Engine(loaded, GraphOptions("decode", dtype, accuracy_level), **engine_args)
         kv = None
         if handoff:
-            prefiller = Engine(loaded, GraphOptions("prefill", dtype, 0), threads=threads, device=device)
+            prefiller = Engine(loaded, GraphOptions("prefill", dtype, 0), **engine_args)
+            started = time.perf_counter()
             prefiller.prefill(prompt_ids)
             kv = prefiller.export_kv()
-        stream = tokenizer.stream_decoder()
+            handoff_seconds = time.perf_counter() - started
+        stream = loaded.tokenizer.stream_decoder()
         token_ids = []
         for token in decoder.generate(prompt_ids, params, kv=kv):
             token_ids.append(token)
@@ -126,20 +139,24 @@ def generate(
                 sys.stdout.flush()
     except EdgeDecodeError as exc:
         _fail(exc)
+    except KeyboardInterrupt:
+        typer.echo("\ninterrupted", err=True)
+        raise typer.Exit(130)
     stats = decoder.stats
     if not as_json:
         sys.stdout.write(stream.flush() + "\n")
         typer.echo(
-            f"[{stats.prompt_tokens} prompt tokens ({stats.injected_tokens} injected), prefill "
-            f"{stats.prefill_seconds:.2f} s; generated {stats.generated_tokens} tokens at "
-            f"{stats.decode_tokens_per_second:.1f} tok/s; {stats.finish_reason}]", err=True)
+            f"[{stats.prompt_tokens} prompt tokens ({stats.injected_tokens} from the prefill graph's KV), "
+            f"prefill {handoff_seconds + stats.prefill_seconds:.2f} s; generated {stats.generated_tokens} tokens "
+            f"at {stats.decode_tokens_per_second:.1f} tok/s; {stats.finish_reason}]", err=True)
         return
     typer.echo(json.dumps({
         "prompt_token_ids": [int(t) for t in prompt_ids],
         "token_ids": token_ids,
-        "text": tokenizer.decode(token_ids),
+        "text": loaded.tokenizer.decode(token_ids),
         "finish_reason": stats.finish_reason,
         "timings": {
+            "handoff_prefill_seconds": handoff_seconds,
             "prefill_seconds": stats.prefill_seconds,
             "decode_seconds": stats.decode_seconds,
             "prefill_tokens_per_second": stats.prefill_tokens_per_second,
@@ -155,6 +172,7 @@ def info(model: Optional[str] = typer.Option(None, "--model", "-m")) -> None:
     from dataclasses import asdict
 
     from edgedecode.model.graph import GraphOptions
+    from edgedecode.model.registry import list_models
     from edgedecode.model.session import available_devices, installed_onnxruntime
 
     try:
@@ -174,6 +192,7 @@ def info(model: Optional[str] = typer.Option(None, "--model", "-m")) -> None:
             "kv_bytes_per_token_fp16": loaded.spec.kv_bytes_per_token_fp16,
             "kv_layout": loaded.spec.kv_layout.describe(),
             "graphs": graphs,
+            "local_models": [record.name for record in list_models()],
             "onnxruntime": {"distributions": installed_onnxruntime(), "devices": available_devices()},
         }
     except EdgeDecodeError as exc:

@@ -39,7 +39,7 @@ def test_generate_streams_the_same_text(model):
     as_json = json.loads(invoke("generate", "Once upon a time", "-n", "16", "--threads", "2", "--json").stdout)
     assert streamed.exit_code == 0
     assert streamed.stdout == as_json["text"] + "\n"
-    assert "generated 16 tokens" in streamed.stderr
+    assert "generated 16 tokens" in streamed.stderr and "0 from the prefill graph's KV" in streamed.stderr
 
 
 def test_chat_handoff_injects_the_prefill_graphs_kv(model):
@@ -48,7 +48,23 @@ def test_chat_handoff_injects_the_prefill_graphs_kv(model):
     report = json.loads(result.stdout)
     assert report["prompt_token_ids"][0] == model.tokenizer.encode("<|im_start|>")[0]
     assert report["timings"]["injected_tokens"] == len(report["prompt_token_ids"]) - 1
+    assert report["timings"]["handoff_prefill_seconds"] > 0
     assert report["token_ids"]
+
+
+def test_prompt_from_stdin_with_a_system_message(model):
+    result = runner.invoke(app, ["generate", "-", "--chat", "--system", "Answer in French.", "-n", "4", "--json",
+                                 "--max-context", "256"], input="Hello there")
+    assert result.exit_code == 0, result.output
+    expected = model.tokenizer.encode_chat([{"role": "system", "content": "Answer in French."},
+                                           {"role": "user", "content": "Hello there"}])
+    assert json.loads(result.stdout)["prompt_token_ids"] == expected
+
+
+def test_prompt_beyond_max_context_is_a_clear_error(model):
+    result = invoke("generate", "word " * 300, "--max-context", "128")
+    assert result.exit_code == 2
+    assert "the context holds 128" in result.stderr
 
 
 def test_info_prints_spec_files_and_providers(model):
@@ -58,6 +74,7 @@ def test_info_prints_spec_files_and_providers(model):
     assert "cpu" in report["onnxruntime"]["devices"]
     assert report["onnxruntime"]["distributions"] == ["onnxruntime"]
     assert report["kv_bytes_per_token_fp16"] == 23040
+    assert "smollm2-135m-instruct" in report["local_models"]
 
 
 def test_build_reports_the_cached_graph(model):

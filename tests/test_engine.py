@@ -113,3 +113,21 @@ def chat_kv(prefiller, logit_vectors):
 def test_mismatched_kv_is_refused_by_name(change, message, decoder, chat_kv, logit_vectors):
     with pytest.raises(KVInjectionError, match=message):
         decoder.prefill(logit_vectors["chat_ids"], kv=change(chat_kv))
+
+
+def test_max_tokens_runs_the_graph_only_for_tokens_still_needed(decoder, logit_vectors):
+    ids = logit_vectors["prose_ids"]
+    tokens = list(decoder.generate(ids, SamplingParams(max_tokens=5, stop_token_ids=())))
+    assert len(tokens) == 5 and decoder.stats.finish_reason == "length"
+    assert decoder.length == len(ids) + 4  # the fifth token's KV is never needed
+
+
+def test_generation_ends_when_the_context_is_full(smollm2_model, logit_vectors):
+    from edgedecode.decode.engine import Engine
+    from edgedecode.model.graph import GraphOptions
+
+    small = Engine(smollm2_model, GraphOptions(), max_context=48, threads=2)
+    ids = logit_vectors["prose_ids"]
+    tokens = list(small.generate(ids, SamplingParams(max_tokens=100, stop_token_ids=())))
+    assert small.stats.finish_reason == "context"
+    assert small.length == 48 and len(tokens) == 48 - len(ids) + 1

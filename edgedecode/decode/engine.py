@@ -163,6 +163,8 @@ class Engine:
                 break
             stats.generated_tokens += 1
             yield token
+            if stats.generated_tokens == params.max_tokens:
+                break
             if self.length >= self.max_context:
                 stats.finish_reason = "context"
                 break
