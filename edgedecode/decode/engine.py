@@ -33,14 +33,14 @@ class GenerationStats:
     prompt_tokens: int = 0
     injected_tokens: int = 0  # prompt tokens whose KV came from elsewhere
     generated_tokens: int = 0
+    decode_steps: int = 0  # single-token graph runs after the prompt
     prefill_seconds: float = 0.0  # prompt processing up to the first token's logits
-    decode_seconds: float = 0.0  # from the first generated token to the last
+    decode_seconds: float = 0.0  # from the first token's logits to the end of generation
     finish_reason: str = ""  # "stop", "length" or "context"
 
     @property
     def decode_tokens_per_second(self) -> float:
-        steps = self.generated_tokens - 1
-        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+        return self.decode_steps / self.decode_seconds if self.decode_steps and self.decode_seconds > 0 else 0.0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -170,4 +170,5 @@ class Engine:
                 break
             self._tokens[self.length] = token
             logits = self._run(1, False)
+            stats.decode_steps += 1
         stats.decode_seconds = time.perf_counter() - first_token_at
