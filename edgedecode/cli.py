@@ -62,6 +62,13 @@ def _open_model(name: Optional[str]):
         return load_model(name)
 
 
+def _ensure_graph(loaded, options) -> None:
+    """Build the graph for these options now, saying so, when it is not cached yet."""
+    if not loaded.graph_path(options).exists():
+        typer.echo(f"building the {options.kind} graph of {loaded.record.name} ({options.dtype}, first use)...", err=True)
+        loaded.graph(options)
+
+
 @app.command()
 def build(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model name (default: the catalog default)."),
@@ -76,7 +83,9 @@ def build(
         loaded = _open_model(model)
         kinds = ["decode", "prefill"] if kind == "all" else [kind]
         for k in kinds:
-            path = loaded.graph(GraphOptions(k, dtype, accuracy_level if k == "decode" else 0))
+            options = GraphOptions(k, dtype, accuracy_level if k == "decode" else 0)
+            _ensure_graph(loaded, options)
+            path = loaded.graph(options)
             typer.echo(f"{k}: {path} ({path.stat().st_size} bytes)")
     except (EdgeDecodeError, ValueError) as exc:
         _fail(EdgeDecodeError(str(exc)))
@@ -122,10 +131,13 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         loaded = _open_model(model)
         prompt_ids = _prompt_ids(loaded.tokenizer, prompt, chat, system)
-        decoder = Engine(loaded, GraphOptions("decode", dtype, accuracy_level), **engine_args)
+        decode_options, prefill_options = GraphOptions("decode", dtype, accuracy_level), GraphOptions("prefill", dtype, 0)
+        for options in (decode_options, prefill_options) if handoff else (decode_options,):
+            _ensure_graph(loaded, options)
+        decoder = Engine(loaded, decode_options, **engine_args)
         kv = None
         if handoff:
-            prefiller = Engine(loaded, GraphOptions("prefill", dtype, 0), **engine_args)
+            prefiller = Engine(loaded, prefill_options, **engine_args)
             started = time.perf_counter()
             prefiller.prefill(prompt_ids)
             kv = prefiller.export_kv()
