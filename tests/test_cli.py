@@ -103,3 +103,11 @@ def test_registering_a_non_gguf_file_fails_clearly(tmp_path, model):
     result = invoke("fetch-model", "bogus", "--gguf", str(bogus))
     assert result.exit_code == 2
     assert "not a GGUF file" in result.stderr
+
+
+def test_registering_a_local_gguf_under_a_given_name(model, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGEDECODE_HOME", str(tmp_path))
+    result = invoke("fetch-model", "my-edge-model", "--gguf", str(model.record.gguf_path))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("my-edge-model: ")
+    assert json.loads(invoke("info", "--model", "my-edge-model").stdout)["model"]["source"].startswith("local:")
