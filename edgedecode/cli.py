@@ -77,7 +77,8 @@ def build(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="Model name (default: the catalog default)."),
     kind: str = typer.Option("all", help="decode, prefill or all."),
     dtype: str = typer.Option("float32", help="float32 (CPU) or float16 (CUDA)."),
-    accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level of the decode graph (0 exact, 4 int8)."),
+    accuracy_level: int = typer.Option(
+        4, help="MatMulNBits accuracy level of the decode graph: 4 int8 activations (fast), 0 exact fp32 (slow, for checks)."),
 ) -> None:
     """Build (or find in the cache) the ONNX graphs of a model."""
     from edgedecode.model.graph import GraphOptions
@@ -156,7 +157,7 @@ def generate(
         _fail(exc)
     except KeyboardInterrupt:
         typer.echo("\ninterrupted", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     stats = decoder.stats
     if not as_json:
         sys.stdout.write(stream.flush() + "\n")

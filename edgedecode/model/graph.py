@@ -35,7 +35,9 @@ class GraphOptions:
 
     kind: str = "decode"
     dtype: str = "float32"  # float16 for the CUDA execution provider
-    accuracy_level: int = 4  # MatMulNBits: 0 exact fp32 math, 4 int8 activations (decode only)
+    # MatMulNBits: 4 = int8 activations (fast; llama.cpp does the same), 0 = exact fp32 arithmetic,
+    # for verification only: onnxruntime's 8-bit LM head has no fast acc-0 kernel on CPU.
+    accuracy_level: int = 4
 
     def __post_init__(self) -> None:
         if self.kind not in GRAPH_KINDS:
@@ -121,12 +123,12 @@ class _Emitter:
         if not isinstance(table, BlockQuantized):
             self.embed_table = self.weight("embed.weight", table)
             return self.g.op1("Gather", [self.embed_table, ids], name="embed", axis=0)
-        v, h = table.shape
+        hidden = table.shape[1]
         self.embed_table = data = self.const("embed.qweight", table.packed())  # [V, H/32, 32]
         scales = self.weight("embed.scales", table.scales[..., None])
         blocks = self.g.op1("GatherBlockQuantized", [data, ids, scales], name="embed", domain=MS_DOMAIN,
                             gather_axis=0, quantize_axis=2, block_size=BLOCK, bits=8)
-        shape = self.const("embed_shape", np.array([0, 0, h], np.int64))
+        shape = self.const("embed_shape", np.array([0, 0, hidden], np.int64))
         return self.g.op1("Reshape", [blocks, shape], name="embed.reshape")
 
     def lm_head(self, h: str, tensors: ModelTensors) -> str:
@@ -134,9 +136,9 @@ class _Emitter:
         table = tensors.embedding if tied else tensors.lm_head
         if isinstance(table, BlockQuantized):
             data = self.embed_table if tied else self.const("lm_head.qweight", table.packed())
-            v, k = table.shape
+            vocab, hidden = table.shape
             return self.g.op1("MatMulNBits", [h, data, self.weight("lm_head.scales", table.scales.reshape(-1))],
-                              name="lm_head", domain=MS_DOMAIN, K=k, N=v, bits=8, block_size=BLOCK,
+                              name="lm_head", domain=MS_DOMAIN, K=hidden, N=vocab, bits=8, block_size=BLOCK,
                               accuracy_level=self.opt.accuracy_level, outputs=["logits"])
         weight = self.embed_table if tied else self.weight("lm_head.weight", table)
         flat = self.g.op1("Reshape", [h, self.const("head_flat", np.array([-1, self.spec.hidden_size], np.int64))])
