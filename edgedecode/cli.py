@@ -15,7 +15,6 @@ from edgedecode.errors import EdgeDecodeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="edgedecode: decode with an INT4 onnxruntime graph from KV prefilled elsewhere.")
-logger = logging.getLogger("edgedecode")
 
 
 def _fail(exc: EdgeDecodeError) -> None:
@@ -54,14 +53,14 @@ def _open_model(name: Optional[str]):
     """Load a model, fetching the catalog default on first use."""
     from edgedecode.model.fetch import fetch_model
     from edgedecode.model.loader import load_model
-    from edgedecode.model.registry import CATALOG, UnknownModelError
+    from edgedecode.model.registry import CATALOG, DEFAULT_MODEL, UnknownModelError
 
     try:
         return load_model(name)
     except UnknownModelError:
-        if (name or "smollm2-135m-instruct") not in CATALOG:
+        if (name or DEFAULT_MODEL) not in CATALOG:
             raise
-        fetch_model(name or "smollm2-135m-instruct", progress=lambda message: typer.echo(message, err=True))
+        fetch_model(name or DEFAULT_MODEL, progress=lambda message: typer.echo(message, err=True))
         return load_model(name)
 
 
@@ -91,8 +90,8 @@ def build(
             _ensure_graph(loaded, options)
             path = loaded.graph(options)
             typer.echo(f"{k}: {path} ({path.stat().st_size} bytes)")
-    except (EdgeDecodeError, ValueError) as exc:
-        _fail(EdgeDecodeError(str(exc)))
+    except EdgeDecodeError as exc:
+        _fail(exc)
 
 
 def _prompt_ids(tokenizer, prompt: str, chat: bool, system: Optional[str]) -> list[int]:

@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 
 from edgedecode.model import session
-from edgedecode.model.graph import GraphOptions
+from edgedecode.model.graph import GraphOptions, GraphOptionsError
 from edgedecode.model.loader import graph_key
 from edgedecode.model.session import RuntimeSetupError, available_devices, create_session
 
@@ -56,5 +56,5 @@ def test_a_built_graph_is_reused_not_rebuilt(smollm2_model):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(kind="encode"), "graph kind"), (dict(dtype="int8"), "dtype"), (dict(accuracy_level=7), "accuracy_level")])
 def test_invalid_graph_options_are_refused(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(GraphOptionsError, match=message):
         GraphOptions(**kwargs)

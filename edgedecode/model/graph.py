@@ -21,12 +21,17 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from edgedecode.errors import EdgeDecodeError
 from edgedecode.model.onnx_builder import INT32, INT64, MS_DOMAIN, GraphBuilder, onnx_dtype
 from edgedecode.model.spec import ModelSpec
 from edgedecode.model.weights import BLOCK, BlockQuantized, ModelTensors, concat_rows
 
 GRAPH_KINDS = ("decode", "prefill")
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+
+
+class GraphOptionsError(EdgeDecodeError, ValueError):
+    """Graph options that no graph can be built for."""
 
 
 @dataclass(frozen=True)
@@ -41,11 +46,11 @@ class GraphOptions:
 
     def __post_init__(self) -> None:
         if self.kind not in GRAPH_KINDS:
-            raise ValueError(f"graph kind must be one of {GRAPH_KINDS}, not {self.kind!r}")
+            raise GraphOptionsError(f"graph kind must be one of {GRAPH_KINDS}, not {self.kind!r}")
         if self.dtype not in ("float32", "float16"):
-            raise ValueError(f"dtype must be float32 or float16, not {self.dtype!r}")
+            raise GraphOptionsError(f"dtype must be float32 or float16, not {self.dtype!r}")
         if self.accuracy_level not in ACCURACY_LEVELS:
-            raise ValueError(f"accuracy_level must be one of {ACCURACY_LEVELS}, not {self.accuracy_level}")
+            raise GraphOptionsError(f"accuracy_level must be one of {ACCURACY_LEVELS}, not {self.accuracy_level}")
 
     @property
     def np_dtype(self) -> np.dtype:
