@@ -52,12 +52,12 @@ class Engine:
     """Runs one built graph over a preallocated KV cache (batch 1)."""
 
     def __init__(self, model: LoadedModel, options: GraphOptions, *, max_context: int | None = None,
-                 device: str = "cpu", threads: int | None = None) -> None:
+                 device: str = "cpu", threads: int | None = None, profile: bool = False) -> None:
         self.spec = model.spec
         self.options = options
         self.producer = f"{model.record.name} {options.kind} {options.dtype} gguf:{model.record.sha256[:16]}"
         self.max_context = min(max_context or self.spec.context_length, self.spec.context_length)
-        self.session = create_session(model.graph(options), device=device, threads=threads)
+        self.session = create_session(model.graph(options), device=device, threads=threads, profile=profile)
         self.cache = KVCache(self.spec, self.max_context, options.np_dtype, device)
         self.stats = GenerationStats()
         self._tokens = np.zeros(self.max_context, np.int64)  # ids of the positions in the cache

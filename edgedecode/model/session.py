@@ -62,8 +62,8 @@ def default_threads() -> int:
     return int(os.environ.get("EDGEDECODE_THREADS") or psutil.cpu_count(logical=False) or os.cpu_count() or 1)
 
 
-def create_session(path: Path, *, device: str = "cpu", threads: int | None = None):
-    """An InferenceSession for a built graph on the given device.
+def create_session(path: Path, *, device: str = "cpu", threads: int | None = None, profile: bool = False):
+    """An InferenceSession for a built graph on the given device (with onnxruntime's profiler if asked).
 
     Raises:
         RuntimeSetupError: the device's execution provider is not available.
@@ -83,6 +83,7 @@ def create_session(path: Path, *, device: str = "cpu", threads: int | None = Non
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    options.enable_profiling = profile
     providers = [PROVIDERS[device]] + ([PROVIDERS["cpu"]] if device != "cpu" else [])
     logger.debug("creating %s session for %s with %d threads", device, path, options.intra_op_num_threads)
     return ort.InferenceSession(str(path), options, providers=providers)

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes: onnxruntime's profiler over greedy decode steps, by operator type.
+
+    python tools/profile_decode.py [--past 16 2048] [--steps 32] [--threads 2] [--accuracy-level 4]
+
+For each past length it prefills that many prose tokens, runs --steps decode steps with the
+profiler on, and prints per-operator-type milliseconds per step (median-free: the mean over the
+profiled steps) and their share of the step. Prompt-processing runs are excluded from the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from bench_decode import prompt_tokens
+
+from edgedecode.decode.engine import Engine
+from edgedecode.decode.sampler import SamplingParams
+from edgedecode.model.graph import GraphOptions
+from edgedecode.model.loader import load_model
+
+
+def op_times_per_step(trace_path: Path, steps: int) -> dict[str, float]:
+    """Milliseconds per decode step for each operator type, from the last ``steps`` model runs."""
+    events = json.loads(trace_path.read_text())
+    runs = [e for e in events if e.get("name") == "model_run"]
+    first_decode_ts = runs[-steps]["ts"]
+    totals: dict[str, float] = defaultdict(float)
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and event["ts"] >= first_decode_ts:
+            totals[event["args"]["op_name"]] += event["dur"] / 1000.0
+    totals["(whole step)"] = sum(e["dur"] for e in runs[-steps:]) / 1000.0
+    return {op: ms / steps for op, ms in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--past", type=int, nargs="+", default=[16, 2048])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--accuracy-level", type=int, default=4)
+    args = parser.parse_args()
+    model = load_model(args.model)
+    for past in args.past:
+        engine = Engine(model, GraphOptions("decode", "float32", args.accuracy_level), max_context=past + args.steps + 8,
+                        threads=args.threads, profile=True)
+        for _ in engine.generate(prompt_tokens(model.tokenizer, past), SamplingParams(max_tokens=args.steps + 1,
+                                                                                      stop_token_ids=())):
+            pass
+        trace = Path(engine.session.end_profiling())
+        per_step = op_times_per_step(trace, args.steps)
+        trace.unlink()
+        whole = per_step.pop("(whole step)")
+        print(f"past {past}: {whole:.2f} ms per decode step (onnxruntime run), {args.threads} threads")
+        for op, ms in sorted(per_step.items(), key=lambda item: -item[1]):
+            print(f"  {op:<36}{ms:8.3f} ms  {100 * ms / whole:5.1f} %")
+
+
+if __name__ == "__main__":
+    main()
