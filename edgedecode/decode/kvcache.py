@@ -67,26 +67,33 @@ class KVCache:
         self.host[:, 0, 0, :, start:end] = keys
         self.host[:, 1, 0, :, start:end] = values
         if self.device != "cpu":
-            for layer, pair in enumerate(self.ortvalues):
-                for kind, value in enumerate(pair):
-                    value.update_inplace(self.host[layer, kind])
+            for layer, kind, value in self._bound():
+                value.update_inplace(self.host[layer, kind])
         self.length = end
 
     def snapshot(self, token_ids: np.ndarray, producer: str) -> KVSnapshot:
         """Copy out the KV of the first len(token_ids) positions."""
         n = len(token_ids)
-        if self.device != "cpu":
-            for layer, pair in enumerate(self.ortvalues):
-                for kind, value in enumerate(pair):
-                    self.host[layer, kind] = value.numpy()
+        kv = np.empty((2, self.spec.n_layers, self.spec.n_kv_heads, n, self.spec.head_dim), self.host.dtype)
+        if self.device == "cpu":
+            kv[:] = self.host[:, :, 0, :, :n].swapaxes(0, 1)
+        else:  # the device buffer comes back whole (no partial copy); keep only the first n rows
+            for layer, kind, value in self._bound():
+                kv[kind, layer] = value.numpy()[0, :, :n]
         return KVSnapshot(
             contract=self.spec.kv_contract,
             token_ids=np.asarray(token_ids, np.int64).copy(),
             positions=np.arange(n, dtype=np.int64),
-            keys=self.host[:, 0, 0, :, :n].copy(),
-            values=self.host[:, 1, 0, :, :n].copy(),
+            keys=kv[0],
+            values=kv[1],
             producer=producer,
         )
+
+    def _bound(self):
+        """(layer, kind, OrtValue) for every bound buffer; kind 0 is K, 1 is V."""
+        for layer, pair in enumerate(self.ortvalues):
+            for kind, value in enumerate(pair):
+                yield layer, kind, value
 
     def check_injectable(self, kv: KVSnapshot, prompt_ids: np.ndarray) -> None:
         """Raise KVInjectionError naming the first thing about ``kv`` that does not fit."""
