@@ -1,0 +1,233 @@
+"""Asymmetric min/max quantizers for KV tiers: pure, vectorised numpy, bit-exact with the receiver.
+
+Arrays are ``[..., m, D]``: m tokens of head_dim D, with any leading axes (usually ``[kv_heads]``,
+or ``[layers, kv_heads]``). A group of values shares one float16 (scale, zero):
+
+- ``axis="token"``: one pair per token per ``group`` consecutive channels; params ``[..., m, D/group]``.
+- ``axis="channel"``: one pair per channel per ``group`` consecutive tokens (a partial last group uses only
+  its real tokens); params ``[..., ceil(m/group), D]``.
+
+``q = clip(rint((x - zero) / scale), 0, 2^b - 1)`` and ``x̂ = q·scale + zero``. zero is the largest float16
+≤ the group's min and scale the smallest float16 ≥ (max − zero)/(2^b − 1), both rounded *before*
+quantizing, so ``|x − x̂| ≤ scale/2 + 2^-22·(|x| + |zero| + scale)`` (float32 arithmetic) and the sender's x̂
+is exactly what a receiver rebuilds. Codes are packed along D, lowest bits first (4-bit: even index in the
+low nibble; 2-bit: four per byte).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from edgedecode.kv.tiers import Tier
+
+FP16_MAX = 65504.0
+MIN_SCALE = 2.0**-24  # smallest positive float16: the scale of a constant group
+_FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32))
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """How one tier quantizes K or V: the axis its groups run along, the group length and the code width."""
+
+    axis: Literal["channel", "token"]
+    group: int
+    bits: int
+
+    def __post_init__(self) -> None:
+        if self.axis not in ("channel", "token"):
+            raise ValueError(f"quant axis must be 'channel' or 'token', got {self.axis!r}")
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"quant bits must be 2, 4 or 8, got {self.bits!r}")
+        if not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"quant group must be a positive int, got {self.group!r}")
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ValueError unless rows of ``head_dim`` pack into whole bytes and whole channel groups."""
+        if head_dim * self.bits % 8:
+            raise ValueError(f"head_dim {head_dim} does not pack into whole bytes at {self.bits} bits")
+        if self.axis == "token" and head_dim % self.group:
+            raise ValueError(f"head_dim {head_dim} is not a multiple of the token-axis group {self.group}")
+
+
+# (keys, values) per quantized tier; research/kv_calibration.md: INT8 per token is lossless, INT4 needs
+# per-channel keys over 32-token groups.
+DEFAULT_LAYOUTS: dict[Tier, tuple[QuantLayout, QuantLayout]] = {
+    Tier.INT8: (QuantLayout("token", 64, 8), QuantLayout("token", 64, 8)),
+    Tier.INT4: (QuantLayout("channel", 32, 4), QuantLayout("token", 32, 4)),
+    Tier.INT2: (QuantLayout("channel", 32, 2), QuantLayout("token", 32, 2)),
+}
+
+# byte -> its codes as float32, lowest bits first: one gather unpacks a whole section.
+_UNPACK = {
+    bits: ((np.arange(256)[:, None] >> (bits * np.arange(8 // bits))) & ((1 << bits) - 1)).astype(np.float32)
+    for bits in (2, 4)
+}
+_FP16_TO_FP32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def codes_shape(layout: QuantLayout, n_tokens: int, head_dim: int) -> tuple[int, int]:
+    """Shape of one head's packed codes: ``(n_tokens, head_dim·bits/8)`` bytes."""
+    return n_tokens, head_dim * layout.bits // 8
+
+
+def params_shape(layout: QuantLayout, n_tokens: int, head_dim: int) -> tuple[int, int]:
+    """Shape of one head's scales (and of its zeros): ``(m, D/group)`` per token, ``(ceil(m/group), D)`` per channel."""
+    if layout.axis == "token":
+        return n_tokens, head_dim // layout.group
+    return -(-n_tokens // layout.group), head_dim
+
+
+def section_nbytes(layout: QuantLayout, n_heads: int, n_tokens: int, head_dim: int) -> int:
+    """Wire bytes of one quantized section: codes, then float16 scales, then float16 zeros."""
+    codes = np.prod(codes_shape(layout, n_tokens, head_dim))
+    params = np.prod(params_shape(layout, n_tokens, head_dim))
+    return int(n_heads * (codes + 4 * params))
+
+
+def token_nbytes(
+    tier: Tier, n_kv_heads: int, head_dim: int, layouts: dict[Tier, tuple[QuantLayout, QuantLayout]] = DEFAULT_LAYOUTS
+) -> float:
+    """Amortised wire bytes (before zstd) of one token's K and V in one layer, with full groups."""
+    tier = Tier(tier)
+    if tier is Tier.DROP:
+        return 0.0
+    if tier is Tier.FP16:
+        return float(2 * 2 * n_kv_heads * head_dim)
+    # per value: bits/8 of code plus a (scale, zero) fp16 pair shared by `group` values, on either axis
+    return float(sum(n_kv_heads * head_dim * (lay.bits / 8 + 4 / lay.group) for lay in layouts[tier]))
+
+
+def quantize(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize ``x [..., m, D]`` (float16 or float32).
+
+    Returns:
+        ``(codes uint8 [..., m, D·bits/8], scales float16, zeros float16)``, params shaped as `params_shape`.
+
+    Raises:
+        ValueError: non-finite values, values beyond ±65504 (float16), or a head_dim the layout cannot pack.
+        TypeError: x is not float16 or float32.
+    """
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"quantize takes float16 or float32, got {x.dtype}")
+    d = x.shape[-1]
+    layout.check_head_dim(d)
+    x = np.ascontiguousarray(x, np.float32)
+    lo, hi = _group_reduce(np.minimum, x, layout), _group_reduce(np.maximum, x, layout)
+    scales, zeros = _fp16_params(lo, hi, layout.bits)
+    q = np.empty(x.shape, np.float32)
+    _per_group(np.subtract, x, zeros.astype(np.float32), layout, q)
+    _per_group(np.divide, q, scales.astype(np.float32), layout, q)
+    np.rint(q, out=q)
+    np.clip(q, 0, (1 << layout.bits) - 1, out=q)
+    return _pack(q.astype(np.uint8), layout.bits), scales, zeros
+
+
+def dequantize_into(
+    codes: np.ndarray,
+    scales: np.ndarray,
+    zeros: np.ndarray,
+    layout: QuantLayout,
+    out: np.ndarray,
+    scratch: np.ndarray | None = None,
+) -> None:
+    """Write ``x̂ = q·scale + zero`` into ``out [..., m, D]`` (float32 or float16, any strides; a view is fine).
+
+    The codes are unpacked into float32 (a cast for 8 bits, else one table gather): into `out` itself when it is
+    C-contiguous float32, else into `scratch` (float32, at least ``out.size`` values) when given, else a new array.
+    """
+    values = _float32_buffer(out, scratch)
+    if layout.bits == 8:
+        np.copyto(values, codes)  # a plain cast beats a gather when a byte is one code
+    else:
+        np.take(_UNPACK[layout.bits], codes, axis=0, out=values.reshape(*codes.shape, 8 // layout.bits), mode="clip")
+    _per_group(np.multiply, values, scales.astype(np.float32), layout, values)
+    _per_group(np.add, values, zeros.astype(np.float32), layout, out)
+
+
+def widen_fp16_into(rows: np.ndarray, out: np.ndarray, scratch: np.ndarray | None = None) -> None:
+    """Copy float16 `rows` into `out` (float32 or float16, same shape), exactly.
+
+    float16 -> float32 goes through a 65536-entry table (one gather, about twice as fast as numpy's cast);
+    `scratch` is used as in `dequantize_into` when `out` is not C-contiguous.
+    """
+    if out.dtype == np.float16:
+        np.copyto(out, rows)
+        return
+    values = _float32_buffer(out, scratch)
+    np.take(_FP16_TO_FP32, rows.view(np.uint16), out=values, mode="clip")
+    if values is not out:
+        np.copyto(out, values)
+
+
+def _float32_buffer(out: np.ndarray, scratch: np.ndarray | None) -> np.ndarray:
+    """A C-contiguous float32 array shaped like `out`: out itself if it qualifies, else scratch, else new."""
+    if out.dtype == np.float32 and out.flags.c_contiguous:
+        return out
+    if scratch is not None:
+        return scratch[: out.size].reshape(out.shape)
+    return np.empty(out.shape, np.float32)
+
+
+def _fp16_params(lo: np.ndarray, hi: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, zero) as float16 per group: zero rounded down from min, scale rounded up, so x̂ covers [min, max]."""
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+        raise ValueError("cannot quantize non-finite KV values (inf or NaN)")
+    if lo.size and max(-float(lo.min()), float(hi.max())) > FP16_MAX:
+        raise ValueError(f"cannot quantize KV values beyond the float16 range ±{FP16_MAX:g}")
+    zeros = _round_fp16(lo, up=False)
+    span = hi.astype(np.float64) - zeros
+    scales = _round_fp16(np.maximum(span / ((1 << bits) - 1), MIN_SCALE), up=True)
+    return scales, zeros
+
+
+def _round_fp16(v: np.ndarray, up: bool) -> np.ndarray:
+    """The nearest float16 on one side of v: the smallest ≥ v when `up`, else the largest ≤ v."""
+    h = v.astype(np.float16)
+    wrong = h.astype(v.dtype) < v if up else h.astype(v.dtype) > v
+    h[wrong] = np.nextafter(h[wrong], np.float16(np.inf if up else -np.inf))
+    return h
+
+
+def _group_reduce(ufunc: np.ufunc, x: np.ndarray, layout: QuantLayout) -> np.ndarray:
+    """ufunc.reduce over each group of C-contiguous ``x [..., m, D]``, shaped like the params."""
+    *lead, m, d = x.shape
+    g = layout.group
+    if layout.axis == "token":  # reduceat over the flat array: much faster than reducing a short last axis
+        starts = np.arange(0, x.size, g)
+        return ufunc.reduceat(x.reshape(-1), starts).reshape(*lead, m, d // g) if x.size else x[..., ::g]
+    full = m // g * g
+    parts = [ufunc.reduce(x[..., :full, :].reshape(*lead, full // g, g, d), axis=-2)]
+    if full < m:
+        parts.append(ufunc.reduce(x[..., full:, :], axis=-2, keepdims=True))
+    return np.concatenate(parts, axis=-2)
+
+
+def _per_group(ufunc: np.ufunc, values: np.ndarray, params: np.ndarray, layout: QuantLayout, out: np.ndarray) -> None:
+    """``out = ufunc(values, the param of each value's group)`` for values and out ``[..., m, D]`` (views are fine)."""
+    *lead, m, d = values.shape
+    g = layout.group
+    if layout.axis == "token":
+        shape = (*lead, m, d // g, g)
+        ufunc(values.reshape(shape), params[..., None], out=out.reshape(shape))
+        return
+    full = m // g * g
+    if full:
+        shape = (*lead, full // g, g, d)
+        ufunc(values[..., :full, :].reshape(shape), params[..., : full // g, None, :],
+              out=out[..., :full, :].reshape(shape))
+    if full < m:
+        ufunc(values[..., full:, :], params[..., -1:, :], out=out[..., full:, :])
+
+
+def _pack(q: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes [..., D] -> bytes [..., D·bits/8], lowest bits first."""
+    if bits == 8:
+        return q
+    per = 8 // bits
+    packed = q[..., 0::per].copy()
+    for lane in range(1, per):
+        packed |= q[..., lane::per] << np.uint8(bits * lane)
+    return packed

@@ -1,0 +1,41 @@
+"""The KV of a processed token prefix as it moves between graphs, processes and hosts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgedecode.model.spec import KVContract
+
+
+@dataclass(frozen=True)
+class KVProducer:
+    """What computed a KV cache: visible on the receiver, so a cross-quant handoff is reported, not hidden."""
+
+    model: str  # catalog name, e.g. "smollm2-135m-instruct"
+    weights_sha256: str  # of the GGUF the graph was built from
+    precision: str  # e.g. "prefill float32", "decode float32 int4"
+
+    def describe(self) -> str:
+        return f"{self.model} ({self.precision}, weights {self.weights_sha256[:12]})"
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """KV of a processed token prefix, in the model's declared layout (``contract.layout``).
+
+    ``positions`` are the tokens' true positions (strictly increasing); when tokens were dropped
+    they are no longer 0..n-1, and a receiver stores the kept tokens compacted with these positions.
+    """
+
+    contract: KVContract
+    token_ids: np.ndarray  # int64 [n]
+    positions: np.ndarray  # int64 [n]
+    keys: np.ndarray  # [layers, kv_heads, n, head_dim], post-RoPE, rotate-half order
+    values: np.ndarray  # [layers, kv_heads, n, head_dim]
+    producer: KVProducer
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_ids.shape[0])

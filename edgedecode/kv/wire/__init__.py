@@ -1,0 +1,30 @@
+"""EDKV 1.x, the KV-cache wire format (docs/kv-format.md): per-token tiers, zstd chunks, checksums, streaming."""
+
+from edgedecode.kv.wire.errors import (
+    KVChecksumError,
+    KVContractError,
+    KVFormatError,
+    KVMalformedError,
+    KVTooLargeError,
+    KVTruncatedError,
+    KVVersionError,
+)
+from edgedecode.kv.wire.header import ChunkSpec, EDKVHeader
+from edgedecode.kv.wire.reader import EDKVReader, ReadProgress, decode_snapshot
+from edgedecode.kv.wire.writer import encode_payload
+
+__all__ = [
+    "ChunkSpec",
+    "EDKVHeader",
+    "EDKVReader",
+    "KVChecksumError",
+    "KVContractError",
+    "KVFormatError",
+    "KVMalformedError",
+    "KVTooLargeError",
+    "KVTruncatedError",
+    "KVVersionError",
+    "ReadProgress",
+    "decode_snapshot",
+    "encode_payload",
+]

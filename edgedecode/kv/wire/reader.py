@@ -1,0 +1,362 @@
+"""EDKV streaming reader: verifies each chunk, then dequantises it straight into the receiver's KV buffer."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import zstandard
+
+from edgedecode.kv.quant import dequantize_into, widen_fp16_into
+from edgedecode.kv.snapshot import KVSnapshot
+from edgedecode.kv.wire.chunks import ChunkPlan, Section, plan_chunk, section_arrays
+from edgedecode.kv.wire.errors import (
+    KVChecksumError,
+    KVContractError,
+    KVFormatError,
+    KVMalformedError,
+    KVTooLargeError,
+    KVTruncatedError,
+    KVVersionError,
+)
+from edgedecode.kv.wire.frames import (
+    CHUNK_MAGIC,
+    CHUNK_PREFIX,
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    HEADER_CRC,
+    HEADER_MAGIC,
+    HEADER_PREFIX,
+    MAGIC_NBYTES,
+    MAJOR,
+    TRAILER,
+    TRAILER_MAGIC,
+)
+from edgedecode.kv.wire.header import (
+    ChunkSpec,
+    EDKVHeader,
+    contract_from_doc,
+    doc_field,
+    load_doc,
+)
+from edgedecode.model.spec import KVContract
+
+DECODE_SNAPSHOT_MAX_TOKENS = 1 << 20
+BLOCK_VALUES = 1 << 18  # values decoded per step: 1 MiB of float32 staging, about a core's L2
+
+TargetFactory = Callable[[EDKVHeader], np.ndarray]
+ChunkCallback = Callable[[ChunkSpec, slice], None]
+
+
+class _Stage(enum.Enum):
+    HEADER_PREFIX = enum.auto()
+    HEADER_BODY = enum.auto()
+    FRAME = enum.auto()  # the next frame's magic decides: chunk or trailer
+    CHUNK_PREFIX = enum.auto()
+    CHUNK_BODY = enum.auto()
+    TRAILER = enum.auto()
+    DONE = enum.auto()
+
+
+@dataclass(frozen=True)
+class ReadProgress:
+    bytes_in: int
+    chunks_done: int
+    chunks_total: int | None  # None until the header is in
+    tokens_ingested: int  # kept tokens whose every layer is written
+
+
+class EDKVReader:
+    """Incremental EDKV 1.x parser; feed it any slices of the stream, then call `finish`.
+
+    Args:
+        expected: the receiver's KVContract; any mismatching field is a KVContractError.
+        max_tokens: the receiver's context; a stream with more tokens is a KVTooLargeError.
+        target_factory: called once with the validated header; returns the destination, a float32 or float16
+            array ``[layers, 2 (K, V), kv_heads, slots >= header.n_kept, head_dim]`` whose head_dim rows are
+            contiguous (any view of a decoder's KV buffers qualifies). Kept tokens are written
+            compacted: the i-th kept token goes to slot i.
+        on_chunk: called after each chunk is written, with its ChunkSpec and the slots it filled.
+        max_chunk_bytes: limit on a chunk's compressed and raw sizes.
+        max_header_bytes: limit on the header JSON.
+
+    Each chunk is checked (CRC-32, bounded zstd decompression, exact size) before anything from it is written.
+    After any error the reader refuses further input.
+    """
+
+    def __init__(
+        self,
+        expected: KVContract,
+        *,
+        max_tokens: int,
+        target_factory: TargetFactory,
+        on_chunk: ChunkCallback | None = None,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    ) -> None:
+        self.expected = expected
+        self.max_tokens = max_tokens
+        self.max_chunk_bytes = max_chunk_bytes
+        self.max_header_bytes = max_header_bytes
+        self._target_factory = target_factory
+        self._on_chunk = on_chunk
+        self._stage = _Stage.HEADER_PREFIX
+        self._need = HEADER_PREFIX.size
+        self._buf = bytearray()
+        self._digest = hashlib.sha256()
+        self._dctx = zstandard.ZstdDecompressor()
+        self._failure: Exception | None = None
+        self._bytes_in = 0
+        self._minor = 0
+        self._chunk_crc = 0
+        self._chunks_done = 0
+        self._tokens_ingested = 0
+        self._header: EDKVHeader | None = None
+        self._plans: list[ChunkPlan] = []
+        self._target: np.ndarray | None = None
+        self._scratch = np.empty(0, np.float32)
+        self._raw = bytearray()
+        self._layers_done = np.zeros(0, np.int64)
+        self._handlers: dict[_Stage, Callable[[memoryview], None]] = {
+            _Stage.HEADER_PREFIX: self._header_prefix,
+            _Stage.HEADER_BODY: self._header_body,
+            _Stage.CHUNK_PREFIX: self._chunk_prefix,
+            _Stage.CHUNK_BODY: self._chunk_body,
+            _Stage.TRAILER: self._trailer,
+        }
+
+    @property
+    def header(self) -> EDKVHeader | None:
+        """The validated header, once it has arrived."""
+        return self._header
+
+    @property
+    def progress(self) -> ReadProgress:
+        total = None if self._header is None else len(self._header.chunks)
+        return ReadProgress(self._bytes_in, self._chunks_done, total, self._tokens_ingested)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """Consume the next bytes of the stream, acting on every frame they complete."""
+        if self._failure is not None:
+            raise KVFormatError("stream", f"refused: the stream already failed ({self._failure})")
+        try:
+            view = memoryview(data).cast("B")
+            self._bytes_in += len(view)
+            if not self._buf:  # common case: parse straight from the caller's buffer, keep only the remainder
+                self._buf += view[self._parse(view):]
+                return
+            self._buf += view
+            with memoryview(self._buf) as buffered:
+                consumed = self._parse(buffered)
+            if consumed:
+                del self._buf[:consumed]
+        except Exception as e:
+            self._failure = e
+            raise
+
+    def finish(self) -> EDKVHeader:
+        """Confirm the stream is complete (trailer verified, every chunk written); return its header."""
+        if self._failure is not None:
+            raise KVFormatError("stream", f"refused: the stream already failed ({self._failure})")
+        if self._stage is not _Stage.DONE:
+            self._failure = KVTruncatedError(self._cut_at(), f"the stream ended after {self._bytes_in} bytes")
+            raise self._failure
+        return self._header
+
+    def _parse(self, view: memoryview) -> int:
+        """Handle every complete item at the front of `view`; return the bytes consumed."""
+        pos = 0
+        while self._stage is not _Stage.DONE and len(view) - pos >= self._need:
+            item = view[pos:pos + self._need]
+            if self._stage is _Stage.FRAME:
+                self._peek_frame(bytes(item))
+                continue
+            if self._stage not in (_Stage.TRAILER, _Stage.CHUNK_BODY):  # a body is covered by its prefix's CRC
+                self._digest.update(item)
+            pos += len(item)
+            self._handlers[self._stage](item)
+        if self._stage is _Stage.DONE and pos < len(view):
+            raise KVMalformedError("trailer", f"{len(view) - pos} bytes after the trailer")
+        return pos
+
+    def _expect(self, stage: _Stage, need: int) -> None:
+        self._stage, self._need = stage, need
+
+    def _header_prefix(self, item: memoryview) -> None:
+        magic, major, minor, length = HEADER_PREFIX.unpack(item)
+        if magic != HEADER_MAGIC:
+            raise KVMalformedError("magic", f"expected {HEADER_MAGIC!r}, got {magic!r}: not an EDKV stream")
+        if major != MAJOR:
+            raise KVVersionError("version", f"EDKV {major}.{minor} is not readable here (this reader: {MAJOR}.x)")
+        if length > self.max_header_bytes:
+            raise KVTooLargeError("header", f"{length} bytes of header JSON, limit {self.max_header_bytes}")
+        self._minor = minor
+        self._expect(_Stage.HEADER_BODY, length + HEADER_CRC.size)
+
+    def _header_body(self, item: memoryview) -> None:
+        body, (crc,) = item[:-HEADER_CRC.size], HEADER_CRC.unpack(item[-HEADER_CRC.size:])
+        if zlib.crc32(body) != crc:
+            raise KVChecksumError("header", f"header JSON CRC-32 {zlib.crc32(body):08x} != {crc:08x}")
+        doc = load_doc(body)
+        mismatches = self.expected.mismatches(contract_from_doc(doc))
+        if mismatches:
+            raise KVContractError(mismatches)
+        n = doc_field(doc, "n_tokens", int)
+        if n > self.max_tokens:
+            raise KVTooLargeError("n_tokens", f"{n} tokens, the receiver's context holds {self.max_tokens}")
+        header = EDKVHeader.from_doc(doc, self._minor)
+        c = header.contract
+        self._plans = [plan_chunk(header.tiers, header.layouts, c.n_kv_heads, c.head_dim,
+                                  (s.layer_start, s.layer_stop, s.token_start, s.token_stop)) for s in header.chunks]
+        for spec, plan in zip(header.chunks, self._plans):
+            if spec.raw_nbytes != plan.raw_nbytes:
+                raise KVMalformedError("chunks", f"chunk {spec.index} declares {spec.raw_nbytes} raw bytes, "
+                                       f"its tier map needs {plan.raw_nbytes}")
+            if spec.raw_nbytes > self.max_chunk_bytes:
+                raise KVTooLargeError(f"chunk {spec.index}",
+                                      f"{spec.raw_nbytes} raw bytes, limit {self.max_chunk_bytes}")
+        self._target = _checked_target(self._target_factory(header), header)
+        widest = max((s.token_stop - s.token_start for s in header.chunks), default=0)
+        self._scratch = np.empty(max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim), np.float32)
+        self._raw = bytearray(max((s.raw_nbytes for s in header.chunks), default=0))
+        self._header = header
+        self._layers_done = np.zeros(header.n_tokens, np.int64)
+        self._expect(_Stage.FRAME, MAGIC_NBYTES)
+
+    def _peek_frame(self, magic: bytes) -> None:
+        if magic == CHUNK_MAGIC:
+            self._expect(_Stage.CHUNK_PREFIX, CHUNK_PREFIX.size)
+        elif magic == TRAILER_MAGIC:
+            self._expect(_Stage.TRAILER, TRAILER.size)
+        else:
+            raise KVMalformedError("magic", f"expected a chunk {CHUNK_MAGIC!r} or the trailer {TRAILER_MAGIC!r}, "
+                                   f"got {magic!r}")
+
+    def _chunk_prefix(self, item: memoryview) -> None:
+        _, index, length, self._chunk_crc = CHUNK_PREFIX.unpack(item)
+        if index != self._chunks_done:
+            raise KVMalformedError("chunk index", f"expected chunk {self._chunks_done} of "
+                                   f"{len(self._header.chunks)}, got {index}")
+        if length > self.max_chunk_bytes:
+            raise KVTooLargeError(f"chunk {index}", f"{length} compressed bytes, limit {self.max_chunk_bytes}")
+        self._expect(_Stage.CHUNK_BODY, length)
+
+    def _chunk_body(self, item: memoryview) -> None:
+        spec = self._header.chunks[self._chunks_done]
+        crc = zlib.crc32(item)
+        if crc != self._chunk_crc:
+            raise KVChecksumError(f"chunk {spec.index}", f"CRC-32 {crc:08x} != {self._chunk_crc:08x}")
+        raw = self._decompress(item, spec)
+        for section in self._plans[spec.index].sections:
+            self._write(section, section_arrays(raw, section, self._header.contract.n_kv_heads,
+                                                self._header.contract.head_dim))
+        self._chunks_done += 1
+        done = self._layers_done[spec.token_start:spec.token_stop]
+        done += spec.layer_stop - spec.layer_start
+        kept = self._header.kept[spec.token_start:spec.token_stop]
+        self._tokens_ingested += int(np.count_nonzero((done == self._header.contract.n_layers) & kept))
+        if self._on_chunk is not None:
+            self._on_chunk(spec, self._header.slot_range(spec))
+        self._expect(_Stage.FRAME, MAGIC_NBYTES)
+
+    def _decompress(self, item: memoryview, spec: ChunkSpec) -> memoryview:
+        """The raw chunk, in the reader's reused buffer; zstd never writes beyond the size the header gives."""
+        raw = memoryview(self._raw)[: spec.raw_nbytes]
+        try:
+            declared = zstandard.frame_content_size(item)
+            if declared not in (-1, spec.raw_nbytes):
+                raise KVMalformedError(f"chunk {spec.index}", f"zstd frame declares {declared} bytes, "
+                                       f"the chunk table {spec.raw_nbytes}")
+            got = 0
+            with self._dctx.stream_reader(item) as stream:
+                while got < spec.raw_nbytes and (step := stream.readinto(raw[got:])):
+                    got += step
+                extra = len(stream.read(1))
+        except zstandard.ZstdError as e:
+            raise KVMalformedError(f"chunk {spec.index}", f"zstd: {e}") from None
+        if got != spec.raw_nbytes or extra:
+            raise KVMalformedError(f"chunk {spec.index}", f"{'more than ' if extra else ''}{got} raw bytes, "
+                                   f"expected {spec.raw_nbytes}")
+        return raw
+
+    def _write(self, section: Section, arrays: list[np.ndarray]) -> None:
+        """Decode one section into its compacted slots: slices when they are contiguous, else one scatter.
+
+        Runs of layers go in blocks of about BLOCK_VALUES values, so the float32 staging stays in cache.
+        """
+        dest = self._target[section.layer_start:section.layer_stop, section.kv]  # [layers, H, slots, D]
+        slots = self._header.slots_before[section.tokens]
+        first, last = int(slots[0]), int(slots[-1])
+        contiguous = last - first + 1 == len(slots)
+        per_layer = dest.shape[1] * len(slots) * dest.shape[3]
+        step = max(1, BLOCK_VALUES // per_layer)
+        for start in range(0, len(dest), step):
+            block = slice(start, start + step)
+            parts = [a[block] for a in arrays]
+            if contiguous:
+                self._decode(section, parts, dest[block, :, first:last + 1])
+                continue
+            shape = (len(dest[block]), dest.shape[1], len(slots), dest.shape[3])
+            staged = (self._scratch[: int(np.prod(shape))].reshape(shape) if dest.dtype == np.float32
+                      else np.empty(shape, dest.dtype))
+            self._decode(section, parts, staged)
+            rows = np.dtype((np.void, dest.shape[3] * dest.itemsize))  # a head_dim row as one item: cheaper scatter
+            dest[block].view(rows)[..., 0][:, :, slots] = staged.view(rows)[..., 0]
+
+    def _decode(self, section: Section, arrays: list[np.ndarray], out: np.ndarray) -> None:
+        if section.layout is None:
+            widen_fp16_into(arrays[0], out, self._scratch)
+        else:
+            dequantize_into(*arrays, section.layout, out, self._scratch)
+
+    def _trailer(self, item: memoryview) -> None:
+        _, count, digest = TRAILER.unpack(item)
+        total = len(self._header.chunks)
+        if self._chunks_done < total:
+            raise KVTruncatedError(f"chunk {self._chunks_done}", f"trailer after {self._chunks_done} of {total} chunks")
+        if count != total:
+            raise KVMalformedError("trailer", f"trailer counts {count} chunks, the header {total}")
+        if digest != self._digest.digest():
+            raise KVChecksumError("trailer", "SHA-256 of the stream does not match the trailer's")
+        self._expect(_Stage.DONE, 0)
+
+    def _cut_at(self) -> str:
+        """What the stream was cut inside (or before): header, chunk i or trailer."""
+        if self._stage in (_Stage.HEADER_PREFIX, _Stage.HEADER_BODY):
+            return "header"
+        if self._stage is _Stage.TRAILER or self._chunks_done == len(self._header.chunks):
+            return "trailer"
+        return f"chunk {self._chunks_done}"
+
+
+def decode_snapshot(
+    payload: bytes, expected: KVContract, *, max_tokens: int = DECODE_SNAPSHOT_MAX_TOKENS
+) -> KVSnapshot:
+    """Decode a whole EDKV payload into a KVSnapshot of its kept tokens (float32, true positions)."""
+    buffers: list[np.ndarray] = []
+
+    def compact(header: EDKVHeader) -> np.ndarray:
+        c = header.contract
+        buffers.append(np.empty((c.n_layers, 2, c.n_kv_heads, header.n_kept, c.head_dim), np.float32))
+        return buffers[0]
+
+    reader = EDKVReader(expected, max_tokens=max_tokens, target_factory=compact)
+    reader.feed(payload)
+    header = reader.finish()
+    return KVSnapshot(header.contract, header.token_ids[header.kept], header.positions[header.kept],
+                      buffers[0][:, 0], buffers[0][:, 1], header.producer)
+
+
+def _checked_target(target: np.ndarray, header: EDKVHeader) -> np.ndarray:
+    c = header.contract
+    if (not isinstance(target, np.ndarray) or target.dtype not in (np.float32, np.float16) or target.ndim != 5
+            or target.shape[:3] != (c.n_layers, 2, c.n_kv_heads) or target.shape[4] != c.head_dim
+            or target.shape[3] < header.n_kept or target.size and target.strides[4] != target.itemsize):
+        got = f"{target.dtype} {list(target.shape)}" if isinstance(target, np.ndarray) else type(target).__name__
+        raise ValueError(f"target_factory must return a float32/float16 array [{c.n_layers}, 2, {c.n_kv_heads}, "
+                         f">= {header.n_kept}, {c.head_dim}] with contiguous head_dim rows, got {got}")
+    return target

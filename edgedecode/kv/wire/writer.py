@@ -1,0 +1,146 @@
+"""EDKV writer: a KVSnapshot and its tier map -> header frame, chunk frames, trailer, ready to stream."""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from edgedecode.kv.quant import DEFAULT_LAYOUTS, QuantLayout, quantize
+from edgedecode.kv.snapshot import KVSnapshot
+from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
+from edgedecode.kv.wire.chunks import ChunkPlan, chunk_rects, plan_chunk, section_arrays
+from edgedecode.kv.wire.errors import KVMalformedError
+from edgedecode.kv.wire.frames import (
+    CHUNK_MAGIC,
+    CHUNK_PREFIX,
+    HEADER_CRC,
+    HEADER_MAGIC,
+    HEADER_PREFIX,
+    MAJOR,
+    MINOR,
+    TRAILER,
+    TRAILER_MAGIC,
+)
+from edgedecode.kv.wire.header import (
+    ChunkSpec,
+    EDKVHeader,
+    check_layouts,
+    check_tier_map,
+)
+
+DEFAULT_CHUNK_TOKENS = 256
+DEFAULT_ZSTD_LEVEL = 3
+
+
+def encode_payload(
+    snapshot: KVSnapshot,
+    tiers: np.ndarray,
+    *,
+    layouts: dict[Tier, tuple[QuantLayout, QuantLayout]] = DEFAULT_LAYOUTS,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_layers: int | None = None,
+    level: int = DEFAULT_ZSTD_LEVEL,
+    meta: dict[str, Any] | None = None,
+) -> Iterator[bytes]:
+    """Encode `snapshot` as an EDKV 1.x stream.
+
+    Args:
+        snapshot: the KV to send; keys/values ``[layers, kv_heads, n, head_dim]`` (float16 or float32).
+        tiers: ``uint8 [n]`` (every layer alike) or ``[layers, n]`` Tier codes; a DROP must hold in all layers.
+        layouts: (keys, values) quant layout per quantized tier; only the tiers used are written.
+        chunk_tokens, chunk_layers: chunk size (chunk_layers None: all layers in every chunk).
+        level: zstd level.
+        meta: free-form JSON object stored in the header (policy name, budget, ...).
+
+    Returns:
+        An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
+        validated here (KVMalformedError on a bad tier map or snapshot); chunks are encoded as they are pulled
+        (ValueError on values a quantizer cannot represent).
+    """
+    header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta)
+    try:
+        body = header.to_json()
+    except TypeError as e:  # every other field is built here from numbers and strings
+        raise KVMalformedError("meta", f"meta must be JSON-serialisable: {e}") from None
+    return _frames(snapshot, body, plans, level)
+
+
+def _build_header(
+    snapshot: KVSnapshot,
+    tiers: np.ndarray,
+    layouts: dict[Tier, tuple[QuantLayout, QuantLayout]],
+    chunk_tokens: int,
+    chunk_layers: int | None,
+    level: int,
+    meta: dict[str, Any] | None,
+) -> tuple[EDKVHeader, list[ChunkPlan]]:
+    c, n = snapshot.contract, snapshot.n_tokens
+    shape = (c.n_layers, c.n_kv_heads, n, c.head_dim)
+    for name, array in (("keys", snapshot.keys), ("values", snapshot.values)):
+        if array.shape != shape or array.dtype not in (np.float16, np.float32):
+            raise KVMalformedError(name, f"expected float16/float32 {list(shape)} for the contract, "
+                                   f"got {array.dtype} {list(array.shape)}")
+    tiers = np.asarray(tiers)
+    if tiers.shape not in ((n,), (c.n_layers, n)) or tiers.dtype.kind not in "ui":
+        raise KVMalformedError("tiers", f"tier map must be uint8 [{n}] or [{c.n_layers}, {n}], "
+                               f"got {tiers.dtype} {list(tiers.shape)}")
+    tiers = np.ascontiguousarray(np.broadcast_to(tiers.astype(np.uint8), (c.n_layers, n)))
+    check_tier_map(tiers, c.n_layers, n)
+    check_layouts(tiers, layouts, c.head_dim)
+    chunk_layers = c.n_layers if chunk_layers is None else chunk_layers
+    if chunk_tokens < 1 or chunk_layers < 1:
+        raise ValueError(f"chunk_tokens and chunk_layers must be positive, got {chunk_tokens}, {chunk_layers}")
+    used = {tier: layouts[tier] for tier in QUANTIZED_TIERS if (tiers == tier).any()}
+    rects = chunk_rects(c.n_layers, n, chunk_layers, chunk_tokens)
+    plans = [plan_chunk(tiers, used, c.n_kv_heads, c.head_dim, rect) for rect in rects]
+    header = EDKVHeader(
+        contract=c,
+        producer=snapshot.producer,
+        token_ids=np.asarray(snapshot.token_ids, np.int64),
+        positions=np.asarray(snapshot.positions, np.int64),
+        tiers=tiers,
+        layouts=used,
+        chunks=tuple(ChunkSpec(i, *rect, plan.raw_nbytes) for i, (rect, plan) in enumerate(zip(rects, plans))),
+        zstd_level=level,
+        meta={} if meta is None else meta,
+    )
+    return header, plans
+
+
+def _frames(snapshot: KVSnapshot, body: bytes, plans: list[ChunkPlan], level: int) -> Iterator[bytes]:
+    digest = hashlib.sha256()
+    frame = HEADER_PREFIX.pack(HEADER_MAGIC, MAJOR, MINOR, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
+    digest.update(frame)
+    yield frame
+    compressor = zstandard.ZstdCompressor(level=level)
+    for index, plan in enumerate(plans):
+        compressed = compressor.compress(_raw_chunk(snapshot, plan))
+        prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), zlib.crc32(compressed))
+        digest.update(prefix)  # the body is covered by the CRC-32 inside the prefix
+        yield prefix + compressed
+    yield TRAILER.pack(TRAILER_MAGIC, len(plans), digest.digest())
+
+
+def _raw_chunk(snapshot: KVSnapshot, plan: ChunkPlan) -> bytearray:
+    """The chunk's bytes before zstd: every section quantized (or cast to float16) into its place."""
+    raw = bytearray(plan.raw_nbytes)
+    c = snapshot.contract
+    for section in plan.sections:
+        source = (snapshot.keys, snapshot.values)[section.kv][section.layer_start:section.layer_stop]
+        rows = source[:, :, section.tokens, :]  # [layers, H, m, D]
+        arrays = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
+        if section.layout is None:
+            with np.errstate(over="ignore"):  # refused just below, with the layers named
+                arrays[0][...] = rows
+            if not np.isfinite(arrays[0]).all():
+                raise ValueError(f"FP16 {('keys', 'values')[section.kv]} of layers [{section.layer_start}, "
+                                 f"{section.layer_stop}) hold values that are not finite in float16")
+            continue
+        for array, part in zip(arrays, quantize(rows, section.layout)):
+            array[...] = part
+    return raw
