@@ -97,6 +97,7 @@ def test_every_supported_tensor_type_builds_a_graph_that_matches_the_reference(k
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     past = np.zeros((1, KV_HEADS, 32, HIDDEN // HEADS), np.float32)
     feeds = {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), np.int64),
+             "position_ids": np.arange(len(ids), dtype=np.int64)[None],
              "logits_positions": np.arange(len(ids), dtype=np.int64)}
     feeds.update({f"past_key_values.{i}.{t}": past for i in range(LAYERS) for t in ("key", "value")})
     logits = session.run(["logits"], feeds)[0][0]

@@ -9,7 +9,9 @@ Two variants share every block but the linear layers, the embedding and the head
 
 Both use GroupQueryAttention with RoPE fused (rotate-half order, post-RoPE keys written to the
 present) and take past/present KV as ``[batch, kv_heads, max_context, head_dim]`` buffers that the
-runtime binds as both input and output. I/O names follow onnxruntime-genai; the one addition is
+runtime binds as both input and output. I/O names follow onnxruntime-genai, with ``position_ids``
+(int64 [B, S]: the true positions of the new tokens, which RoPE uses; they run ahead of the cache
+slots once dropped tokens were compacted away) always present, and one addition:
 ``logits_positions`` (int64 [K], negative values count from the end): the sequence positions whose
 logits are computed, so a prompt pass pays for one LM-head row instead of S.
 """
@@ -23,8 +25,15 @@ import onnx
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.model.onnx_builder import INT32, INT64, MS_DOMAIN, GraphBuilder, onnx_dtype
+from edgedecode.model.requant import (
+    NATIVE,
+    WeightFormat,
+    WeightFormatError,
+    parse_weight_format,
+    requantize_layers,
+)
 from edgedecode.model.spec import ModelSpec
-from edgedecode.model.weights import BLOCK, BlockQuantized, ModelTensors, concat_rows
+from edgedecode.model.weights import BlockQuantized, ModelTensors, concat_rows, n_blocks
 
 GRAPH_KINDS = ("decode", "prefill")
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
@@ -43,6 +52,11 @@ class GraphOptions:
     # MatMulNBits: 4 = int8 activations (fast; llama.cpp does the same), 0 = exact fp32 arithmetic,
     # for verification only: onnxruntime's 8-bit LM head has no fast acc-0 kernel on CPU.
     accuracy_level: int = 4
+    # Also output each layer's pre-RoPE queries at logits_positions (``queries.{i}``), from which the
+    # prefill side scores token importance (kv/importance.py). Default: on for prefill, off for decode.
+    emit_queries: bool | None = None
+    # The decode graph's layer matrices: "native" (the GGUF's blocks) or re-quantized, "q<bits>b<block_size>".
+    weights: str = NATIVE
 
     def __post_init__(self) -> None:
         if self.kind not in GRAPH_KINDS:
@@ -51,6 +65,22 @@ class GraphOptions:
             raise GraphOptionsError(f"dtype must be float32 or float16, not {self.dtype!r}")
         if self.accuracy_level not in ACCURACY_LEVELS:
             raise GraphOptionsError(f"accuracy_level must be one of {ACCURACY_LEVELS}, not {self.accuracy_level}")
+        try:
+            fmt = parse_weight_format(self.weights)
+        except WeightFormatError as exc:
+            raise GraphOptionsError(str(exc)) from exc
+        if fmt is not None and self.kind != "decode":
+            raise GraphOptionsError(f"weights={self.weights!r} applies to the decode graph only; "
+                                    f"the {self.kind} graph uses dense float weights")
+        if self.kind == "prefill":  # no MatMulNBits in it: one prefill graph serves every accuracy level
+            object.__setattr__(self, "accuracy_level", 0)
+        if self.emit_queries is None:
+            object.__setattr__(self, "emit_queries", self.kind == "prefill")
+
+    @property
+    def weight_format(self) -> WeightFormat | None:
+        """The re-quantization of the layer matrices; None for the GGUF's own blocks."""
+        return parse_weight_format(self.weights)
 
     @property
     def np_dtype(self) -> np.dtype:
@@ -60,7 +90,7 @@ class GraphOptions:
 def input_names(spec: ModelSpec) -> list[str]:
     """Graph input names in order (genai naming plus logits_positions)."""
     kv = [f"past_key_values.{i}.{kind}" for i in range(spec.n_layers) for kind in ("key", "value")]
-    return ["input_ids", "attention_mask", "logits_positions", *kv]
+    return ["input_ids", "attention_mask", "position_ids", "logits_positions", *kv]
 
 
 def present_names(spec: ModelSpec) -> list[str]:
@@ -75,11 +105,18 @@ class _Emitter:
         self.spec = spec
         self.opt = options
         self.dt = options.np_dtype
-        self._blocksums: dict[str, str] = {}
+        self._blocksums: dict[tuple[str, int], str] = {}
+        self._shared: dict[str, str] = {}
         self.embed_table: str | None = None  # initializer name, reused by a tied LM head
 
     def const(self, name: str, array: np.ndarray) -> str:
         return self.g.initializer(name, np.asarray(array))
+
+    def shared(self, name: str, values: list[int] | int) -> str:
+        """An int64 constant used by many nodes: added once, then reused by name."""
+        if name not in self._shared:
+            self._shared[name] = self.const(name, np.array(values, np.int64))
+        return self._shared[name]
 
     def weight(self, name: str, array: np.ndarray) -> str:
         return self.const(name, np.asarray(array, dtype=self.dt))
@@ -105,23 +142,29 @@ class _Emitter:
         y = self.g.op1(
             "MatMulNBits",
             [x, self.const(f"{name}.qweight", w.packed()), self.weight(f"{name}.scales", w.scales.reshape(-1))],
-            name=name, domain=MS_DOMAIN, K=k, N=n, bits=w.bits, block_size=BLOCK,
+            name=name, domain=MS_DOMAIN, K=k, N=n, bits=w.bits, block_size=w.block_size,
             accuracy_level=self.opt.accuracy_level,
         )
         if w.offsets is None:
             return y
-        correction = self.g.op1("MatMul", [self._blocksum(x, k), self.weight(f"{name}.correction", w.offsets.T)],
+        blocksum = self._blocksum(x, k, w.block_size)
+        correction = self.g.op1("MatMul", [blocksum, self.weight(f"{name}.correction", w.offsets.T)],
                                 name=f"{name}.correction")
         return self.g.op1("Add", [y, correction], name=f"{name}.corrected")
 
-    def _blocksum(self, x: str, k: int) -> str:
-        """Sum of x over each 32-wide block of K: [B, S, K/32]; shared by all matmuls reading x."""
-        if x not in self._blocksums:
-            shape = self.const("blocksum_shape", np.array([0, 0, k // BLOCK, BLOCK], np.int64))
-            blocks = self.g.op1("Reshape", [x, shape], name="blocksum.reshape")
+    def _blocksum(self, x: str, k: int, block_size: int) -> str:
+        """Sum of x over each block of K: [B, S, blocks]; shared by all matmuls reading x in that block size."""
+        key = (x, block_size)
+        if key not in self._blocksums:
+            blocks = n_blocks(k, block_size)
+            if blocks * block_size != k:  # a short last block: zero-pad x to whole blocks
+                pads = self.const("blocksum_pads", np.array([0, 0, 0, 0, 0, blocks * block_size - k], np.int64))
+                x = self.g.op1("Pad", [x, pads], name="blocksum.pad")
+            shape = self.const("blocksum_shape", np.array([0, 0, blocks, block_size], np.int64))
+            grouped = self.g.op1("Reshape", [x, shape], name="blocksum.reshape")
             axes = self.const("blocksum_axes", np.array([-1], np.int64))
-            self._blocksums[x] = self.g.op1("ReduceSum", [blocks, axes], name="blocksum", keepdims=0)
-        return self._blocksums[x]
+            self._blocksums[key] = self.g.op1("ReduceSum", [grouped, axes], name="blocksum", keepdims=0)
+        return self._blocksums[key]
 
     # ---- blocks ----------------------------------------------------------------------------
     def embedding(self, ids: str, table) -> str:
@@ -132,7 +175,7 @@ class _Emitter:
         self.embed_table = data = self.const("embed.qweight", table.packed())  # [V, H/32, 32]
         scales = self.weight("embed.scales", table.scales[..., None])
         blocks = self.g.op1("GatherBlockQuantized", [data, ids, scales], name="embed", domain=MS_DOMAIN,
-                            gather_axis=0, quantize_axis=2, block_size=BLOCK, bits=8)
+                            gather_axis=0, quantize_axis=2, block_size=table.block_size, bits=8)
         shape = self.const("embed_shape", np.array([0, 0, hidden], np.int64))
         return self.g.op1("Reshape", [blocks, shape], name="embed.reshape")
 
@@ -143,22 +186,25 @@ class _Emitter:
             data = self.embed_table if tied else self.const("lm_head.qweight", table.packed())
             vocab, hidden = table.shape
             return self.g.op1("MatMulNBits", [h, data, self.weight("lm_head.scales", table.scales.reshape(-1))],
-                              name="lm_head", domain=MS_DOMAIN, K=hidden, N=vocab, bits=8, block_size=BLOCK,
+                              name="lm_head", domain=MS_DOMAIN, K=hidden, N=vocab, bits=8, block_size=table.block_size,
                               accuracy_level=self.opt.accuracy_level, outputs=["logits"])
         weight = self.embed_table if tied else self.weight("lm_head.weight", table)
         flat = self.g.op1("Reshape", [h, self.const("head_flat", np.array([-1, self.spec.hidden_size], np.int64))])
         logits = self.g.op1("Gemm", [flat, weight], name="lm_head", transB=1)
-        batch_seq = self.g.op1("Slice", [self.g.op1("Shape", [h]), self.const("zero", np.array([0], np.int64)),
-                                         self.const("two", np.array([2], np.int64))])
+        batch_seq = self.g.op1("Slice", [self.g.op1("Shape", [h]), self.shared("zero", [0]),
+                                         self.shared("two", [2])])
         shape = self.g.op1("Concat", [batch_seq, self.const("vocab", np.array([-1], np.int64))], axis=0)
         return self.g.op1("Reshape", [logits, shape], outputs=["logits"])
 
     def attention(self, h: str, layer: int, weights, seqlens: str, total: str, cos: str, sin: str) -> str:
         s = self.spec
         qkv = self.linear_fused(h, weights.qkv, f"layers.{layer}.attn.qkv")
+        if self.opt.emit_queries:
+            self.emit_queries(qkv, layer)
         out = self.g.op(
             "GroupQueryAttention",
-            [qkv, "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", seqlens, total, cos, sin],
+            [qkv, "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", seqlens, total, cos, sin,
+             "position_ids"],
             3, name=f"layers.{layer}.attn", domain=MS_DOMAIN,
             outputs=[f"layers.{layer}.attn/out", f"present.{layer}.key", f"present.{layer}.value"],
             num_heads=s.n_heads, kv_num_heads=s.n_kv_heads, do_rotary=1, rotary_interleaved=0,
@@ -166,10 +212,17 @@ class _Emitter:
         )[0]
         return self.linear(out, weights.o, f"layers.{layer}.attn.o")
 
+    def emit_queries(self, qkv: str, layer: int) -> None:
+        """Output ``queries.{layer}`` [B, K, heads*head_dim]: the pre-RoPE query rows at logits_positions."""
+        width = self.spec.n_heads * self.spec.head_dim
+        rows = self.g.op1("Gather", [qkv, "logits_positions"], name=f"layers.{layer}.queries.rows", axis=1)
+        self.g.op1("Slice", [rows, self.shared("zero", [0]), self.shared("q_width", [width]), self.shared("last_axis", [-1])],
+                   name=f"layers.{layer}.queries", outputs=[f"queries.{layer}"])
+
     def mlp(self, h: str, layer: int, weights) -> str:
         f = self.spec.ffn_size
         gate_up = self.linear_fused(h, weights.gate_up, f"layers.{layer}.mlp.gate_up")
-        split = self.const("split_ffn", np.array([f, f], np.int64))
+        split = self.shared("split_ffn", [f, f])
         gate, up = self.g.op("Split", [gate_up, split], 2, name=f"layers.{layer}.mlp.split", axis=-1)
         silu = self.g.op1("Mul", [gate, self.g.op1("Sigmoid", [gate])], name=f"layers.{layer}.mlp.silu")
         act = self.g.op1("Mul", [silu, up], name=f"layers.{layer}.mlp.act")
@@ -199,15 +252,17 @@ class _Emitter:
 
 
 def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -> onnx.ModelProto:
-    """Assemble the full decoder graph from the model's tensors."""
+    """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so)."""
+    tensors = requantize_layers(tensors, options.weight_format)
     e = _Emitter(spec, options)
     g = e.g
     dt = onnx_dtype(options.np_dtype)
     kv_shape = ["batch", spec.n_kv_heads, "past_sequence_length", spec.head_dim]
     ids = g.input("input_ids", INT64, ["batch", "sequence_length"])
     mask = g.input("attention_mask", INT64, ["batch", "total_sequence_length"])
+    g.input("position_ids", INT64, ["batch", "sequence_length"])
     g.input("logits_positions", INT64, ["logits_count"])
-    for name in input_names(spec)[3:]:
+    for name in input_names(spec)[4:]:
         g.input(name, dt, kv_shape)
 
     seqlens, total = e.mask_lengths(mask)
@@ -231,4 +286,7 @@ def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -
     g.output("logits", dt, ["batch", "logits_count", spec.vocab_size])
     for name in present_names(spec):
         g.output(name, dt, kv_shape)
+    if options.emit_queries:
+        for i in range(spec.n_layers):
+            g.output(f"queries.{i}", dt, ["batch", "logits_count", spec.n_heads * spec.head_dim])
     return g.model()

@@ -19,13 +19,14 @@ import onnx
 from edgedecode.model.gguf_file import open_gguf
 from edgedecode.model.graph import GraphOptions, build_graph
 from edgedecode.model.registry import ModelRecord, model_dir, resolve_model
+from edgedecode.model.requant import NATIVE
 from edgedecode.model.spec import ModelSpec
 from edgedecode.model.tokenizer import Tokenizer
 from edgedecode.model.weights import load_tensors
 
 logger = logging.getLogger(__name__)
 # Bump whenever graph.py, weights.py or onnx_builder.py change what they emit.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 
 def graph_key(gguf_sha256: str, options: GraphOptions) -> str:
@@ -49,7 +50,10 @@ class LoadedModel:
     def graph_path(self, options: GraphOptions) -> Path:
         """Where the graph for these options lives (whether or not it is built yet)."""
         key = graph_key(self.record.sha256, options)
-        return model_dir(self.record.name) / "graphs" / f"{options.kind}-{options.dtype}-acc{options.accuracy_level}-{key}.onnx"
+        parts = [options.kind, options.dtype, f"acc{options.accuracy_level}"]
+        parts += [] if options.weights == NATIVE else [options.weights]
+        parts += ["queries"] if options.emit_queries else []
+        return model_dir(self.record.name) / "graphs" / f"{'-'.join(parts)}-{key}.onnx"
 
     def graph(self, options: GraphOptions) -> Path:
         """Path of the built graph for these options, building and caching it if needed."""

@@ -1,10 +1,10 @@
 """GGUF tensors adapted once, at load time, into the two forms the graphs consume.
 
 * ``BlockQuantized``: a weight as ``W[n, k] = scale[n, b] * (code[n, k] - 2**(bits-1)) + offset[n, b]``
-  with ``b = k // block_size``. Codes minus the implicit zero point is exactly what onnxruntime's
-  MatMulNBits computes on its fast path (no zero-point input); ``offset`` is the per-block
-  correction that makes Q4_1 exact (``d*q + m = d*(q - 8) + (m + 8d)``), None where it is zero
-  (Q4_0, Q8_0).
+  with ``b = k // block_size`` (the last block may be short). Codes minus the implicit zero point
+  is exactly what onnxruntime's MatMulNBits computes on its fast path (no zero-point input);
+  ``offset`` is the per-block correction that makes Q4_1 exact (``d*q + m = d*(q - 8) + (m + 8d)``)
+  and any asymmetric re-quantization (``requant.py``), None where it is zero (Q4_0, Q8_0).
 * dense float32 ``[N, K]`` arrays for the higher-precision prefill graph and the numpy reference.
 
 GGUF stores the Q and K projection rows permuted for llama.cpp's interleaved RoPE; both forms
@@ -25,7 +25,12 @@ from edgedecode.model.gguf_file import ModelFileError, tensor_table
 from edgedecode.model.spec import ModelSpec
 
 SUPPORTED_TENSOR_TYPES = frozenset({QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1})
-BLOCK = 32  # every supported quantized type uses 32-element blocks
+BLOCK = 32  # every supported GGUF quantized type uses 32-element blocks
+
+
+def n_blocks(k: int, block_size: int) -> int:
+    """Blocks per row of K elements (the last one may be short, as MatMulNBits allows)."""
+    return -(-k // block_size)
 
 
 @dataclass(frozen=True)
@@ -33,48 +38,57 @@ class BlockQuantized:
     """A [N, K] weight in MatMulNBits' blockwise form (see module docstring)."""
 
     codes: np.ndarray  # uint8 [N, K], values in [0, 2**bits)
-    scales: np.ndarray  # float32 [N, K // BLOCK]
-    offsets: np.ndarray | None  # float32 [N, K // BLOCK]
+    scales: np.ndarray  # float32 [N, n_blocks(K, block_size)]
+    offsets: np.ndarray | None  # float32 [N, n_blocks(K, block_size)]
     bits: int
+    block_size: int = BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape
 
+    def _blocks(self) -> np.ndarray:
+        """uint8 codes [N, blocks, block_size]; a short last block is padded with the zero-point code."""
+        n, k = self.codes.shape
+        width = n_blocks(k, self.block_size) * self.block_size
+        codes = self.codes
+        if width != k:
+            codes = np.pad(codes, ((0, 0), (0, width - k)), constant_values=1 << (self.bits - 1))
+        return codes.reshape(n, -1, self.block_size)
+
     def dequantize(self) -> np.ndarray:
         """The float32 [N, K] weight this block form represents."""
         n, k = self.codes.shape
-        centred = self.codes.reshape(n, k // BLOCK, BLOCK).astype(np.float32) - (1 << (self.bits - 1))
-        w = centred * self.scales[..., None]
+        w = (self._blocks().astype(np.float32) - (1 << (self.bits - 1))) * self.scales[..., None]
         if self.offsets is not None:
             w += self.offsets[..., None]
-        return w.reshape(n, k)
+        return w.reshape(n, -1)[:, :k]
 
     def packed(self) -> np.ndarray:
-        """uint8 [N, K/BLOCK, BLOCK*bits/8] in MatMulNBits order (element 2i in the low nibble)."""
-        n, k = self.codes.shape
-        blocks = self.codes.reshape(n, k // BLOCK, BLOCK)
-        if self.bits == 8:
-            return np.ascontiguousarray(blocks)
-        return (blocks[..., 0::2] | (blocks[..., 1::2] << 4)).astype(np.uint8)
+        """uint8 [N, blocks, block_size*bits/8] in MatMulNBits order: 8/bits consecutive codes a byte, first lowest."""
+        blocks = self._blocks()
+        per_byte = 8 // self.bits
+        packed = np.zeros(blocks.shape[:-1] + (blocks.shape[-1] // per_byte,), np.uint8)
+        for i in range(per_byte):
+            packed |= blocks[..., i::per_byte] << (i * self.bits)
+        return packed
 
-    def with_rows(self, order: np.ndarray) -> "BlockQuantized":
+    def with_rows(self, order: np.ndarray) -> BlockQuantized:
         """The same weight with its output rows reordered."""
-        return BlockQuantized(
-            self.codes[order], self.scales[order], None if self.offsets is None else self.offsets[order], self.bits
-        )
+        offsets = None if self.offsets is None else self.offsets[order]
+        return BlockQuantized(self.codes[order], self.scales[order], offsets, self.bits, self.block_size)
 
 
 def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
-    """Stack weights of equal bit width along N (fused QKV, fused gate+up)."""
-    if len({p.bits for p in parts}) != 1:
-        raise ValueError("cannot fuse weights of different bit widths")
+    """Stack weights of equal bit width and block size along N (fused QKV, fused gate+up)."""
+    if len({(p.bits, p.block_size) for p in parts}) != 1:
+        raise ValueError("cannot fuse weights of different bit widths or block sizes")
     offsets = None
     if any(p.offsets is not None for p in parts):
         offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
-    return BlockQuantized(
-        np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]), offsets, parts[0].bits
-    )
+    first = parts[0]
+    return BlockQuantized(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                          offsets, first.bits, first.block_size)
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
@@ -93,14 +107,22 @@ def _q4_codes(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-def _quantize_4bit(w: np.ndarray) -> BlockQuantized:
-    """Asymmetric min/max 4-bit quantization of a float weight (used for F16/F32 files)."""
+def quantize_asymmetric(w: np.ndarray, bits: int, block_size: int = BLOCK) -> BlockQuantized:
+    """Asymmetric min/max quantization of a float [N, K] weight into ``bits``-wide blocks.
+
+    Each block maps [min, max] onto codes 0 .. 2**bits - 1, so every element is within half a step
+    (``scale / 2``) of its original. A short last block takes its min/max over the elements it has.
+    """
     n, k = w.shape
-    blocks = w.reshape(n, k // BLOCK, BLOCK)
+    width = n_blocks(k, block_size) * block_size
+    # edge padding repeats real elements, so a short block's min/max are its own
+    blocks = np.pad(np.asarray(w, np.float32), ((0, 0), (0, width - k)), mode="edge").reshape(n, -1, block_size)
     lo, hi = blocks.min(-1), blocks.max(-1)
-    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
-    codes = np.clip(np.rint((blocks - lo[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
-    return BlockQuantized(codes.reshape(n, k), scale, (lo + 8.0 * scale).astype(np.float32), 4)
+    top = (1 << bits) - 1
+    scale = np.where(hi > lo, (hi - lo) / float(top), 1.0).astype(np.float32)
+    codes = np.clip(np.rint((blocks - lo[..., None]) / scale[..., None]), 0, top).astype(np.uint8)
+    offsets = (lo + float(1 << (bits - 1)) * scale).astype(np.float32)
+    return BlockQuantized(np.ascontiguousarray(codes.reshape(n, width)[:, :k]), scale, offsets, bits, block_size)
 
 
 def _quantize_8bit_symmetric(w: np.ndarray) -> BlockQuantized:
@@ -131,7 +153,7 @@ def load_block_quantized(tensor: ReaderTensor) -> BlockQuantized:
         d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         codes = (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return BlockQuantized(codes.reshape(raw.shape[0], -1), d, None, 8)
-    return _quantize_4bit(load_dense(tensor))
+    return quantize_asymmetric(load_dense(tensor), 4)
 
 
 def load_dense(tensor: ReaderTensor) -> np.ndarray:
