@@ -75,6 +75,33 @@ def test_exported_kv_round_trips_into_the_same_graph(exact_decoder, logit_vector
     np.testing.assert_allclose(exact_decoder.prefill(ids, kv=kv), reference, atol=1e-3)
 
 
+def test_dropped_tokens_compact_with_true_positions(exact_decoder, smollm2_model, smollm2_reader, logit_vectors):
+    """KV with some tokens dropped is stored compacted; the tokens run after it keep their true
+    positions, so the result is the reference forward pass with the dropped keys hidden from them."""
+    from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+    from edgedecode.model.reference import reference_forward
+    from edgedecode.model.weights import load_tensors
+
+    spec = smollm2_model.spec
+    ids = logit_vectors["prose_ids"]
+    resume = len(ids) - 5
+    dropped = np.array([3, 7, 8, resume - 2])
+    blocked = np.zeros((len(ids), len(ids)), bool)
+    blocked[resume:, dropped] = True
+    tensors = load_tensors(smollm2_reader, spec, dense=False)
+    reference = reference_forward(spec, tensors, ids.tolist(), blocked=blocked)
+    kept = np.setdiff1d(np.arange(resume), dropped)
+    kv = KVSnapshot(spec.kv_contract, ids[kept], kept, reference.keys[:, :, kept], reference.values[:, :, kept],
+                    KVProducer("numpy-reference", "-", "float32"))
+
+    logits = exact_decoder.prefill(ids, kv=kv)
+
+    assert exact_decoder.length == len(kept) + 5 and exact_decoder.next_position == len(ids)
+    np.testing.assert_allclose(logits, reference.logits[-1], atol=1e-3)
+    unblocked = reference_forward(spec, tensors, ids.tolist()).logits[-1]
+    assert np.abs(unblocked - reference.logits[-1]).max() > 0.05  # the drop is visible: the check can fail
+
+
 def test_unknown_model_is_a_clear_error():
     from edgedecode.model.loader import load_model
 
@@ -106,9 +133,11 @@ def chat_kv(prefiller, logit_vectors):
         (lambda kv: dataclasses.replace(kv, contract=dataclasses.replace(kv.contract, tokenizer_hash="0" * 64)),
          "tokenizer_hash"),
         (lambda kv: dataclasses.replace(kv, positions=kv.positions + 3), "positions"),
-        (lambda kv: dataclasses.replace(kv, token_ids=kv.token_ids[::-1].copy()), "prefix"),
+        (lambda kv: dataclasses.replace(kv, token_ids=kv.token_ids[::-1].copy()), "prompt's tokens"),
+        (lambda kv: dataclasses.replace(kv, positions=kv.positions[::-1].copy()), "strictly increasing"),
     ],
-    ids=["head-count", "layer-count", "layout", "contract-layers", "tokenizer", "positions", "other-prompt"],
+    ids=["head-count", "layer-count", "layout", "contract-layers", "tokenizer", "positions", "other-prompt",
+         "unordered"],
 )
 def test_mismatched_kv_is_refused_by_name(change, message, decoder, chat_kv, logit_vectors):
     with pytest.raises(KVInjectionError, match=message):

@@ -1,25 +1,47 @@
-"""The float16 graphs on onnxruntime-gpu's CUDA provider (skipped where there is no CUDA device)."""
+"""The float16 graphs on onnxruntime-gpu's CUDA provider (skipped where there is no CUDA device).
+
+The CUDA-graph decode step is held to the plain CUDA runs of the same graph: same greedy tokens,
+except past a near-tie. KV injection on the device writes exactly the rows given (checked on CPU
+too, where the same row writer runs over host memory).
+"""
 
 from __future__ import annotations
+
+import types
+from pydoc_data.topics import topics
 
 import numpy as np
 import pytest
 
 from edgedecode.decode.engine import Engine
+from edgedecode.decode.kvcache import DeviceRows, KVCache
 from edgedecode.decode.sampler import SamplingParams
+from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import encode_payload
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.session import available_devices
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif("cuda" not in available_devices(), reason="needs onnxruntime-gpu with a CUDA device"),
-]
 NEAR_TIE = 0.5
+LONG_PROMPT_TOKENS = 1500
+
+
+def on_cuda(test):
+    """Mark a test as needing onnxruntime-gpu and a CUDA device."""
+    needs = pytest.mark.skipif("cuda" not in available_devices(), reason="needs onnxruntime-gpu with a CUDA device")
+    return pytest.mark.gpu(needs(test))
 
 
 @pytest.fixture(scope="module")
 def cuda_decoder(smollm2_model):
+    """The fp16 INT4 decoder as shipped for CUDA: decode steps replay a captured CUDA graph."""
     return Engine(smollm2_model, GraphOptions("decode", "float16", 4), max_context=2048, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def cuda_plain_decoder(smollm2_model):
+    """The same graph run step by step without CUDA graphs."""
+    return Engine(smollm2_model, GraphOptions("decode", "float16", 4), max_context=2048, device="cuda",
+                  cuda_graph=False)
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +49,122 @@ def cuda_prefiller(smollm2_model):
     return Engine(smollm2_model, GraphOptions("prefill", "float16", 0), max_context=2048, device="cuda")
 
 
+@pytest.fixture(scope="module")
+def long_prompt(smollm2_model) -> np.ndarray:
+    text = "\n\n".join(topics[key] for key in sorted(topics))[: LONG_PROMPT_TOKENS * 8]
+    return np.asarray(smollm2_model.tokenizer.encode(text)[:LONG_PROMPT_TOKENS], np.int64)
+
+
+def _prompt(name: str, logit_vectors, long_prompt) -> np.ndarray:
+    return long_prompt if name == "long" else logit_vectors[f"{name}_ids"]
+
+
+def _step_logits(engine: Engine, context: np.ndarray) -> np.ndarray:
+    """Logits after ``context``, its last token run as a one-token decode step."""
+    engine.prefill(context[:-1])
+    return engine.forward(context[-1:]).astype(np.float32)
+
+
+@pytest.mark.parametrize("source", ("float16", "float32 slice", "float32 copy"))
+def test_device_rows_write_only_the_given_slots(source):
+    spec = types.SimpleNamespace(n_layers=3, n_kv_heads=2, head_dim=8)
+    cache = KVCache(spec, 40, np.float16, "cpu")  # the row writer over host memory: same graph, same addressing
+    rows = DeviceRows(cache)
+    rng = np.random.default_rng(0)
+    expected = cache.host.copy()
+    for start, n in ((0, 5), (5, 17), (39, 1)):
+        keys, values = (rng.standard_normal((3, 2, n + 3, 8)).astype(np.float32) for _ in range(2))
+        if source == "float16":
+            keys, values = keys.astype(np.float16), values.astype(np.float16)
+        keys, values = keys[:, :, :n], values[:, :, :n]  # row slices, as Engine.prefill passes them
+        if source == "float32 copy":
+            keys, values = keys.transpose(0, 2, 1, 3).copy().transpose(0, 2, 1, 3), values.copy()
+        rows.write(start, keys, values)
+        expected[:, 0, 0, :, start:start + n] = keys
+        expected[:, 1, 0, :, start:start + n] = values
+        np.testing.assert_array_equal(cache.host, expected)
+
+
+@on_cuda
+def test_decode_step_is_captured_as_a_cuda_graph(cuda_decoder, cuda_plain_decoder):
+    assert cuda_decoder.cuda_graph
+    assert not cuda_plain_decoder.cuda_graph
+
+
+@on_cuda
+@pytest.mark.parametrize("prompt", ("chat", "long"))
+def test_graph_step_logits_track_the_plain_cuda_step(prompt, cuda_decoder, cuda_plain_decoder, logit_vectors,
+                                                     long_prompt):
+    ids = _prompt(prompt, logit_vectors, long_prompt)
+    graph, plain = _step_logits(cuda_decoder, ids), _step_logits(cuda_plain_decoder, ids)
+    print(f"{prompt}: CUDA graph step vs plain step, max |logit diff| {np.abs(graph - plain).max():.4f}")
+    np.testing.assert_allclose(graph, plain, atol=0.25)
+    top2 = np.sort(plain)[-2:]
+    if top2[1] - top2[0] > NEAR_TIE:
+        assert graph.argmax() == plain.argmax()
+
+
+@on_cuda
+@pytest.mark.parametrize("prompt", ("chat", "long"))
+def test_graph_greedy_tokens_equal_plain_cuda_runs(prompt, cuda_decoder, cuda_plain_decoder, logit_vectors,
+                                                   long_prompt):
+    ids = _prompt(prompt, logit_vectors, long_prompt)
+    greedy = SamplingParams(max_tokens=64, stop_token_ids=())
+    graph = list(cuda_decoder.generate(ids, greedy))
+    plain = list(cuda_plain_decoder.generate(ids, greedy))
+    assert cuda_decoder.stats.decode_steps == cuda_plain_decoder.stats.decode_steps == 63
+    split = next((i for i, (a, b) in enumerate(zip(graph, plain)) if a != b), None)
+    if split is None:
+        assert graph == plain
+        return
+    context = np.concatenate([ids, plain[:split]])
+    graph_logits, plain_logits = _step_logits(cuda_decoder, context), _step_logits(cuda_plain_decoder, context)
+    graph_margin = graph_logits[graph[split]] - graph_logits[plain[split]]
+    plain_margin = plain_logits[plain[split]] - plain_logits[graph[split]]
+    print(f"{prompt}: diverge at {split}: margins {graph_margin:.3f} / {plain_margin:.3f}")
+    assert graph_margin < NEAR_TIE and plain_margin < NEAR_TIE
+
+
+@on_cuda
+def test_injected_kv_lands_on_the_device_exactly(cuda_decoder, long_prompt):
+    local = cuda_decoder.prefill(long_prompt).astype(np.float32)
+    kv = cuda_decoder.export_kv()
+    resumed = cuda_decoder.prefill(long_prompt, kv=kv).astype(np.float32)
+    assert cuda_decoder.stats.injected_tokens == len(long_prompt) - 1
+    again = cuda_decoder.export_kv()
+    n = len(long_prompt) - 1
+    np.testing.assert_array_equal(again.keys[:, :, :n], kv.keys[:, :, :n])
+    np.testing.assert_array_equal(again.values[:, :, :n], kv.values[:, :, :n])
+    print(f"resumed from injected KV vs local prefill: max |logit diff| {np.abs(resumed - local).max():.4f}")
+    np.testing.assert_allclose(resumed, local, atol=0.25)
+
+
+@on_cuda
+def test_streamed_compacted_kv_steps_alike_with_and_without_cuda_graphs(cuda_decoder, cuda_plain_decoder,
+                                                                         long_prompt):
+    cuda_plain_decoder.prefill(long_prompt)
+    kv = cuda_plain_decoder.export_kv()
+    tiers = np.full(kv.n_tokens, Tier.FP16, np.uint8)
+    tiers[10:-50:3] = Tier.DROP  # compacted slots: true positions run ahead of cache slots
+    payload = b"".join(encode_payload(kv, tiers))
+    tokens, runs = [], []
+    for engine in (cuda_plain_decoder, cuda_decoder):  # the graph engine decodes the plain engine's picks
+        reader = engine.open_kv_stream(long_prompt)
+        reader.feed(payload)
+        logits = [engine.prefill_streamed(long_prompt, reader).astype(np.float32)]
+        assert engine.next_position == len(long_prompt) > engine.length
+        for i in range(8):
+            if len(tokens) < 8:
+                tokens.append(int(logits[-1].argmax()))
+            logits.append(engine.forward(np.array([tokens[i]])).astype(np.float32))
+        runs.append(np.stack(logits))
+    plain, graph = runs
+    print(f"compacted KV ({engine.length} slots): graph vs plain steps, "
+          f"max |logit diff| {np.abs(graph - plain).max():.4f}")
+    np.testing.assert_allclose(graph, plain, atol=0.25)
+
+
+@on_cuda
 @pytest.mark.parametrize("prompt", ("prose", "code", "chat"))
 def test_fp16_prefill_graph_on_cuda_argmax_equals_llama_cpp(prompt, cuda_prefiller, logit_vectors):
     ids = logit_vectors[f"{prompt}_ids"]
@@ -39,6 +177,7 @@ def test_fp16_prefill_graph_on_cuda_argmax_equals_llama_cpp(prompt, cuda_prefill
     np.testing.assert_array_equal(logits[scored].argmax(-1), top5_ids[scored, 0])
 
 
+@on_cuda
 def test_cuda_int4_graph_tracks_the_exact_cpu_graph(cuda_decoder, exact_decoder, logit_vectors):
     ids = logit_vectors["prose_ids"]
     cuda_decoder.reset()
@@ -51,6 +190,7 @@ def test_cuda_int4_graph_tracks_the_exact_cpu_graph(cuda_decoder, exact_decoder,
     np.testing.assert_array_equal(gpu[clear].argmax(-1), cpu[clear].argmax(-1))
 
 
+@on_cuda
 def test_device_kv_exports_what_the_cpu_graph_computes(cuda_decoder, exact_decoder, logit_vectors):
     ids = logit_vectors["chat_ids"]
     cuda_decoder.prefill(ids)
@@ -61,6 +201,7 @@ def test_device_kv_exports_what_the_cpu_graph_computes(cuda_decoder, exact_decod
     np.testing.assert_allclose(gpu.keys.astype(np.float32), cpu.keys, atol=0.25, rtol=0.05)
 
 
+@on_cuda
 def test_cuda_handoff_matches_local_prefill_up_to_a_near_tie(cuda_decoder, cuda_prefiller, logit_vectors):
     ids = logit_vectors["chat_ids"]
     greedy = SamplingParams(max_tokens=32)

@@ -58,3 +58,14 @@ def test_same_seed_same_sequence():
 def test_invalid_parameters_are_refused(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
+
+
+def test_greedy_over_float16_picks_what_float32_argmax_picks():
+    from edgedecode.decode.sampler import greedy
+
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        logits = (rng.standard_normal(4096) * rng.choice([0.01, 1.0, 300.0])).astype(np.float16)
+        assert greedy(logits) == int(np.argmax(logits.astype(np.float32)))
+    negative = -np.abs(rng.standard_normal(100)).astype(np.float16) - 1
+    assert greedy(negative) == int(np.argmax(negative.astype(np.float32)))

@@ -6,7 +6,15 @@ same greedy decoding (EOS ignored). Runs alternate between the engines so that h
 alike; the tables show medians over the runs and the ratio edgedecode / llama.cpp. Peak RSS is
 measured in a fresh subprocess per engine (prompt of the largest past length, then decoding).
 
+With --device cuda the two engines are edgedecode's decode step replayed as a CUDA graph and the
+same graph run step by step without one ("edgedecode-no-graph"), so their ratio is measured on the
+same card; each also reports first-token latency (short chat prompt, 2k-token prompt) and the
+ingest of a 4k-token KV (upload alone; upload plus the first token; and, where the EDKV wire format
+is installed, decoding an all-INT4 payload of it alone, and streaming that payload into the engine
+then resuming).
+
     python tools/bench_decode.py [--runs 5] [--threads 2] [--past 16 512 2048] [--json]
+    python tools/bench_decode.py --device cuda [--runs 7] [--no-rss] [--json]
 
 llama.cpp comes from the optional extra: pip install -e '.[bench]' (llama-cpp-python, built from source).
 """
@@ -31,6 +39,8 @@ from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 
 DECODE_STEPS = 64
+INGEST_TOKENS = 4096  # the KV payload whose ingest --device cuda times
+FIRST_TOKEN_PROMPTS = {"chat": None, "2k": 2048}  # None: a short chat prompt
 
 
 def prompt_tokens(tokenizer, n: int) -> np.ndarray:
@@ -43,12 +53,14 @@ def prompt_tokens(tokenizer, n: int) -> np.ndarray:
 
 
 class EdgeDecodeRunner:
-    name = "edgedecode"
-
-    def __init__(self, model, threads: int, context: int, accuracy_level: int, device: str) -> None:
+    def __init__(self, model, threads: int, context: int, accuracy_level: int, device: str,
+                 cuda_graph: bool = True) -> None:
         dtype = "float16" if device == "cuda" else "float32"
+        self.name = "edgedecode" if cuda_graph or device != "cuda" else "edgedecode-no-graph"
         self.engine = Engine(model, GraphOptions("decode", dtype, accuracy_level), max_context=context,
-                             threads=threads, device=device)
+                             threads=threads, device=device, cuda_graph=cuda_graph)
+        if device == "cuda" and cuda_graph and not self.engine.cuda_graph:
+            raise SystemExit("onnxruntime refused CUDA graph capture for this graph (see the log)")
 
     def run(self, ids: np.ndarray) -> tuple[float, float]:
         """(prefill tokens/s, decode tokens/s) for one prompt."""
@@ -104,11 +116,106 @@ def llama_cpp_available() -> bool:
     return True
 
 
+def bench_context(args) -> int:
+    longest = max(args.past) + DECODE_STEPS + 8
+    return max(longest, INGEST_TOKENS + 8) if args.device == "cuda" else longest
+
+
 def make_runner(name: str, args, model):
-    context = max(args.past) + DECODE_STEPS + 8
+    context = bench_context(args)
     if name == "llama.cpp":
         return LlamaCppRunner(model.record.gguf_path, args.threads, context)
-    return EdgeDecodeRunner(model, args.threads, context, args.accuracy_level, args.device)
+    return EdgeDecodeRunner(model, args.threads, context, args.accuracy_level, args.device,
+                            cuda_graph=name != "edgedecode-no-graph")
+
+
+def first_token_ms(engine: Engine, ids: np.ndarray) -> float:
+    """From the call to generate() to the first token in hand (prompt pass, then sampling)."""
+    started = time.perf_counter()
+    next(iter(engine.generate(ids, SamplingParams(max_tokens=1, stop_token_ids=()))))
+    return (time.perf_counter() - started) * 1e3
+
+
+def ingest_ms(engine: Engine, ids: np.ndarray, kv, payload: bytes | None) -> dict[str, float]:
+    """One ingest of ``kv`` (a snapshot of ``ids``): the KV upload alone (from the snapshot's dtype,
+    and from float32 as the wire decoder returns it); resuming from it (prefill with kv: upload,
+    then the last prompt token to first-token logits); and, given an EDKV payload of it, decoding
+    the payload alone, and streaming it into the engine then resuming."""
+    n = len(ids) - 1
+    keys32, values32 = kv.keys.astype(np.float32), kv.values.astype(np.float32)
+    started = time.perf_counter()
+    engine.cache.update(0, keys32[:, :, :n], values32[:, :, :n])
+    uploaded32 = time.perf_counter()
+    engine.cache.update(0, kv.keys[:, :, :n], kv.values[:, :, :n])
+    uploaded = time.perf_counter()
+    engine.prefill(ids, kv=kv)
+    resumed = time.perf_counter()
+    times = {"upload_ms": (uploaded - uploaded32) * 1e3, "upload_from_float32_ms": (uploaded32 - started) * 1e3,
+             "resume_ms": (resumed - uploaded) * 1e3}
+    if payload is not None:
+        from edgedecode.kv.wire import decode_snapshot
+
+        started = time.perf_counter()
+        decode_snapshot(payload, engine.spec.kv_contract)
+        times["edkv_int4_decode_ms"] = (time.perf_counter() - started) * 1e3
+        started = time.perf_counter()
+        reader = engine.open_kv_stream(ids)
+        reader.feed(payload)
+        engine.prefill_streamed(ids, reader)
+        times["edkv_int4_stream_and_resume_ms"] = (time.perf_counter() - started) * 1e3
+    return times
+
+
+def int4_payload(kv) -> bytes | None:
+    """An all-INT4 EDKV payload of ``kv``, or None where the wire format is not installed."""
+    try:
+        from edgedecode.kv.tiers import Tier
+        from edgedecode.kv.wire import encode_payload
+    except ImportError as exc:
+        print(f"EDKV ingest not measured: {exc}", file=sys.stderr)
+        return None
+    return b"".join(encode_payload(kv, np.full(kv.n_tokens, Tier.INT4, np.uint8)))
+
+
+def cuda_extras(runners, model, args) -> dict:
+    """First-token latency and 4k-token KV ingest of each CUDA runner (medians over args.runs)."""
+    tokenizer = model.tokenizer
+    prompts = {name: (np.asarray(tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),
+                                 np.int64) if n is None else prompt_tokens(tokenizer, n))
+               for name, n in FIRST_TOKEN_PROMPTS.items()}
+    ingest_ids = prompt_tokens(tokenizer, INGEST_TOKENS)
+    runners[0].engine.prefill(ingest_ids)
+    kv = runners[0].engine.export_kv()
+    payload = int4_payload(kv)
+    extras = {}
+    for runner in runners:
+        first = {name: [] for name in prompts}
+        ingests = []
+        for _ in range(args.runs):
+            for name, ids in prompts.items():
+                first[name].append(first_token_ms(runner.engine, ids))
+            ingests.append(ingest_ms(runner.engine, ingest_ids, kv, payload))
+        extras[runner.name] = {
+            "first_token_ms": {f"{name} ({len(prompts[name])} tokens)": statistics.median(v)
+                               for name, v in first.items()},
+            f"ingest_{INGEST_TOKENS}_tokens": {key: statistics.median(i[key] for i in ingests) for key in ingests[0]},
+        }
+    if payload is not None:
+        extras["edkv_int4_payload_bytes"] = len(payload)
+    return extras
+
+
+def cuda_machine() -> dict:
+    """Card, driver and onnxruntime version, for the record."""
+    import onnxruntime
+
+    info = {"onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
+    try:
+        query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+        info["gpu"] = subprocess.run(query, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        info["gpu"] = f"unknown ({exc})"
+    return info
 
 
 def peak_rss_mib(engine: str, args) -> float | None:
@@ -155,6 +262,7 @@ def main() -> None:
                         help="cuda runs the float16 graphs on onnxruntime-gpu (llama.cpp is then skipped: "
                              "the [bench] extra builds it for the CPU)")
     parser.add_argument("--no-llama", action="store_true", help="Skip llama.cpp even if it is installed.")
+    parser.add_argument("--no-rss", action="store_true", help="Skip the peak-RSS subprocess runs.")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -163,7 +271,8 @@ def main() -> None:
 
     model = load_model(args.model)
     with_llama = not args.no_llama and args.device == "cpu" and llama_cpp_available()
-    names = ["edgedecode"] + (["llama.cpp"] if with_llama else [])
+    names = ["edgedecode"] + (["llama.cpp"] if with_llama else []) + (
+        ["edgedecode-no-graph"] if args.device == "cuda" else [])
     runners = [make_runner(name, args, model) for name in names]
     prompts = {p: prompt_tokens(model.tokenizer, p) for p in args.past}
     samples = {(r.name, p): [] for r in runners for p in args.past}
@@ -175,14 +284,21 @@ def main() -> None:
                 samples[(runner.name, past)].append(runner.run(prompts[past]))
     results = {"device": args.device, "threads": args.threads, "runs": args.runs, "decode_steps": DECODE_STEPS,
                "accuracy_level": args.accuracy_level, "machine": platform.processor() or platform.machine(),
-               "engines": {}}
+               "context": bench_context(args), "engines": {}}
+    if args.device == "cuda":
+        results.update(cuda_machine())
     for runner in runners:
         results["engines"][runner.name] = {
-            "peak_rss_mib": peak_rss_mib(runner.name, args),
+            "peak_rss_mib": None if args.no_rss else peak_rss_mib(runner.name, args),
             "past": {str(p): {"prefill_tok_s": statistics.median(s[0] for s in samples[(runner.name, p)]),
                               "decode_tok_s": statistics.median(s[1] for s in samples[(runner.name, p)])}
                      for p in args.past},
         }
+    if args.device == "cuda":
+        results["cuda"] = cuda_extras(runners, model, args)
+        graph, plain = (results["engines"][name]["past"] for name in ("edgedecode", "edgedecode-no-graph"))
+        results["ratio_graph_over_no_graph"] = {past: graph[past]["decode_tok_s"] / plain[past]["decode_tok_s"]
+                                                for past in graph}
     if "llama.cpp" in results["engines"]:
         ours, theirs = (results["engines"][name]["past"] for name in ("edgedecode", "llama.cpp"))
         results["ratio_edgedecode_over_llama_cpp"] = {
@@ -205,6 +321,12 @@ def main() -> None:
     for name, result in engines.items():
         rss = result["peak_rss_mib"]
         print(f"peak RSS {name}: {'n/a' if rss is None else f'{rss:.0f} MiB'}")
+    if args.device == "cuda":
+        print(f"{results['gpu']}, onnxruntime {results['onnxruntime']}, context {results['context']}")
+        for past, ratio in results["ratio_graph_over_no_graph"].items():
+            print(f"past {past}: CUDA graph / no graph decode {ratio:.2f}x")
+        for name, extra in results["cuda"].items():
+            print(f"{name}: {json.dumps(extra)}")
 
 
 if __name__ == "__main__":

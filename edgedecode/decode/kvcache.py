@@ -9,12 +9,12 @@ committed as they are written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.model.session import import_onnxruntime
+from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.model.onnx_builder import INT64, GraphBuilder, onnx_dtype
+from edgedecode.model.session import create_session, import_onnxruntime
 from edgedecode.model.spec import KVContract, ModelSpec
 
 
@@ -22,28 +22,12 @@ class KVInjectionError(EdgeDecodeError):
     """KV offered for injection does not fit this model's contract, buffers or prompt."""
 
 
-@dataclass(frozen=True)
-class KVSnapshot:
-    """KV of a processed token prefix, in the model's declared layout (``contract.layout``)."""
-
-    contract: KVContract
-    token_ids: np.ndarray  # int64 [n]
-    positions: np.ndarray  # int64 [n]
-    keys: np.ndarray  # [layers, kv_heads, n, head_dim], post-RoPE, rotate-half order
-    values: np.ndarray  # [layers, kv_heads, n, head_dim]
-    producer: str  # what computed it, e.g. "smollm2-135m-instruct prefill float32"
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.token_ids.shape[0])
-
-
 class KVCache:
     """The graph's KV buffers (bound as both past and present) and how many positions are valid.
 
     On CPU the bound OrtValues alias ``host`` (numpy), so writes and reads are plain slicing. On
-    CUDA the KV stays resident on the device; ``host`` is a staging mirror for injection and export,
-    which move whole layer buffers (onnxruntime's Python API has no partial device copy).
+    CUDA the KV stays resident on the device: injection writes only the rows given (``DeviceRows``);
+    export copies whole layer buffers back (onnxruntime's Python API has no partial device copy).
     """
 
     def __init__(self, spec: ModelSpec, max_context: int, dtype: np.dtype = np.float32, device: str = "cpu") -> None:
@@ -51,30 +35,32 @@ class KVCache:
         self.spec = spec
         self.max_context = max_context
         self.device = device
-        self.host = np.zeros((spec.n_layers, 2, 1, spec.n_kv_heads, max_context, spec.head_dim), dtype)
+        self.dtype = np.dtype(dtype)
         if device == "cpu":
+            self.host = np.zeros((spec.n_layers, 2, 1, spec.n_kv_heads, max_context, spec.head_dim), dtype)
             self.ortvalues = [[ort.OrtValue.ortvalue_from_numpy(self.host[layer, kind]) for kind in (0, 1)]
                               for layer in range(spec.n_layers)]
         else:
-            shape = list(self.host.shape[2:])
+            shape = [1, spec.n_kv_heads, max_context, spec.head_dim]
             self.ortvalues = [[ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0) for _ in (0, 1)]
                               for _ in range(spec.n_layers)]
+            self._rows = DeviceRows(self)
         self.length = 0
 
     def update(self, start: int, keys: np.ndarray, values: np.ndarray) -> None:
         """Write KV for positions [start, start + n); keys/values are [layers, kv_heads, n, head_dim]."""
         end = start + keys.shape[2]
-        self.host[:, 0, 0, :, start:end] = keys
-        self.host[:, 1, 0, :, start:end] = values
-        if self.device != "cpu":
-            for layer, kind, value in self._bound():
-                value.update_inplace(self.host[layer, kind])
+        if self.device == "cpu":
+            self.host[:, 0, 0, :, start:end] = keys
+            self.host[:, 1, 0, :, start:end] = values
+        elif end > start:
+            self._rows.write(start, keys, values)
         self.length = end
 
-    def snapshot(self, token_ids: np.ndarray, producer: str) -> KVSnapshot:
-        """Copy out the KV of the first len(token_ids) positions."""
+    def snapshot(self, token_ids: np.ndarray, positions: np.ndarray, producer: KVProducer) -> KVSnapshot:
+        """Copy out the KV of the first len(token_ids) slots, which hold tokens at ``positions``."""
         n = len(token_ids)
-        kv = np.empty((2, self.spec.n_layers, self.spec.n_kv_heads, n, self.spec.head_dim), self.host.dtype)
+        kv = np.empty((2, self.spec.n_layers, self.spec.n_kv_heads, n, self.spec.head_dim), self.dtype)
         if self.device == "cpu":
             kv[:] = self.host[:, :, 0, :, :n].swapaxes(0, 1)
         else:  # the device buffer comes back whole (no partial copy); keep only the first n rows
@@ -83,7 +69,7 @@ class KVCache:
         return KVSnapshot(
             contract=self.spec.kv_contract,
             token_ids=np.asarray(token_ids, np.int64).copy(),
-            positions=np.arange(n, dtype=np.int64),
+            positions=np.asarray(positions, np.int64).copy(),
             keys=kv[0],
             values=kv[1],
             producer=producer,
@@ -95,6 +81,35 @@ class KVCache:
             for kind, value in enumerate(pair):
                 yield layer, kind, value
 
+    def ingest_target(self, n_slots: int) -> np.ndarray:
+        """Where an EDKV reader writes ``n_slots`` compacted tokens: ``[layers, 2, kv_heads, slots, head_dim]``.
+
+        On CPU that is the bound buffers themselves (no copy); on CUDA a float32 host staging buffer
+        that ``commit_ingest`` uploads and casts on the device (numpy's float16 conversion made
+        dequantizing into float16 on the host ~100 ms slower for 4k tokens on the H100 machine).
+        """
+        if self.device == "cpu":
+            return self.host[:, :, 0]
+        s = self.spec
+        self._staging = np.empty((s.n_layers, 2, s.n_kv_heads, n_slots, s.head_dim), np.float32)
+        return self._staging
+
+    def commit_ingest(self, n_slots: int) -> None:
+        """Make the first ``n_slots`` ingested tokens the cache's content."""
+        if self.device == "cpu":
+            self.length = n_slots
+        else:
+            staged, self._staging = self._staging, None
+            self.update(0, staged[:, 0, :, :n_slots], staged[:, 1, :, :n_slots])
+
+    def check_prompt_match(self, token_ids: np.ndarray, positions: np.ndarray, prompt_ids: np.ndarray) -> None:
+        """Raise KVInjectionError unless the tokens at ``positions`` (strictly increasing) are the prompt's."""
+        n = len(token_ids)
+        if positions.shape != (n,) or (n and (positions[0] < 0 or np.any(np.diff(positions) <= 0))):
+            raise KVInjectionError("KV positions must be non-negative and strictly increasing, one per token")
+        if n and (positions[-1] >= len(prompt_ids) or not np.array_equal(token_ids, prompt_ids[positions])):
+            raise KVInjectionError("the KV's token ids are not the prompt's tokens at the KV's positions")
+
     def check_injectable(self, kv: KVSnapshot, prompt_ids: np.ndarray) -> None:
         """Raise KVInjectionError naming the first thing about ``kv`` that does not fit."""
         problems = kv.contract.mismatches(self.spec.kv_contract)
@@ -105,9 +120,82 @@ class KVCache:
         for name, array in (("keys", kv.keys), ("values", kv.values)):
             if array.shape != expected:
                 raise KVInjectionError(f"{name} have shape {array.shape}, expected {expected} [layers, kv_heads, seq, head_dim]")
-        if not np.array_equal(kv.positions, np.arange(n)):
-            raise KVInjectionError("KV positions must be 0..n-1 (this graph has no masked or compacted slots)")
-        if n > len(prompt_ids) or not np.array_equal(kv.token_ids, prompt_ids[:n]):
-            raise KVInjectionError("the KV's token ids are not a prefix of the prompt")
+        self.check_prompt_match(kv.token_ids, kv.positions, prompt_ids)
         if n > self.max_context:
             raise KVInjectionError(f"KV holds {n} tokens but the context buffer holds {self.max_context}")
+
+
+class DeviceRows:
+    """Writes KV rows into a CUDA cache's buffers in place, straight from the caller's arrays.
+
+    A small graph per source dtype takes each layer's K and V ``[kv_heads, N, head_dim]``, bound
+    over the caller's memory (no host copy when they are row slices of contiguous blocks), keeps
+    rows [0, n), casts them to the cache dtype on the device, and splits them into one
+    ``[1, n, head_dim]`` output per head, bound to the address of that head's slots [start, start + n)
+    inside the cache buffer ``[1, kv_heads, max_context, head_dim]``: the split writes straight into
+    the cache and touches nothing else. onnxruntime copies the inputs to the device on its own
+    stream, and the run returns once the rows are written.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self._sessions: dict[np.dtype, object] = {}
+        self._names = [(f"kv.{layer}.{kind}", [f"rows.{layer}.{kind}.{head}" for head in range(cache.spec.n_kv_heads)])
+                       for layer in range(cache.spec.n_layers) for kind in (0, 1)]
+
+    def _session(self, source: np.dtype):
+        """The splitting graph for source arrays of one dtype (built on first use)."""
+        if source not in self._sessions:
+            s, cache = self.cache.spec, self.cache
+            g = GraphBuilder("kv-rows")
+            count = g.input("count", INT64, [1])
+            starts = g.initializer("starts", np.array([0], np.int64))
+            axes = g.initializer("axes", np.array([1], np.int64))
+            for source_name, outputs in self._names:
+                block = g.input(source_name, onnx_dtype(source), [s.n_kv_heads, "rows", s.head_dim])
+                rows = g.op1("Slice", [block, starts, count, axes], name=f"{source_name}.slice")
+                if source != cache.dtype:
+                    rows = g.op1("Cast", [rows], name=f"{source_name}.cast", to=onnx_dtype(cache.dtype))
+                g.op("Split", [rows], len(outputs), name=f"{source_name}.split", outputs=outputs, axis=0)
+                for name in outputs:
+                    g.output(name, onnx_dtype(cache.dtype), [1, "n", s.head_dim])
+            self._sessions[source] = create_session(g.model().SerializeToString(), device=cache.device, threads=1)
+        return self._sessions[source]
+
+    def write(self, start: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Write keys/values ``[layers, kv_heads, n, head_dim]`` (any float dtype) to slots [start, start + n)."""
+        s, cache = self.cache.spec, self.cache
+        n = keys.shape[2]
+        values = values.astype(keys.dtype, copy=False)
+        io = self._session(keys.dtype).io_binding()
+        io.bind_cpu_input("count", np.array([n], np.int64))
+        row_bytes = s.head_dim * cache.dtype.itemsize
+        blocks = []  # the bound host memory, alive until the run ends
+        for layer in range(s.n_layers):
+            for kind, array in enumerate((keys, values)):
+                source_name, outputs = self._names[2 * layer + kind]
+                block, total = _row_block(array[layer])
+                blocks.append(block)
+                io.bind_input(source_name, "cpu", 0, block.dtype, [s.n_kv_heads, total, s.head_dim], block.ctypes.data)
+                base = cache.ortvalues[layer][kind].data_ptr()
+                for head, name in enumerate(outputs):
+                    address = base + (head * cache.max_context + start) * row_bytes
+                    io.bind_output(name, cache.device, 0, cache.dtype, [1, n, s.head_dim], address)
+        self._session(keys.dtype).run_with_iobinding(io)
+
+
+def _row_block(rows: np.ndarray) -> tuple[np.ndarray, int]:
+    """(array, N): ``rows [heads, n, head_dim]`` seen as the first n rows of a C-contiguous
+    ``[heads, N, head_dim]`` block at the same address, where it is a row slice of one inside its
+    base array (no copy); otherwise a contiguous copy and N = n."""
+    heads, n, dim = rows.shape
+    item = rows.itemsize
+    if rows.strides[2] == item and rows.strides[1] == dim * item and rows.strides[0] % (dim * item) == 0:
+        total = rows.strides[0] // (dim * item) if heads > 1 else n
+        base = rows
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        end = rows.ctypes.data + heads * total * dim * item
+        if total >= n and base.flags.c_contiguous and end <= base.ctypes.data + base.nbytes:
+            return rows, total
+    return np.ascontiguousarray(rows), n

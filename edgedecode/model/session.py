@@ -62,11 +62,19 @@ def default_threads() -> int:
     return int(os.environ.get("EDGEDECODE_THREADS") or psutil.cpu_count(logical=False) or os.cpu_count() or 1)
 
 
-def create_session(path: Path, *, device: str = "cpu", threads: int | None = None, profile: bool = False):
-    """An InferenceSession for a built graph on the given device (with onnxruntime's profiler if asked).
+def create_session(path: Path | bytes, *, device: str = "cpu", threads: int | None = None, profile: bool = False,
+                   cuda_graph: bool = False):
+    """An InferenceSession for a built graph (a file, or a serialized model) on the given device.
+
+    ``profile`` turns on onnxruntime's profiler.
+
+    ``cuda_graph`` turns on the CUDA provider's graph capture (``enable_cuda_graph``): runs tagged
+    with :func:`graph_run_options` capture once, then replay; runs tagged ``-1`` execute normally.
 
     Raises:
         RuntimeSetupError: the device's execution provider is not available.
+        onnxruntime's own error: graph capture was asked for and the graph cannot be captured
+            (a compute node outside the CUDA provider).
     """
     ort = import_onnxruntime()
     if device not in PROVIDERS:
@@ -84,6 +92,17 @@ def create_session(path: Path, *, device: str = "cpu", threads: int | None = Non
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
     options.enable_profiling = profile
-    providers = [PROVIDERS[device]] + ([PROVIDERS["cpu"]] if device != "cpu" else [])
-    logger.debug("creating %s session for %s with %d threads", device, path, options.intra_op_num_threads)
-    return ort.InferenceSession(str(path), options, providers=providers)
+    capture = cuda_graph and device == "cuda"
+    provider = (PROVIDERS[device], {"enable_cuda_graph": "1"}) if capture else PROVIDERS[device]
+    providers = [provider] + ([PROVIDERS["cpu"]] if device != "cpu" else [])
+    logger.debug("creating %s session for %s with %d threads%s", device,
+                 "a serialized model" if isinstance(path, bytes) else path, options.intra_op_num_threads,
+                 ", CUDA graph capture" if capture else "")
+    return ort.InferenceSession(path if isinstance(path, bytes) else str(path), options, providers=providers)
+
+
+def graph_run_options(graph_id: int):
+    """RunOptions that tag a run with a CUDA graph id: capture on its first use, replay after; -1 runs uncaptured."""
+    options = import_onnxruntime().RunOptions()
+    options.add_run_config_entry("gpu_graph_id", str(graph_id))
+    return options

@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""GPU kernels per decode token of the fp16 INT4 graph on CUDA, with and without CUDA graphs.
+
+Traces a few decode steps with CUPTI (through torch.profiler, so it needs PyTorch beside
+onnxruntime-gpu; onnxruntime's own profiler only times nodes on the host) and prints, per mode, the
+kernels per token, their summed GPU time, and the kernels grouped by name.
+
+    python tools/cuda_kernels.py [--past 512] [--steps 20] [--top 25] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+import numpy as np
+from torch.profiler import ProfilerActivity, profile
+
+from edgedecode.decode.engine import Engine
+from edgedecode.model.graph import GraphOptions
+from edgedecode.model.loader import load_model
+
+
+def trace(engine: Engine, past: int, steps: int) -> dict:
+    """Kernels of ``steps`` one-token steps after a ``past``-token prompt: count and GPU µs per token."""
+    engine.prefill(np.arange(100, 100 + past, dtype=np.int64))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.forward(np.array([5]))
+    count, gpu_us = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            count[event.name] += 1
+            gpu_us[event.name] += event.device_time_total
+    return {"kernels_per_token": sum(count.values()) / steps, "gpu_us_per_token": sum(gpu_us.values()) / steps,
+            "by_kernel": [{"name": name, "per_token": count[name] / steps, "gpu_us": gpu_us[name] / steps}
+                          for name, _ in gpu_us.most_common()]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--past", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    model = load_model(args.model)
+    results = {}
+    for cuda_graph in (True, False):
+        engine = Engine(model, GraphOptions("decode", "float16", 4), max_context=args.past + args.steps + 8,
+                        device="cuda", cuda_graph=cuda_graph)
+        results["cuda_graph" if cuda_graph else "no_cuda_graph"] = trace(engine, args.past, args.steps)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    for mode, result in results.items():
+        print(f"{mode}: {result['kernels_per_token']:.0f} kernels, {result['gpu_us_per_token']:.0f} µs GPU per token")
+        for row in result["by_kernel"][:args.top]:
+            print(f"  {row['per_token']:6.1f} × {row['gpu_us']:7.1f} µs  {row['name'][:100]}")
+
+
+if __name__ == "__main__":
+    main()
