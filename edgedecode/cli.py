@@ -115,7 +115,10 @@ def generate(
     top_k: int = typer.Option(0, "--top-k"),
     top_p: float = typer.Option(1.0, "--top-p"),
     seed: Optional[int] = typer.Option(None),
-    handoff: bool = typer.Option(False, help="Prefill with the higher-precision graph and hand its KV to the INT4 decoder."),
+    handoff: bool = typer.Option(False, help="Prefill with the higher-precision graph and hand its KV to the INT4 decoder "
+                                             "through the EDKV wire format."),
+    budget: float = typer.Option(1.0, help="With --handoff: wire bytes / FP16 bytes of the KV (1.0 = lossless FP16)."),
+    policy: str = typer.Option("ours", help="With --handoff: tier policy (ours, position, uniform-int8, uniform-int4, pdtrim)."),
     accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level of the decode graph."),
     max_context: Optional[int] = typer.Option(None, help="KV buffer length in tokens (default: the model's context)."),
     threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads (default: physical cores)."),
@@ -134,16 +137,23 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         loaded = _open_model(model)
         prompt_ids = _prompt_ids(loaded.tokenizer, prompt, chat, system)
-        decode_options, prefill_options = GraphOptions("decode", dtype, accuracy_level), GraphOptions("prefill", dtype, 0)
+        decode_options = GraphOptions("decode", dtype, accuracy_level)
+        prefill_options = GraphOptions("prefill", dtype)
         for options in (decode_options, prefill_options) if handoff else (decode_options,):
             _ensure_graph(loaded, options)
         decoder = Engine(loaded, decode_options, **engine_args)
-        kv = None
+        kv, encoded = None, None
         if handoff:
+            from edgedecode.evaluation.probe import profile_path
+            from edgedecode.evaluation.transfer import through_wire
+            from edgedecode.kv.policy import TierProfile
+            from edgedecode.prefill.pipeline import prefill_and_score
+
             prefiller = Engine(loaded, prefill_options, **engine_args)
             started = time.perf_counter()
-            prefiller.prefill(prompt_ids)
-            kv = prefiller.export_kv()
+            scored = prefill_and_score(prefiller, prompt_ids)
+            kv, encoded = through_wire(scored, budget, policy, loaded.spec.kv_contract,
+                                       profile=TierProfile.load(profile_path(loaded)))
             handoff_seconds = time.perf_counter() - started
         stream = loaded.tokenizer.stream_decoder()
         token_ids = []
@@ -160,6 +170,10 @@ def generate(
     stats = decoder.stats
     if not as_json:
         sys.stdout.write(stream.flush() + "\n")
+        if encoded is not None:
+            tiers = ", ".join(f"{name} {count}" for name, count in encoded.tier_counts().items() if count)
+            typer.echo(f"[KV over EDKV: {encoded.wire_bytes} bytes, b_wire {encoded.b_wire:.3f} "
+                       f"(b_raw {encoded.b_raw:.3f}); tiers {tiers}]", err=True)
         typer.echo(
             f"[{stats.prompt_tokens} prompt tokens ({stats.injected_tokens} from the prefill graph's KV), "
             f"prefill {handoff_seconds + stats.prefill_seconds:.2f} s; generated {stats.generated_tokens} tokens "
@@ -178,7 +192,51 @@ def generate(
             "decode_tokens_per_second": stats.decode_tokens_per_second,
             "injected_tokens": stats.injected_tokens,
         },
+        "kv_transfer": None if encoded is None else {
+            "wire_bytes": encoded.wire_bytes, "b_wire": encoded.b_wire, "b_raw": encoded.b_raw,
+            "tiers": encoded.tier_counts(), "policy": policy, "budget": budget},
     }))
+
+
+@app.command()
+def probe(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model name (default: the catalog default)."),
+    contexts: int = typer.Option(4, help="Perplexity contexts (pydoc prose)."),
+    context_tokens: int = typer.Option(1024, help="Tokens per context whose KV is sent at each tier."),
+    continuation: int = typer.Option(128, help="Teacher-forced tokens scored after each context."),
+    niah_trials: int = typer.Option(10, help="Needle-in-a-haystack prompts (spread over 5 depths)."),
+    niah_tokens: int = typer.Option(1000, help="Haystack length in tokens."),
+    max_dppl: float = typer.Option(2.0, help="A tier is tolerated while its Δ perplexity interval stays under this (%)."),
+    threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the verdict without saving it."),
+) -> None:
+    """Measure which KV tiers the model tolerates (perplexity + needle trials, with intervals) and save the
+    verdict beside the model, where the tier allocator reads it."""
+    from edgedecode.evaluation.probe import ProbeSettings, profile_path, run_probe
+    from edgedecode.model.graph import GraphOptions
+
+    depths = 5
+    settings = ProbeSettings(contexts=contexts, context_tokens=context_tokens, continuation_tokens=continuation,
+                             niah_tokens=niah_tokens,
+                             niah_depths=depths, niah_trials_per_depth=max(1, -(-niah_trials // depths)),
+                             max_dppl_pct=max_dppl, threads=threads)
+    try:
+        loaded = _open_model(model)
+        for options in (GraphOptions("prefill"), GraphOptions(), GraphOptions(accuracy_level=0)):
+            _ensure_graph(loaded, options)
+        profile, verdicts = run_probe(loaded, settings, progress=lambda m: typer.echo(m, err=True))
+    except EdgeDecodeError as exc:
+        _fail(exc)
+    typer.echo(f"{'tier':5}  {'Δ PPL %':>8}  {'upper':>7}  {'KL':>8}  {'needle':>7}  verdict")
+    for v in verdicts:
+        typer.echo(f"{v.tier:5}  {v.dppl_pct:+8.2f}  {v.dppl_high_pct:+7.2f}  {v.kl:8.5f}  "
+                   f"{v.needle_hits:>3}/{v.needle_trials:<3}  {'tolerated' if v.tolerated else 'refused'}: {v.reason}")
+    typer.echo("allowed tiers: " + ", ".join(t.name for t in profile.allowed) + "; distortion vs DROP: "
+               + ", ".join(f"{t.name} {d:.4f}" for t, d in profile.distortion.items()))
+    if not dry_run:
+        path = profile_path(loaded)
+        path.write_text(profile.to_json())
+        typer.echo(f"saved {path}")
 
 
 @app.command()

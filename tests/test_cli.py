@@ -50,6 +50,37 @@ def test_chat_handoff_injects_the_prefill_graphs_kv(model):
     assert report["timings"]["injected_tokens"] == len(report["prompt_token_ids"]) - 1
     assert report["timings"]["handoff_prefill_seconds"] > 0
     assert report["token_ids"]
+    transfer = report["kv_transfer"]
+    assert transfer["tiers"]["FP16"] == len(report["prompt_token_ids"]) and transfer["b_wire"] <= 1.0
+
+
+def test_handoff_at_a_budget_sends_fewer_bytes_in_lower_tiers(model):
+    result = invoke("generate", "Name a river in Paris.", "--chat", "--handoff", "--budget", "0.3", "-n", "4",
+                    "--threads", "2")
+    assert result.exit_code == 0, result.output
+    assert "KV over EDKV" in result.stderr and "INT4" in result.stderr
+    b_wire = float(result.stderr.split("b_wire ")[1].split()[0])
+    assert 0.25 < b_wire <= 0.3
+
+
+def test_probe_saves_a_verdict_the_allocator_reads(model):
+    from edgedecode.evaluation.probe import profile_path
+    from edgedecode.kv.policy import TierProfile
+    from edgedecode.kv.tiers import Tier
+
+    path = profile_path(model)
+    try:
+        result = invoke("probe", "--contexts", "2", "--context-tokens", "160", "--continuation", "24",
+                        "--niah-trials", "5", "--niah-tokens", "150", "--threads", "2")
+        assert result.exit_code == 0, result.output
+        profile = TierProfile.load(path)
+        assert profile.source.startswith("edgedecode probe")
+        assert Tier.FP16 in profile.allowed and Tier.DROP in profile.allowed
+        d = profile.distortion
+        assert 0 <= d[Tier.INT8] < d[Tier.INT4] < d[Tier.INT2]  # measured, and ordered by precision
+        assert "INT2" in result.stdout and "saved" in result.stdout
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_prompt_from_stdin_with_a_system_message(model):

@@ -1,0 +1,2 @@
+"""Measuring what a KV handoff costs in quality: teacher-forced perplexity and KL, needle retrieval,
+and the deployment-time probe built on them."""

@@ -1,0 +1,141 @@
+"""`edgedecode probe`: which KV tiers a model tolerates, measured once per deployment.
+
+For each quantized tier, every context token is sent at that tier; perplexity of a teacher-forced
+continuation (t-interval over contexts) and needle retrieval (Wilson interval) are compared with
+FP16 transfer. A tier is tolerated when the upper end of its Δ PPL interval stays under the limit
+and its needle rate is not below FP16's interval. Dropping half the non-pinned tokens (least
+attended first) calibrates DROP, so each tier's distortion is per-token KL relative to a dropped
+token's: the exchange rate the allocator trades bytes with. The verdict is saved beside the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgedecode.decode.engine import Engine
+from edgedecode.evaluation.niah import answer, needle_trials
+from edgedecode.evaluation.scoring import mean_kl, score_continuation
+from edgedecode.evaluation.stats import mean_interval, wilson_interval
+from edgedecode.evaluation.texts import pydoc_corpus, token_windows
+from edgedecode.evaluation.transfer import with_tiers
+from edgedecode.kv.policy import TierProfile, pinned_mask
+from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
+from edgedecode.model.graph import GraphOptions
+from edgedecode.model.loader import LoadedModel
+from edgedecode.model.registry import model_dir
+from edgedecode.prefill.pipeline import prefill_and_score
+
+PROFILE_FILE = "tier_profile.json"
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    contexts: int = 4
+    context_tokens: int = 1024
+    continuation_tokens: int = 128
+    niah_tokens: int = 1000  # research/niah.md: FP16 retrieval is reliable at 1k, a coin flip at 2k
+    niah_depths: int = 5
+    niah_trials_per_depth: int = 2
+    max_dppl_pct: float = 2.0
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class TierVerdict:
+    tier: str
+    dppl_pct: float
+    dppl_high_pct: float
+    kl: float
+    needle_hits: int
+    needle_trials: int
+    tolerated: bool
+    reason: str
+
+
+def profile_path(model: LoadedModel) -> Path:
+    """Where the probe's verdict for this model is saved (and where the allocator looks)."""
+    return model_dir(model.record.name) / PROFILE_FILE
+
+
+def run_probe(model: LoadedModel, settings: ProbeSettings = ProbeSettings(), progress=print) -> tuple[TierProfile, list[TierVerdict]]:
+    """Measure every quantized tier and DROP; return the profile (not yet saved) and the verdicts."""
+    s = settings
+    context_len = max(s.context_tokens + s.continuation_tokens, s.niah_tokens + 128) + 64
+    prefiller = Engine(model, GraphOptions("prefill"), max_context=context_len, threads=s.threads)
+    # Perplexity is scored with exact arithmetic over the INT4 weights (acc 0): the deployed acc-4 graph's
+    # int8 activations add KL ≈ 0.002–0.004 to any input change, more than INT8 KV costs. Needles decode
+    # with the deployed graph.
+    scorer = Engine(model, GraphOptions(accuracy_level=0), max_context=context_len, threads=s.threads)
+    decoder = Engine(model, GraphOptions(), max_context=context_len, threads=s.threads)
+    contract = model.spec.kv_contract
+    windows = token_windows(model.tokenizer, pydoc_corpus(), s.context_tokens + s.continuation_tokens + 1, s.contexts)
+    dnll: dict[Tier, list[float]] = {t: [] for t in (*QUANTIZED_TIERS, Tier.DROP)}
+    kl: dict[Tier, list[float]] = {t: [] for t in dnll}  # mean KL(FP16 transfer ‖ tier) per context
+    affected: dict[Tier, int] = {}  # tokens sent at that tier per context
+    for index, window in enumerate(windows):
+        context, continuation = window[:s.context_tokens], window[s.context_tokens:]
+        scored = prefill_and_score(prefiller, context)
+        snap, n = scored.snapshot, scored.snapshot.n_tokens
+        reference = score_continuation(scorer, context, continuation, with_tiers(snap, np.zeros(n, np.uint8), contract))
+        for tier, tiers in _probe_tiers(scored.importance, snap.positions):
+            score = score_continuation(scorer, context, continuation, with_tiers(snap, tiers, contract))
+            dnll[tier].append(score.mean_nll - reference.mean_nll)
+            kl[tier].append(mean_kl(reference, score))
+            affected[tier] = int((tiers == tier).sum())
+        progress(f"probe: context {index + 1}/{len(windows)} scored")
+    needle = _needle_hits(model, prefiller, decoder, s, progress)
+    fp16_low, _ = wilson_interval(needle[Tier.FP16], len(needle["trials"]))
+    per_token = {tier: float(np.mean(kl[tier])) / affected[tier] for tier in kl}
+    verdicts, allowed, distortion = [], [Tier.FP16], {Tier.FP16: 0.0, Tier.DROP: 1.0}
+    for tier in QUANTIZED_TIERS:
+        mean, _, high = mean_interval(dnll[tier])
+        hits, trials = needle[tier], len(needle["trials"])
+        dppl, dppl_high = 100 * math.expm1(mean), 100 * math.expm1(high)
+        ppl_ok, needle_ok = dppl_high <= s.max_dppl_pct, hits / trials >= fp16_low
+        reason = "; ".join(filter(None, [
+            None if ppl_ok else f"Δ PPL upper bound {dppl_high:+.2f} % > {s.max_dppl_pct:g} %",
+            None if needle_ok else f"needle {hits}/{trials} below FP16's interval (≥ {fp16_low:.2f})"])) or "within limits"
+        verdicts.append(TierVerdict(tier.name, dppl, dppl_high, float(np.mean(kl[tier])), hits, trials,
+                                    ppl_ok and needle_ok, reason))
+        distortion[tier] = max(per_token[tier] / per_token[Tier.DROP], 0.0) if per_token[Tier.DROP] > 0 else 1.0
+        if ppl_ok and needle_ok:
+            allowed.append(tier)
+    allowed.append(Tier.DROP)
+    source = (f"edgedecode probe: {s.contexts} contexts × {s.continuation_tokens} tokens, needle "
+              f"{len(needle['trials'])} trials at {s.niah_tokens} tokens (FP16 {needle[Tier.FP16]}/{len(needle['trials'])})")
+    return TierProfile(tuple(allowed), distortion, source), verdicts
+
+
+def _probe_tiers(importance: np.ndarray, positions: np.ndarray):
+    """(tier, tiers [n]) per probed tier: all tokens at a quantized tier; or half the non-pinned
+    tokens, least attended first, dropped (the rest FP16)."""
+    n = len(positions)
+    for tier in QUANTIZED_TIERS:
+        yield tier, np.full(n, tier, np.uint8)
+    candidates = np.flatnonzero(~pinned_mask(positions))
+    dropped = candidates[np.argsort(importance[candidates], kind="stable")[:len(candidates) // 2]]
+    tiers = np.zeros(n, np.uint8)
+    tiers[dropped] = Tier.DROP
+    yield Tier.DROP, tiers
+
+
+def _needle_hits(model: LoadedModel, prefiller: Engine, decoder: Engine, s: ProbeSettings, progress) -> dict:
+    from pydoc_data.topics import topics
+
+    haystack = "\n".join(topics[name] for name in ("specialnames", "compound", "types"))
+    depths = [round((i + 0.5) / s.niah_depths, 3) for i in range(s.niah_depths)]
+    trials = needle_trials(model.tokenizer, haystack, context_tokens=s.niah_tokens, depths=depths,
+                           trials_per_depth=s.niah_trials_per_depth, seed=1)
+    hits: dict = {tier: 0 for tier in (Tier.FP16, *QUANTIZED_TIERS)}
+    for index, trial in enumerate(trials):
+        snap = prefill_and_score(prefiller, trial.prompt_ids).snapshot
+        for tier in hits:
+            kv = with_tiers(snap, np.full(snap.n_tokens, tier, np.uint8), model.spec.kv_contract)
+            hits[tier] += answer(decoder, model.tokenizer, trial, kv)
+        progress(f"probe: needle {index + 1}/{len(trials)}")
+    hits["trials"] = trials
+    return hits

@@ -1,0 +1,52 @@
+"""Token importance for tier assignment: attention from an observation window (SnapKV-style), or a
+position-only prior for comparison.
+
+The prefill side reruns the prompt's last w tokens with query outputs (``Engine.observe``) and
+scores every cached token by the softmax attention those queries give it, summed over query heads
+and window queries, per layer. Sinks and the window itself are pinned by the policy, not here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgedecode.model.reference import apply_rope
+from edgedecode.model.spec import ModelSpec
+
+OBSERVATION_WINDOW = 32
+
+
+def attention_importance(spec: ModelSpec, queries: np.ndarray, query_positions: np.ndarray,
+                         keys: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
+    """Attention mass [layers, n] that each cached token receives from the observation queries.
+
+    queries: pre-RoPE [layers, w, heads*head_dim] at ``query_positions`` [w]; keys: post-RoPE
+    [layers, kv_heads, n, head_dim] at ``key_positions`` [n]. A query attends only to keys at or
+    before its own position, exactly as in the forward pass.
+    """
+    n_layers, w, _ = queries.shape
+    group = spec.n_heads // spec.n_kv_heads
+    hidden = key_positions[None, :] > query_positions[:, None]  # [w, n]
+    scores = np.empty((n_layers, keys.shape[2]), np.float32)
+    for layer in range(n_layers):
+        q = queries[layer].astype(np.float32).reshape(w, spec.n_heads, spec.head_dim).transpose(1, 0, 2)
+        q = apply_rope(q, query_positions, spec.rope_theta).reshape(spec.n_kv_heads, group * w, spec.head_dim)
+        logits = q @ keys[layer].astype(np.float32).transpose(0, 2, 1) / np.sqrt(spec.head_dim)  # [kvh, g*w, n]
+        logits = logits.reshape(spec.n_kv_heads, group, w, -1)
+        logits[..., hidden] = -np.inf
+        logits -= logits.max(axis=-1, keepdims=True)
+        np.exp(logits, out=logits)
+        logits /= logits.sum(axis=-1, keepdims=True)
+        scores[layer] = logits.sum(axis=(0, 1, 2))
+    return scores
+
+
+def position_importance(positions: np.ndarray, *, sinks: int = 4, half_life: float | None = None) -> np.ndarray:
+    """A position-only prior [n]: attention sinks first, then recency with exponential decay.
+
+    The half-life defaults to a quarter of the span, so the oldest non-sink tokens score lowest.
+    """
+    span = max(int(positions[-1]) + 1, 1) if len(positions) else 1
+    age = (span - 1 - positions).astype(np.float64)
+    decay = np.exp2(-age / (half_life or max(span / 4, 1.0)))
+    return np.where(positions < sinks, 2.0, decay).astype(np.float32)

@@ -1,0 +1,1 @@
+"""The prefill side of a KV handoff: the higher-precision graph, token scoring and EDKV encoding."""

@@ -1,0 +1,104 @@
+"""Prefill a prompt with the higher-precision graph, score its tokens, assign tiers under a budget
+and encode the KV as EDKV frames.
+
+The budget is on wire bytes (after zstd): tiers are first assigned against the raw cost model,
+then the target is rescaled by the measured compression until the payload fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgedecode.decode.engine import Engine
+from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
+from edgedecode.kv.policy import TierProfile, policy_tiers
+from edgedecode.kv.quant import token_nbytes
+from edgedecode.kv.snapshot import KVSnapshot
+from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import encode_payload
+
+_FIT_ATTEMPTS = 6
+_CLOSE_ENOUGH = 0.99  # stop refitting once the payload uses this share of the budget
+
+
+@dataclass(frozen=True)
+class ScoredPrefill:
+    """A prompt's KV from the prefill graph and each token's attention importance."""
+
+    snapshot: KVSnapshot
+    importance: np.ndarray  # float32 [n]: attention from the observation window, summed over layers
+
+
+@dataclass(frozen=True)
+class EncodedKV:
+    """An EDKV payload (its frames in order) and what it cost."""
+
+    frames: list[bytes]
+    tiers: np.ndarray  # uint8 [n]
+    fp16_bytes: int  # the same tokens' K and V at FP16
+    raw_bytes: int  # tier payload before zstd (codes, scales, FP16 rows)
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(len(frame) for frame in self.frames)
+
+    @property
+    def b_raw(self) -> float:
+        return self.raw_bytes / self.fp16_bytes
+
+    @property
+    def b_wire(self) -> float:
+        return self.wire_bytes / self.fp16_bytes
+
+    def tier_counts(self) -> dict[str, int]:
+        counts = np.bincount(self.tiers, minlength=len(Tier))
+        return {tier.name: int(counts[tier]) for tier in Tier}
+
+
+def prefill_and_score(engine: Engine, prompt_ids: np.ndarray, window: int = OBSERVATION_WINDOW) -> ScoredPrefill:
+    """Run the whole prompt through ``engine`` (built with emit_queries) and score every token."""
+    engine.prefill(prompt_ids)
+    queries, query_positions = engine.observe(window)
+    snapshot = engine.export_kv()
+    per_layer = attention_importance(engine.spec, queries, query_positions, snapshot.keys, snapshot.positions)
+    return ScoredPrefill(snapshot, per_layer.sum(axis=0))
+
+
+def tier_costs(snapshot: KVSnapshot) -> dict[Tier, float]:
+    """Raw wire bytes per token (all layers, K and V) of each tier."""
+    c = snapshot.contract
+    return {tier: c.n_layers * token_nbytes(tier, c.n_kv_heads, c.head_dim) for tier in Tier}
+
+
+def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ours", *,
+                         profile: TierProfile | None = None, pdtrim_head_fraction: float = 0.5,
+                         meta: dict | None = None) -> EncodedKV:
+    """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``."""
+    snapshot = scored.snapshot
+    costs = tier_costs(snapshot)
+    fp16_bytes = int(costs[Tier.FP16] * snapshot.n_tokens)
+    meta = {"policy": policy, "budget": budget, **(meta or {})}
+
+    def encode_at(target: float) -> EncodedKV:
+        tiers = policy_tiers(policy, target, snapshot.positions, costs, attention=scored.importance,
+                             profile=profile, pdtrim_head_fraction=pdtrim_head_fraction)
+        counts = np.bincount(tiers, minlength=len(Tier))
+        raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
+        return EncodedKV(list(encode_payload(snapshot, tiers, meta=meta)), tiers, fp16_bytes, raw)
+
+    best: EncodedKV | None = None
+    target = budget
+    for _ in range(_FIT_ATTEMPTS):
+        encoded = encode_at(target)
+        if encoded.b_wire <= budget and (best is None or encoded.b_wire > best.b_wire):
+            best = encoded
+        if best is not None and (best.b_wire >= _CLOSE_ENOUGH * budget or encoded is not best):
+            break
+        target *= budget / encoded.b_wire
+    while best is None:  # every refit overshot (zstd gained less than assumed): shrink until it fits
+        target *= _CLOSE_ENOUGH * budget / encoded.b_wire
+        encoded = encode_at(target)
+        best = encoded if encoded.b_wire <= budget else None
+    return best

@@ -1,0 +1,93 @@
+"""The tier allocator and the named policies: budgets hold, DROP only when needed, importance decides."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgedecode.kv.policy import POLICIES, BudgetError, TierProfile, allocate, pdtrim_tiers, pinned_mask, policy_tiers
+from edgedecode.kv.quant import token_nbytes
+from edgedecode.kv.tiers import Tier
+
+COSTS = {tier: 30 * token_nbytes(tier, 3, 64) for tier in Tier}
+
+
+def _cost(tiers: np.ndarray) -> float:
+    return sum(COSTS[Tier(t)] for t in tiers) / (len(tiers) * COSTS[Tier.FP16])
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 400), budget=st.floats(0.0, 1.2), seed=st.integers(0, 2**16))
+def test_allocation_fits_the_budget_and_drops_only_when_required(n, budget, seed):
+    importance = np.random.default_rng(seed).pareto(1.5, n)
+    tiers = allocate(importance, budget, COSTS, TierProfile(), pinned_mask(np.arange(n)))
+    assert _cost(tiers) <= budget + 1e-9
+    all_int4 = COSTS[Tier.INT4] / COSTS[Tier.FP16]
+    if budget >= all_int4:
+        assert not np.any(tiers == Tier.DROP)
+    else:
+        kept = tiers != Tier.DROP
+        assert kept.sum() == min(int(budget * n * COSTS[Tier.FP16] // COSTS[Tier.INT4]), n)
+        # The least important tokens are the dropped ones (pinned ones last).
+        if kept.any() and (~kept).any():
+            weight = np.where(pinned_mask(np.arange(n)), np.inf, importance)
+            assert weight[kept].min() >= weight[~kept].max()
+
+
+def test_upgrades_go_to_pinned_then_most_important_tokens():
+    n = 1000
+    importance = np.ones(n)
+    importance[[100, 200]] = 50.0
+    pinned = pinned_mask(np.arange(n))
+    step = COSTS[Tier.INT8] - COSTS[Tier.INT4]
+    budget = (n * COSTS[Tier.INT4] + (pinned.sum() + 2.5) * step) / (n * COSTS[Tier.FP16])  # 70.5 upgrades
+    tiers = allocate(importance, budget, COSTS, TierProfile(), pinned)
+    assert np.all(tiers[pinned] == Tier.INT8)  # sinks and the recent window first
+    assert tiers[100] == Tier.INT8 and tiers[200] == Tier.INT8  # then the most attended
+    assert np.all(tiers[~pinned & (importance == 1)] == Tier.INT4)
+
+
+def test_full_budget_sends_everything_at_fp16_and_a_tier_profile_restricts_tiers():
+    assert np.all(allocate(np.ones(64), 1.0, COSTS, TierProfile()) == Tier.FP16)
+    only_int8 = TierProfile((Tier.FP16, Tier.INT8), TierProfile().distortion)
+    assert np.all(allocate(np.ones(64), 0.535, COSTS, only_int8) == Tier.INT8)  # INT8 is 0.531
+    with pytest.raises(BudgetError, match="DROP is not allowed"):
+        allocate(np.ones(64), 0.3, COSTS, only_int8)
+
+
+def test_a_tier_worse_than_dropping_is_never_used():
+    profile = TierProfile((Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT2, Tier.DROP))  # INT2 distortion 3 > DROP's 1
+    tiers = allocate(np.random.default_rng(0).random(500), 0.25, COSTS, profile)
+    assert not np.any(tiers == Tier.INT2)
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    profile = TierProfile((Tier.FP16, Tier.INT4, Tier.DROP), {Tier.FP16: 0.0, Tier.INT4: 0.05, Tier.DROP: 1.0}, "probe")
+    path = tmp_path / "p.json"
+    path.write_text(profile.to_json())
+    assert TierProfile.load(path) == profile
+    assert TierProfile.load(tmp_path / "missing.json") == TierProfile()
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3, 0.2, 0.1])
+def test_every_policy_meets_the_budget(budget):
+    n = 600
+    positions = np.arange(n)
+    attention = np.random.default_rng(1).pareto(1.2, n)
+    for policy in POLICIES:
+        tiers = policy_tiers(policy, budget, positions, COSTS, attention=attention)
+        assert _cost(tiers) <= budget + 1e-9, policy
+
+
+def test_pdtrim_keeps_head_and_tail_at_fp16():
+    tiers = pdtrim_tiers(100, 0.3, 0.25)
+    kept = np.flatnonzero(tiers == Tier.FP16)
+    assert list(kept) == list(range(8)) + list(range(78, 100))
+    assert np.all(tiers[8:78] == Tier.DROP)
+
+
+def test_unknown_policy_is_named():
+    with pytest.raises(BudgetError, match="unknown KV policy 'best'"):
+        policy_tiers("best", 0.3, np.arange(10), COSTS)

@@ -1,0 +1,104 @@
+"""The KV handoff through EDKV on the real model: prefill side scoring and budgets, streamed ingest
+into the decoder's buffers, and bad payloads that leave the decoder serving."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgedecode.decode.kvcache import KVInjectionError
+from edgedecode.decode.sampler import SamplingParams
+from edgedecode.kv.policy import POLICIES
+from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import KVChecksumError, KVTruncatedError, decode_snapshot, encode_payload
+from edgedecode.prefill.pipeline import encode_within_budget, prefill_and_score
+
+
+GREEDY_8 = SamplingParams(max_tokens=8, stop_token_ids=())
+
+
+@pytest.fixture(scope="module")
+def scorer(smollm2_model):
+    from edgedecode.decode.engine import Engine
+    from edgedecode.model.graph import GraphOptions
+
+    return Engine(smollm2_model, GraphOptions("prefill"), max_context=1024, threads=2)
+
+
+@pytest.fixture(scope="module")
+def long_prompt(smollm2_model):
+    from pydoc_data.topics import topics
+
+    return np.asarray(smollm2_model.tokenizer.encode(topics["specialnames"], parse_special=False)[:600], np.int64)
+
+
+@pytest.fixture(scope="module")
+def scored(scorer, long_prompt):
+    return prefill_and_score(scorer, long_prompt)
+
+
+def _stream(engine, prompt, payload: bytes, piece: int = 7777):
+    reader = engine.open_kv_stream(prompt)
+    for start in range(0, len(payload), piece):
+        reader.feed(payload[start:start + piece])
+    return engine.prefill_streamed(prompt, reader)
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.3, 0.15])
+def test_every_policy_fits_the_wire_budget(scored, budget):
+    for policy in POLICIES:
+        encoded = encode_within_budget(scored, budget, policy)
+        assert encoded.b_wire <= budget, policy
+        assert encoded.b_wire < encoded.b_raw + 0.01  # zstd never inflates the payload noticeably
+    ours = encode_within_budget(scored, budget)
+    assert ours.b_wire > 0.9 * budget  # the refit uses the budget, not just the raw estimate
+    all_int4 = len(b"".join(encode_payload(scored.snapshot, np.full(scored.snapshot.n_tokens, Tier.INT4, np.uint8))))
+    assert (ours.tier_counts()["DROP"] > 0) == (all_int4 > budget * ours.fp16_bytes)  # DROP only when required
+
+
+def test_streamed_ingest_equals_snapshot_injection_and_fp16_is_lossless(exact_decoder, scored, long_prompt, smollm2_model):
+    contract = smollm2_model.spec.kv_contract
+    payload = b"".join(encode_within_budget(scored, 1.0).frames)
+    received = decode_snapshot(payload, contract)
+    np.testing.assert_array_equal(received.keys, scored.snapshot.keys.astype(np.float16).astype(np.float32))
+    via_snapshot = exact_decoder.prefill(long_prompt, kv=received).copy()
+    via_stream = _stream(exact_decoder, long_prompt, payload)
+    np.testing.assert_array_equal(via_stream, via_snapshot)
+    assert exact_decoder.stats.injected_tokens == len(long_prompt) - 1
+    reader = exact_decoder.open_kv_stream(long_prompt)
+    reader.feed(payload)
+    streamed_tokens = list(exact_decoder.generate(long_prompt, GREEDY_8, kv=reader))
+    assert streamed_tokens == list(exact_decoder.generate(long_prompt, GREEDY_8, kv=received))
+
+
+def test_dropped_tokens_arrive_compacted_with_their_positions(exact_decoder, scored, long_prompt):
+    encoded = encode_within_budget(scored, 0.15)
+    kept = encoded.tiers != Tier.DROP
+    logits = _stream(exact_decoder, long_prompt, b"".join(encoded.frames), piece=1 << 20)
+    last_kept = int(np.flatnonzero(kept)[-1])
+    assert exact_decoder.next_position == len(long_prompt)
+    assert exact_decoder.length == int(kept[:len(long_prompt) - 1].sum()) + (len(long_prompt) - min(last_kept + 1, len(long_prompt) - 1))
+    assert np.isfinite(logits).all()
+
+
+def test_a_payload_for_another_prompt_is_refused_before_any_write(exact_decoder, scored, long_prompt):
+    payload = b"".join(encode_within_budget(scored, 0.3).frames)
+    other = long_prompt.copy()
+    other[5] += 1
+    exact_decoder.cache.host[:] = np.nan
+    with pytest.raises(KVInjectionError, match="prompt's tokens"):
+        _stream(exact_decoder, other, payload)
+    assert np.isnan(exact_decoder.cache.host).all()
+    exact_decoder.prefill(long_prompt[:50])  # the engine serves the next request
+    assert exact_decoder.length == 50
+
+
+def test_a_corrupt_or_cut_stream_fails_typed_and_the_engine_keeps_serving(decoder, scored, long_prompt):
+    payload = bytearray(b"".join(encode_within_budget(scored, 0.3).frames))
+    payload[len(payload) // 2] ^= 0xFF
+    with pytest.raises(KVChecksumError):
+        _stream(decoder, long_prompt, bytes(payload))
+    with pytest.raises(KVTruncatedError):
+        _stream(decoder, long_prompt, b"".join(encode_within_budget(scored, 0.3).frames)[:-40])
+    reference = decoder.prefill(long_prompt).copy()
+    assert decoder.length == len(long_prompt) and np.isfinite(reference).all()
