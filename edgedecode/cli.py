@@ -80,13 +80,14 @@ def build(
         4, help="MatMulNBits accuracy level of the decode graph: 4 int8 activations (fast), 0 exact fp32 (slow, for checks)."),
 ) -> None:
     """Build (or find in the cache) the ONNX graphs of a model."""
-    from edgedecode.model.graph import GraphOptions
+    from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
 
     try:
         loaded = _open_model(model)
         kinds = ["decode", "prefill"] if kind == "all" else [kind]
         for k in kinds:
-            options = GraphOptions(k, dtype, accuracy_level if k == "decode" else 0)
+            q4_1 = DEVICE_Q4_1["cuda" if dtype == "float16" and k == "decode" else "cpu"]
+            options = GraphOptions(k, dtype, accuracy_level if k == "decode" else 0, q4_1=q4_1)
             _ensure_graph(loaded, options)
             path = loaded.graph(options)
             typer.echo(f"{k}: {path} ({path.stat().st_size} bytes)")
@@ -128,7 +129,7 @@ def generate(
     """Generate text with the INT4 decode graph, streaming it as it comes."""
     from edgedecode.decode.engine import Engine
     from edgedecode.decode.sampler import SamplingParams
-    from edgedecode.model.graph import GraphOptions
+    from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
 
     dtype = "float16" if device == "cuda" else "float32"
     engine_args = dict(max_context=max_context, threads=threads, device=device)
@@ -137,7 +138,7 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         loaded = _open_model(model)
         prompt_ids = _prompt_ids(loaded.tokenizer, prompt, chat, system)
-        decode_options = GraphOptions("decode", dtype, accuracy_level)
+        decode_options = GraphOptions("decode", dtype, accuracy_level, q4_1=DEVICE_Q4_1.get(device, "correction"))
         prefill_options = GraphOptions("prefill", dtype)
         for options in (decode_options, prefill_options) if handoff else (decode_options,):
             _ensure_graph(loaded, options)

@@ -2,7 +2,9 @@
 
 The CUDA-graph decode step is held to the plain CUDA runs of the same graph: same greedy tokens,
 except past a near-tie. KV injection on the device writes exactly the rows given (checked on CPU
-too, where the same row writer runs over host memory).
+too, where the same row writer runs over host memory). The CUDA decode graph ships Q4_1 as float
+zero points (GraphOptions.q4_1); it is held to the correction graph on CUDA, and its weight form
+and emission are checked exactly on the CPU.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from edgedecode.decode.kvcache import DeviceRows, KVCache
 from edgedecode.decode.sampler import SamplingParams
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import encode_payload
-from edgedecode.model.graph import GraphOptions
+from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions, GraphOptionsError
 from edgedecode.model.session import available_devices
+from edgedecode.model.weights import BlockQuantized
 
 NEAR_TIE = 0.5
 LONG_PROMPT_TOKENS = 1500
+CUDA_DECODE = GraphOptions("decode", "float16", 4, q4_1=DEVICE_Q4_1["cuda"])  # as shipped for CUDA
 
 
 def on_cuda(test):
@@ -34,14 +38,20 @@ def on_cuda(test):
 @pytest.fixture(scope="module")
 def cuda_decoder(smollm2_model):
     """The fp16 INT4 decoder as shipped for CUDA: decode steps replay a captured CUDA graph."""
-    return Engine(smollm2_model, GraphOptions("decode", "float16", 4), max_context=2048, device="cuda")
+    return Engine(smollm2_model, CUDA_DECODE, max_context=2048, device="cuda")
 
 
 @pytest.fixture(scope="module")
 def cuda_plain_decoder(smollm2_model):
     """The same graph run step by step without CUDA graphs."""
-    return Engine(smollm2_model, GraphOptions("decode", "float16", 4), max_context=2048, device="cuda",
-                  cuda_graph=False)
+    return Engine(smollm2_model, CUDA_DECODE, max_context=2048, device="cuda", cuda_graph=False)
+
+
+@pytest.fixture(scope="module")
+def cuda_correction_decoder(smollm2_model):
+    """The fp16 graph with the exact Q4_1 correction (blocksum(x) @ C) instead of float zero points."""
+    return Engine(smollm2_model, GraphOptions("decode", "float16", 4, q4_1="correction"), max_context=2048,
+                  device="cuda")
 
 
 @pytest.fixture(scope="module")
@@ -220,3 +230,58 @@ def test_cuda_handoff_matches_local_prefill_up_to_a_near_tie(cuda_decoder, cuda_
           f"{handed_logits[handed[split]] - handed_logits[local[split]]:.3f}")
     assert local_logits[local[split]] - local_logits[handed[split]] < NEAR_TIE
     assert handed_logits[handed[split]] - handed_logits[local[split]] < NEAR_TIE
+
+
+def test_zero_point_form_reproduces_every_block_exactly():
+    rng = np.random.default_rng(1)
+    codes = rng.integers(0, 16, (3, 80), dtype=np.uint8)  # 80 = two blocks of 32 and a short one of 16
+    scales = rng.uniform(0.01, 0.1, (3, 3)).astype(np.float32)
+    offsets = rng.uniform(-1.0, 1.0, (3, 3)).astype(np.float32)
+    scales[1, 2], scales[2, 0], offsets[2, 0] = 0.0, 0.0, 0.0  # constant blocks: m != 0 and m == 0
+    weight = BlockQuantized(codes, scales, offsets, 4)
+    form, zero_points = weight.zero_point_form()
+    assert form.offsets is None and zero_points.shape == scales.shape
+    blocks = np.pad(form.codes, ((0, 0), (0, 16))).reshape(3, 3, 32).astype(np.float64)
+    rebuilt = (form.scales[..., None] * (blocks - zero_points[..., None])).reshape(3, -1)[:, :80]
+    np.testing.assert_allclose(rebuilt, weight.dequantize(), rtol=1e-6, atol=1e-6)
+    assert rebuilt[1, 64:].tolist() == [offsets[1, 2]] * 16 and not rebuilt[2, :32].any()
+
+
+def test_q4_1_forms_are_validated():
+    with pytest.raises(GraphOptionsError, match="q4_1 must be one of"):
+        GraphOptions(q4_1="zeropoint")
+    with pytest.raises(GraphOptionsError, match="decode graph only"):
+        GraphOptions("prefill", q4_1="zero_point")
+    assert GraphOptions().q4_1 == DEVICE_Q4_1["cpu"] == "correction"
+
+
+@pytest.mark.parametrize("q4_1", ("zero_point", "stacked"))
+def test_q4_1_forms_compute_what_the_correction_graph_does(q4_1, smollm2_model, exact_decoder, logit_vectors):
+    """On the CPU in fp32 (acc0), where every form is exact: the emission, not the kernels, is checked."""
+    ids = logit_vectors["chat_ids"]
+    engine = Engine(smollm2_model, GraphOptions("decode", "float32", 0, q4_1=q4_1), max_context=64, threads=2)
+    exact_decoder.reset()
+    np.testing.assert_allclose(engine.forward(ids, all_logits=True), exact_decoder.forward(ids, all_logits=True),
+                               atol=2e-3)
+
+
+@on_cuda
+@pytest.mark.parametrize("prompt", ("chat", "long"))
+def test_zero_point_graph_tracks_the_correction_graph(prompt, cuda_decoder, cuda_correction_decoder,
+                                                      logit_vectors, long_prompt):
+    ids = _prompt(prompt, logit_vectors, long_prompt)
+    shipped, corrected = _step_logits(cuda_decoder, ids), _step_logits(cuda_correction_decoder, ids)
+    print(f"{prompt}: zero-point vs correction step, max |logit diff| {np.abs(shipped - corrected).max():.4f}")
+    np.testing.assert_allclose(shipped, corrected, atol=0.25)
+    greedy = SamplingParams(max_tokens=64, stop_token_ids=())
+    ours, theirs = list(cuda_decoder.generate(ids, greedy)), list(cuda_correction_decoder.generate(ids, greedy))
+    split = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if split is None:
+        assert ours == theirs
+        return
+    context = np.concatenate([ids, theirs[:split]])
+    ours_logits, theirs_logits = _step_logits(cuda_decoder, context), _step_logits(cuda_correction_decoder, context)
+    ours_margin = ours_logits[ours[split]] - ours_logits[theirs[split]]
+    theirs_margin = theirs_logits[theirs[split]] - theirs_logits[ours[split]]
+    print(f"{prompt}: diverge at {split}: margins {ours_margin:.3f} / {theirs_margin:.3f}")
+    assert ours_margin < NEAR_TIE and theirs_margin < NEAR_TIE

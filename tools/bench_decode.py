@@ -14,7 +14,7 @@ is installed, decoding an all-INT4 payload of it alone, and streaming that paylo
 then resuming).
 
     python tools/bench_decode.py [--runs 5] [--threads 2] [--past 16 512 2048] [--json]
-    python tools/bench_decode.py --device cuda [--runs 7] [--no-rss] [--json]
+    python tools/bench_decode.py --device cuda [--runs 7] [--no-rss] [--q4-1 zero_point] [--json]
 
 llama.cpp comes from the optional extra: pip install -e '.[bench]' (llama-cpp-python, built from source).
 """
@@ -35,7 +35,7 @@ import numpy as np
 
 from edgedecode.decode.engine import Engine
 from edgedecode.decode.sampler import SamplingParams
-from edgedecode.model.graph import GraphOptions
+from edgedecode.model.graph import DEVICE_Q4_1, Q4_1_MODES, GraphOptions
 from edgedecode.model.loader import load_model
 
 DECODE_STEPS = 64
@@ -54,10 +54,10 @@ def prompt_tokens(tokenizer, n: int) -> np.ndarray:
 
 class EdgeDecodeRunner:
     def __init__(self, model, threads: int, context: int, accuracy_level: int, device: str,
-                 cuda_graph: bool = True) -> None:
+                 cuda_graph: bool = True, q4_1: str = "correction") -> None:
         dtype = "float16" if device == "cuda" else "float32"
         self.name = "edgedecode" if cuda_graph or device != "cuda" else "edgedecode-no-graph"
-        self.engine = Engine(model, GraphOptions("decode", dtype, accuracy_level), max_context=context,
+        self.engine = Engine(model, GraphOptions("decode", dtype, accuracy_level, q4_1=q4_1), max_context=context,
                              threads=threads, device=device, cuda_graph=cuda_graph)
         if device == "cuda" and cuda_graph and not self.engine.cuda_graph:
             raise SystemExit("onnxruntime refused CUDA graph capture for this graph (see the log)")
@@ -126,7 +126,7 @@ def make_runner(name: str, args, model):
     if name == "llama.cpp":
         return LlamaCppRunner(model.record.gguf_path, args.threads, context)
     return EdgeDecodeRunner(model, args.threads, context, args.accuracy_level, args.device,
-                            cuda_graph=name != "edgedecode-no-graph")
+                            cuda_graph=name != "edgedecode-no-graph", q4_1=args.q4_1)
 
 
 def first_token_ms(engine: Engine, ids: np.ndarray) -> float:
@@ -221,7 +221,8 @@ def cuda_machine() -> dict:
 def peak_rss_mib(engine: str, args) -> float | None:
     """Peak RSS of a fresh process that runs one engine at the largest past length."""
     cmd = [sys.executable, __file__, "--rss-child", engine, "--threads", str(args.threads),
-           "--accuracy-level", str(args.accuracy_level), "--past", str(max(args.past)), "--device", args.device]
+           "--accuracy-level", str(args.accuracy_level), "--past", str(max(args.past)), "--device", args.device,
+           "--q4-1", args.q4_1]
     if args.model:
         cmd += ["--model", args.model]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -258,6 +259,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--past", type=int, nargs="+", default=[16, 512, 2048])
     parser.add_argument("--accuracy-level", type=int, default=4)
+    parser.add_argument("--q4-1", choices=Q4_1_MODES, default=None,
+                        help="how the decode graph applies Q4_1's offsets (GraphOptions.q4_1; default: the "
+                             "device's shipped form, zero_point on cuda, correction on cpu)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda runs the float16 graphs on onnxruntime-gpu (llama.cpp is then skipped: "
                              "the [bench] extra builds it for the CPU)")
@@ -266,6 +270,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.q4_1 = args.q4_1 or DEVICE_Q4_1[args.device]
     if args.rss_child:
         return rss_child(args)
 
@@ -283,7 +288,8 @@ def main() -> None:
             for runner in runners:
                 samples[(runner.name, past)].append(runner.run(prompts[past]))
     results = {"device": args.device, "threads": args.threads, "runs": args.runs, "decode_steps": DECODE_STEPS,
-               "accuracy_level": args.accuracy_level, "machine": platform.processor() or platform.machine(),
+               "accuracy_level": args.accuracy_level, "q4_1": args.q4_1,
+               "machine": platform.processor() or platform.machine(),
                "context": bench_context(args), "engines": {}}
     if args.device == "cuda":
         results.update(cuda_machine())

@@ -5,7 +5,7 @@ Traces a few decode steps with CUPTI (through torch.profiler, so it needs PyTorc
 onnxruntime-gpu; onnxruntime's own profiler only times nodes on the host) and prints, per mode, the
 kernels per token, their summed GPU time, and the kernels grouped by name.
 
-    python tools/cuda_kernels.py [--past 512] [--steps 20] [--top 25] [--json]
+    python tools/cuda_kernels.py [--past 512] [--steps 20] [--top 25] [--q4-1 zero_point] [--json]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 from torch.profiler import ProfilerActivity, profile
 
 from edgedecode.decode.engine import Engine
-from edgedecode.model.graph import GraphOptions
+from edgedecode.model.graph import DEVICE_Q4_1, Q4_1_MODES, GraphOptions
 from edgedecode.model.loader import load_model
 
 
@@ -44,13 +44,15 @@ def main() -> None:
     parser.add_argument("--past", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--q4-1", choices=Q4_1_MODES, default=DEVICE_Q4_1["cuda"],
+                        help="how the decode graph applies Q4_1's offsets (GraphOptions.q4_1)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     model = load_model(args.model)
     results = {}
     for cuda_graph in (True, False):
-        engine = Engine(model, GraphOptions("decode", "float16", 4), max_context=args.past + args.steps + 8,
-                        device="cuda", cuda_graph=cuda_graph)
+        engine = Engine(model, GraphOptions("decode", "float16", 4, q4_1=args.q4_1),
+                        max_context=args.past + args.steps + 8, device="cuda", cuda_graph=cuda_graph)
         results["cuda_graph" if cuda_graph else "no_cuda_graph"] = trace(engine, args.past, args.steps)
     if args.json:
         print(json.dumps(results, indent=2))

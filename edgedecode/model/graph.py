@@ -3,8 +3,9 @@
 Two variants share every block but the linear layers, the embedding and the head:
 
 * ``decode``: the INT4 edge graph. Linear layers are MatMulNBits without zero points (the fast path)
-  plus, for Q4_1, a per-block correction ``blocksum(x) @ C`` computed once per distinct input; the
-  8-bit embedding table is shared by GatherBlockQuantized and the tied 8-bit LM head.
+  plus, for Q4_1, a per-block correction ``blocksum(x) @ C`` computed once per distinct input (or,
+  per ``GraphOptions.q4_1``, float zero points ``−m/d``: the CUDA default, or a K-doubled "stacked"
+  form); the 8-bit embedding table is shared by GatherBlockQuantized and the tied 8-bit LM head.
 * ``prefill``: the higher-precision graph over dequantized weights (plain MatMul / Gemm).
 
 Both use GroupQueryAttention with RoPE fused (rotate-half order, post-RoPE keys written to the
@@ -24,7 +25,13 @@ import numpy as np
 import onnx
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.model.onnx_builder import INT32, INT64, MS_DOMAIN, GraphBuilder, onnx_dtype
+from edgedecode.model.onnx_builder import (
+    INT32,
+    INT64,
+    MS_DOMAIN,
+    GraphBuilder,
+    onnx_dtype,
+)
 from edgedecode.model.requant import (
     NATIVE,
     WeightFormat,
@@ -37,6 +44,19 @@ from edgedecode.model.weights import BlockQuantized, ModelTensors, concat_rows, 
 
 GRAPH_KINDS = ("decode", "prefill")
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
+# How the decode graph applies per-block offsets (Q4_1's m, asymmetric re-quantization):
+# "correction": MatMulNBits without zero points plus blocksum(x) @ C (exact; the fast kernel on CPU and CUDA);
+# "zero_point": one MatMulNBits with a float zero point per block, −m/d (exact up to its rounding to
+#   the graph's dtype; no extra nodes, but onnxruntime 1.31's GEMV takes uint8 zero points only, so on
+#   CUDA it dequantizes the weight and runs a cuBLAS GEMM: two kernels a linear);
+# "stacked": one MatMulNBits over [x, x] with K doubled, the second half's codes 2^(bits−1)+1 scaled by C
+#   (exact like "correction"; one Concat per distinct input instead of ReduceSum, MatMul and Add per matmul).
+Q4_1_MODES = ("correction", "zero_point", "stacked")
+# The form each device's decode graph ships with. CUDA: the float zero point (the GPU time of the
+# linear layers drops from 1.15 to 0.65 ms a token: 650 instead of 463 tok/s on an H100, with faster
+# prompt passes than "stacked"; docs/performance.md). CPU: the correction, since onnxruntime's CPU
+# kernel takes a ~20x slower path with float zero points.
+DEVICE_Q4_1 = {"cpu": "correction", "cuda": "zero_point"}
 
 
 class GraphOptionsError(EdgeDecodeError, ValueError):
@@ -57,6 +77,8 @@ class GraphOptions:
     emit_queries: bool | None = None
     # The decode graph's layer matrices: "native" (the GGUF's blocks) or re-quantized, "q<bits>b<block_size>".
     weights: str = NATIVE
+    # How the decode graph applies the blocks' offsets (Q4_1's m): one of Q4_1_MODES.
+    q4_1: str = "correction"
 
     def __post_init__(self) -> None:
         if self.kind not in GRAPH_KINDS:
@@ -71,6 +93,11 @@ class GraphOptions:
             raise GraphOptionsError(str(exc)) from exc
         if fmt is not None and self.kind != "decode":
             raise GraphOptionsError(f"weights={self.weights!r} applies to the decode graph only; "
+                                    f"the {self.kind} graph uses dense float weights")
+        if self.q4_1 not in Q4_1_MODES:
+            raise GraphOptionsError(f"q4_1 must be one of {Q4_1_MODES}, not {self.q4_1!r}")
+        if self.q4_1 != "correction" and self.kind != "decode":
+            raise GraphOptionsError(f"q4_1={self.q4_1!r} applies to the decode graph only; "
                                     f"the {self.kind} graph uses dense float weights")
         if self.kind == "prefill":  # no MatMulNBits in it: one prefill graph serves every accuracy level
             object.__setattr__(self, "accuracy_level", 0)
@@ -106,6 +133,7 @@ class _Emitter:
         self.opt = options
         self.dt = options.np_dtype
         self._blocksums: dict[tuple[str, int], str] = {}
+        self._doubled: dict[str, str] = {}
         self._shared: dict[str, str] = {}
         self.embed_table: str | None = None  # initializer name, reused by a tied LM head
 
@@ -139,18 +167,35 @@ class _Emitter:
 
     def _linear_nbits(self, x: str, w: BlockQuantized, name: str) -> str:
         n, k = w.shape
-        y = self.g.op1(
-            "MatMulNBits",
-            [x, self.const(f"{name}.qweight", w.packed()), self.weight(f"{name}.scales", w.scales.reshape(-1))],
-            name=name, domain=MS_DOMAIN, K=k, N=n, bits=w.bits, block_size=w.block_size,
-            accuracy_level=self.opt.accuracy_level,
-        )
+        mode = self.opt.q4_1 if w.offsets is not None else None
+        if mode == "zero_point":
+            w, zero_points = w.zero_point_form()
+        elif mode == "stacked" and k % w.block_size == 0:
+            return self._linear_stacked(x, w, name)
+        inputs = [x, self.const(f"{name}.qweight", w.packed()), self.weight(f"{name}.scales", w.scales.reshape(-1))]
+        if mode == "zero_point":
+            inputs.append(self.weight(f"{name}.zero_points", zero_points))
+        y = self.g.op1("MatMulNBits", inputs, name=name, domain=MS_DOMAIN, K=k, N=n, bits=w.bits,
+                       block_size=w.block_size, accuracy_level=self.opt.accuracy_level)
         if w.offsets is None:
             return y
         blocksum = self._blocksum(x, k, w.block_size)
         correction = self.g.op1("MatMul", [blocksum, self.weight(f"{name}.correction", w.offsets.T)],
                                 name=f"{name}.correction")
         return self.g.op1("Add", [y, correction], name=f"{name}.corrected")
+
+    def _linear_stacked(self, x: str, w: BlockQuantized, name: str) -> str:
+        """``[x, x] @ [d·(q − z) | C·1]``: the offsets as a second K half of constant codes z + 1 scaled by C."""
+        n, k = w.shape
+        ones = np.full_like(w.codes, (1 << (w.bits - 1)) + 1)
+        stacked = BlockQuantized(np.concatenate([w.codes, ones], axis=1), np.concatenate([w.scales, w.offsets], axis=1),
+                                 None, w.bits, w.block_size)
+        if x not in self._doubled:
+            self._doubled[x] = self.g.op1("Concat", [x, x], name="doubled", axis=-1)
+        inputs = [self._doubled[x], self.const(f"{name}.qweight", stacked.packed()),
+                  self.weight(f"{name}.scales", stacked.scales.reshape(-1))]
+        return self.g.op1("MatMulNBits", inputs, name=name, domain=MS_DOMAIN, K=2 * k, N=n, bits=w.bits,
+                          block_size=w.block_size, accuracy_level=self.opt.accuracy_level)
 
     def _blocksum(self, x: str, k: int, block_size: int) -> str:
         """Sum of x over each block of K: [B, S, blocks]; shared by all matmuls reading x in that block size."""

@@ -73,6 +73,29 @@ class BlockQuantized:
             packed |= blocks[..., i::per_byte] << (i * self.bits)
         return packed
 
+    def zero_point_form(self) -> tuple[BlockQuantized, np.ndarray]:
+        """This weight as ``scale·(code − zero_point)`` per block: MatMulNBits with a float zero point.
+
+        Returns the codes and scales to use (``offsets`` None) and the zero points, float64
+        ``[N, blocks]``: ``2**(bits-1) − offset / scale`` (``−m/d`` for Q4_1). A block of scale 0
+        holds the constant ``offset``; it becomes codes 0, scale ``offset`` and zero point −1,
+        which reproduces it exactly. Exact in real arithmetic; a graph stores the zero points
+        rounded to its dtype.
+        """
+        if self.offsets is None:
+            raise ValueError("a weight without offsets needs no zero points")
+        scales = self.scales.astype(np.float64)
+        offsets = self.offsets.astype(np.float64)
+        constant = scales == 0
+        safe = np.where(constant, 1.0, scales)
+        zero_points = np.where(constant, -1.0, float(1 << (self.bits - 1)) - offsets / safe)
+        codes = self.codes
+        if constant.any():
+            per_element = np.repeat(constant, self.block_size, axis=1)[:, :codes.shape[1]]
+            codes = np.where(per_element, 0, codes).astype(np.uint8)
+        new_scales = np.where(constant, offsets, scales).astype(np.float32)
+        return BlockQuantized(codes, new_scales, None, self.bits, self.block_size), zero_points
+
     def with_rows(self, order: np.ndarray) -> BlockQuantized:
         """The same weight with its output rows reordered."""
         offsets = None if self.offsets is None else self.offsets[order]
