@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgedecode.kv.policy import POLICIES, BudgetError, TierProfile, allocate, pdtrim_tiers, pinned_mask, policy_tiers
+from edgedecode.kv.policy import (
+    POLICIES,
+    BudgetError,
+    TierProfile,
+    allocate,
+    pdtrim_tiers,
+    pinned_mask,
+    policy_tiers,
+)
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.tiers import Tier
 

@@ -10,9 +10,13 @@ from edgedecode.decode.kvcache import KVInjectionError
 from edgedecode.decode.sampler import SamplingParams
 from edgedecode.kv.policy import POLICIES
 from edgedecode.kv.tiers import Tier
-from edgedecode.kv.wire import KVChecksumError, KVTruncatedError, decode_snapshot, encode_payload
+from edgedecode.kv.wire import (
+    KVChecksumError,
+    KVTruncatedError,
+    decode_snapshot,
+    encode_payload,
+)
 from edgedecode.prefill.pipeline import encode_within_budget, prefill_and_score
-
 
 GREEDY_8 = SamplingParams(max_tokens=8, stop_token_ids=())
 

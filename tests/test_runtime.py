@@ -9,7 +9,11 @@ import pytest
 from edgedecode.model import session
 from edgedecode.model.graph import GraphOptions, GraphOptionsError
 from edgedecode.model.loader import graph_key
-from edgedecode.model.session import RuntimeSetupError, available_devices, create_session
+from edgedecode.model.session import (
+    RuntimeSetupError,
+    available_devices,
+    create_session,
+)
 
 
 def test_cpu_and_gpu_builds_installed_together_are_refused(monkeypatch):

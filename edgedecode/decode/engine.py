@@ -15,10 +15,10 @@ import numpy as np
 
 from edgedecode.decode.cuda_graph import UNCAPTURED_GRAPH_ID, CudaGraphStep
 from edgedecode.decode.kvcache import KVCache, KVInjectionError
-from edgedecode.kv.snapshot import KVProducer, KVSnapshot
-from edgedecode.kv.wire import EDKVHeader, EDKVReader
 from edgedecode.decode.sampler import Sampler, SamplingParams
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.wire import EDKVHeader, EDKVReader
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.model.session import create_session, graph_run_options

@@ -15,7 +15,7 @@ from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.model.onnx_builder import INT64, GraphBuilder, onnx_dtype
 from edgedecode.model.session import create_session, import_onnxruntime
-from edgedecode.model.spec import KVContract, ModelSpec
+from edgedecode.model.spec import ModelSpec
 
 
 class KVInjectionError(EdgeDecodeError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -55,13 +56,13 @@ class TierProfile:
         return json.dumps(data, indent=2)
 
     @classmethod
-    def from_json(cls, text: str) -> "TierProfile":
+    def from_json(cls, text: str) -> TierProfile:
         data = json.loads(text)
         return cls(tuple(Tier[name] for name in data["allowed"]),
                    {Tier[name]: float(d) for name, d in data["distortion"].items()}, data.get("source", ""))
 
     @classmethod
-    def load(cls, path: Path) -> "TierProfile":
+    def load(cls, path: Path) -> TierProfile:
         """The saved probe verdict at ``path``, or the defaults when there is none."""
         return cls.from_json(path.read_text()) if path.exists() else cls()
 
@@ -126,7 +127,7 @@ def allocate(importance: np.ndarray, budget: float, costs: Mapping[Tier, float],
         tiers[kept[affordable:]] = Tier.DROP
         kept = kept[:affordable]
     spare = available - len(kept) * cheapest
-    steps = list(zip(ladder, ladder[1:]))
+    steps = list(pairwise(ladder))
     if not steps or len(kept) == 0:
         return tiers
     gains = weight[kept][:, None] * np.array([_slope(a, b) for a, b in steps])[None, :]  # decreasing per row
@@ -147,7 +148,7 @@ def pdtrim_tiers(n: int, budget: float, head_fraction: float) -> np.ndarray:
     """PDTrim-style head+tail: the first ``head_fraction`` of the kept tokens and the last rest at
     FP16, everything between them dropped; as many kept tokens as ``budget`` pays for at FP16."""
     keep = min(int(budget * n), n)
-    head = int(round(head_fraction * keep))
+    head = round(head_fraction * keep)
     tiers = np.full(n, Tier.DROP, np.uint8)
     tiers[:head] = Tier.FP16
     tiers[n - (keep - head):] = Tier.FP16

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from edgedecode.errors import EdgeDecodeError
@@ -123,7 +123,7 @@ def save_record(record: ModelRecord, mtime_ns: int) -> None:
             "size_bytes": record.size_bytes,
             "mtime_ns": mtime_ns,
             "source": record.source,
-            "fetched_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "fetched_at": datetime.now(UTC).isoformat(timespec="seconds"),
         },
     )
     logger.info("recorded model %s -> %s", record.name, record.gguf_path)

@@ -7,7 +7,12 @@ from dataclasses import dataclass, field
 
 from gguf import GGUFReader
 
-from edgedecode.model.gguf_file import ModelFileError, field_array, field_value, tensor_table
+from edgedecode.model.gguf_file import (
+    ModelFileError,
+    field_array,
+    field_value,
+    tensor_table,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Token texts that end a turn in the chat templates we know; tokens present in the vocab as
@@ -49,7 +54,7 @@ class KVContract:
     layout: KVLayout
     tokenizer_hash: str
 
-    def mismatches(self, other: "KVContract") -> list[str]:
+    def mismatches(self, other: KVContract) -> list[str]:
         """Names and values of every field that differs, e.g. ["n_layers: 30 != 24"]."""
         return [
             f"{name}: {getattr(self, name)!r} != {getattr(other, name)!r}"
@@ -104,7 +109,7 @@ class ModelSpec:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * 2
 
     @classmethod
-    def from_gguf(cls, reader: GGUFReader, name: str) -> "ModelSpec":
+    def from_gguf(cls, reader: GGUFReader, name: str) -> ModelSpec:
         """Read the spec from GGUF metadata; a missing key or an unsupported model is a ModelFileError."""
         arch = field_value(reader, "general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:

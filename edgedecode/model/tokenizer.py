@@ -102,7 +102,7 @@ class Tokenizer:
         return hf
 
     @classmethod
-    def from_gguf(cls, reader: GGUFReader, spec: ModelSpec) -> "Tokenizer":
+    def from_gguf(cls, reader: GGUFReader, spec: ModelSpec) -> Tokenizer:
         """Build the tokenizer from the GGUF's tokenizer.ggml.* fields; unsupported kinds raise TokenizerError."""
         tokens = field_value(reader, "tokenizer.ggml.tokens")
         if not tokens:
@@ -180,7 +180,7 @@ class Tokenizer:
         bos = self._special_text(self.spec.bos_token_id)
         return self.encode(text, parse_special=True, add_bos=False if bos and text.startswith(bos) else None)
 
-    def stream_decoder(self) -> "StreamDecoder":
+    def stream_decoder(self) -> StreamDecoder:
         """A decoder that turns tokens fed one at a time into text, never splitting a character."""
         return StreamDecoder(self)
 
