@@ -75,6 +75,21 @@ def _step_logits(engine: Engine, context: np.ndarray) -> np.ndarray:
     return engine.forward(context[-1:]).astype(np.float32)
 
 
+def _assert_greedy_agrees_up_to_a_near_tie(first, second, ids: np.ndarray, label: str) -> None:
+    """64 greedy tokens of two engines are equal, or part only where both margins are < NEAR_TIE."""
+    greedy = SamplingParams(max_tokens=64, stop_token_ids=())
+    a, b = list(first.generate(ids, greedy)), list(second.generate(ids, greedy))
+    split = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if split is None:
+        assert a == b
+        return
+    context = np.concatenate([ids, b[:split]])
+    a_logits, b_logits = _step_logits(first, context), _step_logits(second, context)
+    a_margin, b_margin = a_logits[a[split]] - a_logits[b[split]], b_logits[b[split]] - b_logits[a[split]]
+    print(f"{label}: diverge at {split}: margins {a_margin:.3f} / {b_margin:.3f}")
+    assert a_margin < NEAR_TIE and b_margin < NEAR_TIE
+
+
 @pytest.mark.parametrize("source", ("float16", "float32 slice", "float32 copy"))
 def test_device_rows_write_only_the_given_slots(source):
     spec = types.SimpleNamespace(n_layers=3, n_kv_heads=2, head_dim=8)
@@ -119,20 +134,8 @@ def test_graph_step_logits_track_the_plain_cuda_step(prompt, cuda_decoder, cuda_
 def test_graph_greedy_tokens_equal_plain_cuda_runs(prompt, cuda_decoder, cuda_plain_decoder, logit_vectors,
                                                    long_prompt):
     ids = _prompt(prompt, logit_vectors, long_prompt)
-    greedy = SamplingParams(max_tokens=64, stop_token_ids=())
-    graph = list(cuda_decoder.generate(ids, greedy))
-    plain = list(cuda_plain_decoder.generate(ids, greedy))
+    _assert_greedy_agrees_up_to_a_near_tie(cuda_decoder, cuda_plain_decoder, ids, prompt)
     assert cuda_decoder.stats.decode_steps == cuda_plain_decoder.stats.decode_steps == 63
-    split = next((i for i, (a, b) in enumerate(zip(graph, plain)) if a != b), None)
-    if split is None:
-        assert graph == plain
-        return
-    context = np.concatenate([ids, plain[:split]])
-    graph_logits, plain_logits = _step_logits(cuda_decoder, context), _step_logits(cuda_plain_decoder, context)
-    graph_margin = graph_logits[graph[split]] - graph_logits[plain[split]]
-    plain_margin = plain_logits[plain[split]] - plain_logits[graph[split]]
-    print(f"{prompt}: diverge at {split}: margins {graph_margin:.3f} / {plain_margin:.3f}")
-    assert graph_margin < NEAR_TIE and plain_margin < NEAR_TIE
 
 
 @on_cuda
@@ -273,15 +276,4 @@ def test_zero_point_graph_tracks_the_correction_graph(prompt, cuda_decoder, cuda
     shipped, corrected = _step_logits(cuda_decoder, ids), _step_logits(cuda_correction_decoder, ids)
     print(f"{prompt}: zero-point vs correction step, max |logit diff| {np.abs(shipped - corrected).max():.4f}")
     np.testing.assert_allclose(shipped, corrected, atol=0.25)
-    greedy = SamplingParams(max_tokens=64, stop_token_ids=())
-    ours, theirs = list(cuda_decoder.generate(ids, greedy)), list(cuda_correction_decoder.generate(ids, greedy))
-    split = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    if split is None:
-        assert ours == theirs
-        return
-    context = np.concatenate([ids, theirs[:split]])
-    ours_logits, theirs_logits = _step_logits(cuda_decoder, context), _step_logits(cuda_correction_decoder, context)
-    ours_margin = ours_logits[ours[split]] - ours_logits[theirs[split]]
-    theirs_margin = theirs_logits[theirs[split]] - theirs_logits[ours[split]]
-    print(f"{prompt}: diverge at {split}: margins {ours_margin:.3f} / {theirs_margin:.3f}")
-    assert ours_margin < NEAR_TIE and theirs_margin < NEAR_TIE
+    _assert_greedy_agrees_up_to_a_near_tie(cuda_decoder, cuda_correction_decoder, ids, prompt)
