@@ -46,6 +46,7 @@ class KVCache:
                               for _ in range(spec.n_layers)]
             self._rows = DeviceRows(self)
         self.length = 0
+        self._staging: np.ndarray | None = None  # CUDA: host buffer an EDKV stream is ingested into
 
     def update(self, start: int, keys: np.ndarray, values: np.ndarray) -> None:
         """Write KV for positions [start, start + n); keys/values are [layers, kv_heads, n, head_dim]."""
