@@ -252,12 +252,35 @@ def own_peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def plot_decode(results: dict, path: str) -> None:
+    """Decode (and prefill) tokens/s against past length, one line per engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (decode, prefill) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, engine in results["engines"].items():
+        pasts = sorted(engine["past"], key=int)
+        decode.plot([int(p) for p in pasts], [engine["past"][p]["decode_tok_s"] for p in pasts], marker="o", label=name)
+        prefill.plot([int(p) for p in pasts], [engine["past"][p]["prefill_tok_s"] for p in pasts], marker="o", label=name)
+    where = results.get("gpu") or f"{results['machine']}, {results['threads']} threads"
+    decode.set(xscale="log", xlabel="past length (tokens)", ylabel="decode tokens/s", title=f"Decode, {where}")
+    prefill.set(xscale="log", xlabel="prompt length (tokens)", ylabel="prefill tokens/s", title="Prompt processing")
+    for ax in (decode, prefill):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--past", type=int, nargs="+", default=[16, 512, 2048])
+    parser.add_argument("--past", type=int, nargs="+", default=[16, 512, 2048, 4096])
+    parser.add_argument("--plot", help="Also draw decode tok/s against past length per engine into this PNG.")
     parser.add_argument("--accuracy-level", type=int, default=4)
     parser.add_argument("--q4-1", choices=Q4_1_MODES, default=None,
                         help="how the decode graph applies Q4_1's offsets (GraphOptions.q4_1; default: the "
@@ -310,6 +333,8 @@ def main() -> None:
         results["ratio_edgedecode_over_llama_cpp"] = {
             past: {metric: ours[past][metric] / theirs[past][metric] for metric in ("prefill_tok_s", "decode_tok_s")}
             for past in ours}
+    if args.plot:
+        plot_decode(results, args.plot)
     if args.json:
         print(json.dumps(results, indent=2))
         return
