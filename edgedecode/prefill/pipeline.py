@@ -81,24 +81,30 @@ def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ou
     fp16_bytes = int(costs[Tier.FP16] * snapshot.n_tokens)
     meta = {"policy": policy, "budget": budget, **(meta or {})}
 
-    def encode_at(target: float) -> EncodedKV:
-        tiers = policy_tiers(policy, target, snapshot.positions, costs, attention=scored.importance,
-                             profile=profile, pdtrim_head_fraction=pdtrim_head_fraction)
+    def tiers_at(target: float) -> np.ndarray:
+        return policy_tiers(policy, target, snapshot.positions, costs, attention=scored.importance,
+                            profile=profile, pdtrim_head_fraction=pdtrim_head_fraction)
+
+    def encode(tiers: np.ndarray) -> EncodedKV:
         counts = np.bincount(tiers, minlength=len(Tier))
         raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
         return EncodedKV(list(encode_payload(snapshot, tiers, meta=meta)), tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
     target = budget
+    encoded = encode(tiers_at(target))
     for _ in range(_FIT_ATTEMPTS):
-        encoded = encode_at(target)
         if encoded.b_wire <= budget and (best is None or encoded.b_wire > best.b_wire):
             best = encoded
         if best is not None and (best.b_wire >= _CLOSE_ENOUGH * budget or encoded is not best):
             break
         target *= budget / encoded.b_wire
+        tiers = tiers_at(target)
+        if np.array_equal(tiers, encoded.tiers):  # e.g. everything already FP16: encoding again changes nothing
+            break
+        encoded = encode(tiers)
     while best is None:  # every refit overshot (zstd gained less than assumed): shrink until it fits
         target *= _CLOSE_ENOUGH * budget / encoded.b_wire
-        encoded = encode_at(target)
+        encoded = encode(tiers_at(target))
         best = encoded if encoded.b_wire <= budget else None
     return best
