@@ -44,7 +44,6 @@ from edgedecode.prefill.pipeline import prefill_and_score
 
 BUDGETS = (1.0, 0.5, 0.3, 0.2, 0.15, 0.1)
 PDTRIM_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.9)
-HAYSTACK_TOPICS = ("specialnames", "compound", "types")  # as in research/niah.md
 FP16 = ("fp16-transfer", 1.0)
 
 
@@ -126,11 +125,7 @@ def summarise_perplexity(rows: dict) -> dict:
 
 
 def needle_study(args, model, prefiller, decoder, configs, profile) -> list[dict]:
-    from pydoc_data.topics import topics
-
-    haystack = "\n".join(topics[name] for name in HAYSTACK_TOPICS)
-    depths = [round((i + 0.5) / args.niah_depths, 3) for i in range(args.niah_depths)]
-    trials = needle_trials(model.tokenizer, haystack, context_tokens=args.niah_tokens, depths=depths,
+    trials = needle_trials(model.tokenizer, context_tokens=args.niah_tokens, depth_count=args.niah_depths,
                            trials_per_depth=args.niah_trials)
     contract = model.spec.kv_contract
     hits: dict[tuple, list[bool]] = {}

@@ -13,6 +13,7 @@ from edgedecode.model.tokenizer import Tokenizer
 
 NEEDLE = "\nThe secret code is {code}.\n"
 QUESTION = "\n\nWhat is the secret code? Reply with the four digits."
+HAYSTACK_TOPICS = ("specialnames", "compound", "types")
 ANSWER_TOKENS = 24  # digits tokenize one per token and the model answers in a sentence
 
 
@@ -23,9 +24,19 @@ class NeedleTrial:
     prompt_ids: np.ndarray
 
 
-def needle_trials(tokenizer: Tokenizer, haystack: str, *, context_tokens: int, depths: list[float],
-                  trials_per_depth: int, seed: int = 0) -> list[NeedleTrial]:
-    """Chat prompts of about ``context_tokens`` haystack tokens with the needle at each depth."""
+def pydoc_haystack() -> str:
+    """The haystack of research/niah.md's FP16 baseline: three long CPython help topics."""
+    from pydoc_data.topics import topics
+
+    return "\n".join(topics[name] for name in HAYSTACK_TOPICS)
+
+
+def needle_trials(tokenizer: Tokenizer, *, context_tokens: int, depth_count: int, trials_per_depth: int,
+                  seed: int = 0, haystack: str | None = None) -> list[NeedleTrial]:
+    """Chat prompts of about ``context_tokens`` haystack tokens (default: ``pydoc_haystack``) with the
+    needle at ``depth_count`` depths spread evenly over the prompt, ``trials_per_depth`` codes each."""
+    depths = [round((i + 0.5) / depth_count, 3) for i in range(depth_count)]
+    haystack = pydoc_haystack() if haystack is None else haystack
     rng = np.random.default_rng(seed)
     filler = tokenizer.encode(haystack, parse_special=False)
     trials = []

@@ -124,11 +124,7 @@ def _probe_tiers(importance: np.ndarray, positions: np.ndarray):
 
 
 def _needle_hits(model: LoadedModel, prefiller: Engine, decoder: Engine, s: ProbeSettings, progress) -> dict:
-    from pydoc_data.topics import topics
-
-    haystack = "\n".join(topics[name] for name in ("specialnames", "compound", "types"))
-    depths = [round((i + 0.5) / s.niah_depths, 3) for i in range(s.niah_depths)]
-    trials = needle_trials(model.tokenizer, haystack, context_tokens=s.niah_tokens, depths=depths,
+    trials = needle_trials(model.tokenizer, context_tokens=s.niah_tokens, depth_count=s.niah_depths,
                            trials_per_depth=s.niah_trials_per_depth, seed=1)
     hits: dict = {tier: 0 for tier in (Tier.FP16, *QUANTIZED_TIERS)}
     for index, trial in enumerate(trials):
