@@ -106,3 +106,60 @@ def test_a_corrupt_or_cut_stream_fails_typed_and_the_engine_keeps_serving(decode
         _stream(decoder, long_prompt, b"".join(encode_within_budget(scored, 0.3).frames)[:-40])
     reference = decoder.prefill(long_prompt).copy()
     assert decoder.length == len(long_prompt) and np.isfinite(reference).all()
+
+
+# --- conversations: keeping the KV of an earlier turn ---------------------------------------------
+
+def test_a_next_turn_keeps_the_held_prefix_and_matches_a_fresh_prefill(exact_decoder, long_prompt):
+    first = long_prompt[:200]
+    generated = list(exact_decoder.generate(first, GREEDY_8))
+    extra = long_prompt[300:340]
+    second = np.concatenate([first, generated, extra])
+    keep = exact_decoder.reusable_prefix(second)
+    assert keep == len(first) + len(generated) - 1  # the last generated token never ran
+    kept_logits = exact_decoder.prefill(second, keep=keep).copy()
+    assert exact_decoder.stats.reused_tokens == keep
+    fresh_logits = exact_decoder.prefill(second)
+    np.testing.assert_allclose(kept_logits, fresh_logits, atol=2e-3)
+    diverged = second.copy()
+    diverged[150] = (diverged[150] + 1) % 1000
+    assert exact_decoder.reusable_prefix(diverged) == 150
+    with pytest.raises(KVInjectionError, match="cannot keep"):
+        exact_decoder.prefill(diverged, keep=151)
+
+
+def test_a_streamed_suffix_lands_after_the_kept_prefix(exact_decoder, scorer, long_prompt):
+    first, second = long_prompt[:300], long_prompt[:420]
+    exact_decoder.prefill(first)
+    keep = exact_decoder.reusable_prefix(second)
+    assert keep == len(first)  # prefill runs every prompt token
+    full = prefill_and_score(scorer, second)
+    suffix = b"".join(encode_within_budget(full.from_position(keep), 1.0).frames)
+    kept_logits = _stream_after(exact_decoder, second, suffix, keep).copy()
+    assert exact_decoder.stats.reused_tokens == keep and exact_decoder.stats.injected_tokens == len(second) - 1 - keep
+    whole = b"".join(encode_within_budget(full, 1.0).frames)
+    # The kept prefix's KV came from the INT4 graph, the whole payload's from the fp32 prefill graph:
+    # they differ by ~3e-3 in the logits; a suffix in the wrong slots would differ by whole units.
+    whole_logits = _stream(exact_decoder, second, whole)
+    np.testing.assert_allclose(kept_logits, whole_logits, atol=2e-2)
+    assert kept_logits.argmax() == whole_logits.argmax()
+    exact_decoder.prefill(first)
+    with pytest.raises(KVInjectionError, match="inside the 300 positions"):
+        _stream_after(exact_decoder, second, whole, keep)  # KV of positions the decoder keeps is refused
+
+
+def _stream_after(engine, prompt, payload: bytes, keep: int):
+    reader = engine.open_kv_stream(prompt, keep)
+    reader.feed(payload)
+    return engine.prefill_streamed(prompt, reader)
+
+
+def test_engines_sharing_a_session_keep_separate_kv(smollm2_model, exact_decoder, long_prompt):
+    from edgedecode.decode.engine import Engine
+
+    sibling = Engine(smollm2_model, exact_decoder.options, max_context=1024, threads=2, share=exact_decoder)
+    assert sibling.session is exact_decoder.session
+    a = exact_decoder.prefill(long_prompt[:50]).copy()
+    b = sibling.prefill(long_prompt[100:180]).copy()
+    np.testing.assert_allclose(sibling.prefill(long_prompt[:50]), a, atol=1e-4)
+    np.testing.assert_allclose(exact_decoder.prefill(long_prompt[100:180]), b, atol=1e-4)

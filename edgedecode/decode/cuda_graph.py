@@ -30,7 +30,9 @@ UNCAPTURED_GRAPH_ID = -1
 class CudaGraphStep:
     """Fixed device buffers bound for one-token decode steps, replayed through a captured CUDA graph."""
 
-    def __init__(self, session, cache: KVCache, vocab_size: int, dtype: np.dtype) -> None:
+    def __init__(self, session, cache: KVCache, vocab_size: int, dtype: np.dtype,
+                 graph_id: int = CAPTURED_GRAPH_ID) -> None:
+        """``graph_id``: the capture's id in ``session``; engines sharing a session each need their own."""
         ort = import_onnxruntime()
         width = cache.max_context
         self._session = session
@@ -51,7 +53,7 @@ class CudaGraphStep:
                 io.bind_ortvalue_output(f"present.{layer}.{name}", buffer)
         io.bind_ortvalue_output("logits", self.logits)
         self._io = io
-        self._options = graph_run_options(CAPTURED_GRAPH_ID)
+        self._options = graph_run_options(graph_id)
 
     def run(self, token: int, slot: int, position: int) -> np.ndarray:
         """Decode ``token`` into cache ``slot`` at true ``position``; returns its logits [vocab] (a fresh host copy).

@@ -6,6 +6,7 @@ prefill graph), so KV exported from one engine can be injected into another of t
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgedecode.decode.cuda_graph import UNCAPTURED_GRAPH_ID, CudaGraphStep
+from edgedecode.decode.cuda_graph import CAPTURED_GRAPH_ID, UNCAPTURED_GRAPH_ID, CudaGraphStep
 from edgedecode.decode.kvcache import KVCache, KVInjectionError
 from edgedecode.decode.sampler import Sampler, SamplingParams
 from edgedecode.errors import EdgeDecodeError
@@ -41,6 +42,7 @@ class GenerationStats:
 
     prompt_tokens: int = 0
     injected_tokens: int = 0  # prompt tokens whose KV came from elsewhere
+    reused_tokens: int = 0  # leading prompt positions whose KV this engine still held from its last use
     generated_tokens: int = 0
     decode_steps: int = 0  # single-token graph runs after the prompt
     prefill_seconds: float = 0.0  # prompt processing up to the first token's logits
@@ -62,21 +64,34 @@ class Engine:
 
     def __init__(self, model: LoadedModel, options: GraphOptions, *, max_context: int | None = None,
                  device: str = "cpu", threads: int | None = None, profile: bool = False,
-                 cuda_graph: bool = True) -> None:
+                 cuda_graph: bool = True, share: Engine | None = None) -> None:
         """``cuda_graph`` (device cuda only, not with ``profile``: replays have no per-operator timings):
         replay single-token decode steps through a captured CUDA graph; falls back to plain runs, with
-        a logged reason, where onnxruntime refuses capture."""
+        a logged reason, where onnxruntime refuses capture.
+
+        ``share``: run on that engine's onnxruntime session (same model, graph and device) instead of
+        creating one; this engine gets its own KV buffers. A server holds one engine per resident
+        conversation this way, with the weights loaded once.
+        """
         self.spec = model.spec
         self.options = options
         weights = f"weights {options.weights}" if options.kind == "decode" else "dense weights"
         precision = f"{options.kind} graph, {options.dtype}, {weights}"
         self.producer = KVProducer(model.record.name, model.record.sha256, precision)
         self.max_context = min(max_context or self.spec.context_length, self.spec.context_length)
-        self.session, self.cuda_graph = self._create_session(model, options, device, threads, profile, cuda_graph)
+        if share is not None:
+            if share.options != options or share.cache.device != device:
+                raise EdgeDecodeError("a shared session must run the same graph on the same device")
+            self.session, self.cuda_graph, self._graph_ids = share.session, share.cuda_graph, share._graph_ids
+        else:
+            self.session, self.cuda_graph = self._create_session(model, options, device, threads, profile, cuda_graph)
+            self._graph_ids = itertools.count(CAPTURED_GRAPH_ID)  # one CUDA graph capture per engine on the session
         self.cache = KVCache(self.spec, self.max_context, options.np_dtype, device)
         self.stats = GenerationStats()
         self._tokens = np.zeros(self.max_context, np.int64)  # token id held by each cache slot
         self._positions = np.zeros((1, self.max_context), np.int64)  # its true position (RoPE)
+        self._history = np.zeros(self.spec.context_length, np.int64)  # token id at every position before next_position
+        self._stream_keep = 0  # `keep` of the last open_kv_stream
         self._ramp = np.arange(self.max_context, dtype=np.int64)
         self._mask = np.ones((1, self.max_context), np.int64)
         self._last_position = np.array([-1], np.int64)
@@ -88,8 +103,8 @@ class Engine:
                 self._io.bind_ortvalue_output(f"present.{layer}.{name}", buffer)
         # With CUDA graphs, runs other than the captured decode step are tagged "not captured".
         self._run_options = graph_run_options(UNCAPTURED_GRAPH_ID) if self.cuda_graph else None
-        self._graph_step = (CudaGraphStep(self.session, self.cache, self.spec.vocab_size, options.np_dtype)
-                            if self.cuda_graph else None)
+        self._graph_step = (CudaGraphStep(self.session, self.cache, self.spec.vocab_size, options.np_dtype,
+                                          next(self._graph_ids)) if self.cuda_graph else None)
         try:  # warm-up: the first run allocates ORT's arenas (and captures the CUDA graph)
             self.forward(np.array([self.spec.eos_token_id]))
         except Exception as exc:
@@ -123,6 +138,37 @@ class Engine:
         """Forget the cached context (the buffers are overwritten, not freed)."""
         self.cache.length = 0
 
+    def reusable_prefix(self, prompt_ids) -> int:
+        """How many leading positions of ``prompt_ids`` this engine can keep from what it last processed.
+
+        That is the prompt's common prefix with the tokens at positions before ``next_position``
+        (prompt, KV received, tokens generated and run), cut back to end at a held slot (a dropped
+        token at the end of the prefix is processed again) and to leave the prompt's last token to
+        run here. Pass it as ``keep`` to ``prefill``/``open_kv_stream``/``generate``.
+        """
+        prompt_ids = np.asarray(prompt_ids, np.int64)
+        common = min(self.next_position, len(prompt_ids) - 1)
+        if common <= 0:
+            return 0
+        differ = np.flatnonzero(self._history[:common] != prompt_ids[:common])
+        common = int(differ[0]) if len(differ) else common
+        slots = int(np.searchsorted(self._positions[0, :self.length], common))
+        return int(self._positions[0, slots - 1]) + 1 if slots else 0
+
+    def _keep(self, prompt_ids: np.ndarray, keep: int) -> int:
+        """Truncate the cache to the slots of positions [0, keep); returns how many slots stay."""
+        if keep == 0:
+            self.reset()
+            return 0
+        reusable = self.reusable_prefix(prompt_ids)
+        if not 0 < keep <= reusable:
+            raise KVInjectionError(f"cannot keep {keep} positions: this engine holds {reusable} of this prompt")
+        slots = int(np.searchsorted(self._positions[0, :self.length], keep))
+        if int(self._positions[0, slots - 1]) + 1 != keep:
+            raise KVInjectionError(f"keep={keep} does not end at a held token (use reusable_prefix)")
+        self.cache.length = slots
+        return slots
+
     def forward(self, token_ids: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
         """Append tokens at the current position; returns the last logits [vocab] or all of them [n, vocab].
 
@@ -145,7 +191,9 @@ class Engine:
         if self._graph_step is not None and n == 1 and not all_logits:
             return self._replay_step(start)
         io = self._io
-        np.add(self._ramp[:n], self.next_position, out=self._positions[0, start:start + n])
+        position = self.next_position
+        np.add(self._ramp[:n], position, out=self._positions[0, start:start + n])
+        self._history[position:position + n] = self._tokens[start:start + n]
         io.bind_cpu_input("input_ids", self._tokens[None, start:start + n])
         io.bind_cpu_input("attention_mask", self._mask[:, :start + n])
         io.bind_cpu_input("position_ids", self._positions[:, start:start + n])
@@ -169,27 +217,33 @@ class Engine:
         """The token at ``_tokens[slot]`` through the captured CUDA graph; returns its logits [vocab]."""
         position = self.next_position
         self._positions[0, slot] = position
+        self._history[position] = self._tokens[slot]
         logits = self._graph_step.run(int(self._tokens[slot]), slot, position)
         self.cache.length = slot + 1
         return logits
 
-    def prefill(self, prompt_ids: np.ndarray, kv: KVSnapshot | None = None) -> np.ndarray:
-        """Reset, inject ``kv`` for a prefix of the prompt if given, and process the rest.
+    def prefill(self, prompt_ids: np.ndarray, kv: KVSnapshot | None = None, keep: int = 0) -> np.ndarray:
+        """Process the prompt, from injected ``kv`` for (part of) it if given; returns the next-token
+        logits [vocab].
 
-        At least the last prompt token is always run through this engine's graph, so the returned
-        next-token logits [vocab] are this graph's own.
+        ``keep`` leading positions are kept from this engine's previous use (at most
+        ``reusable_prefix(prompt_ids)``; 0 starts afresh); ``kv`` then holds KV of positions after
+        them. At least the last prompt token is always run through this engine's graph, so the
+        returned logits are this graph's own.
         """
         prompt_ids = self._checked_prompt(prompt_ids)
-        self.reset()
+        kept = self._keep(prompt_ids, keep)
         if kv is None:
-            return self._process_prompt(prompt_ids, np.zeros(0, np.int64), np.zeros(0, np.int64))
+            return self._process_prompt(prompt_ids, kept, keep, np.zeros(0, np.int64), np.zeros(0, np.int64))
         self.cache.check_injectable(kv, prompt_ids)
+        self._check_after_kept(kv.positions, keep, kept)
         injected = self._injectable_count(kv.positions, prompt_ids)
-        self.cache.update(0, kv.keys[:, :, :injected], kv.values[:, :, :injected])
-        return self._process_prompt(prompt_ids, kv.token_ids[:injected], kv.positions[:injected])
+        self.cache.update(kept, kv.keys[:, :, :injected], kv.values[:, :, :injected])
+        return self._process_prompt(prompt_ids, kept, keep, kv.token_ids[:injected], kv.positions[:injected])
 
-    def open_kv_stream(self, prompt_ids: np.ndarray) -> EDKVReader:
-        """A reader for an EDKV stream holding KV of (part of) ``prompt_ids``.
+    def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> EDKVReader:
+        """A reader for an EDKV stream holding KV of (part of) ``prompt_ids`` after the ``keep``
+        positions kept from this engine's previous use (see ``prefill``).
 
         Feed it the stream as it arrives: each chunk is verified, then dequantized straight into this
         engine's KV buffers (on CUDA, into a host staging buffer uploaded at the end). Then call
@@ -197,24 +251,37 @@ class Engine:
         with a typed error at its header, before anything is written.
         """
         prompt_ids = self._checked_prompt(prompt_ids)
-        self.reset()
+        kept = self._keep(prompt_ids, keep)
+        self._stream_keep = keep
 
         def target(header: EDKVHeader) -> np.ndarray:
             self.cache.check_prompt_match(header.token_ids, header.positions, prompt_ids)
-            return self.cache.ingest_target(header.n_kept)
+            self._check_after_kept(header.positions, keep, kept)
+            return self.cache.ingest_target(kept, header.n_kept)
 
-        return EDKVReader(self.spec.kv_contract, max_tokens=self.max_context, target_factory=target)
+        return EDKVReader(self.spec.kv_contract, max_tokens=self.max_context - kept, target_factory=target)
 
     def prefill_streamed(self, prompt_ids: np.ndarray, reader: EDKVReader) -> np.ndarray:
         """Adopt what ``reader`` (from ``open_kv_stream``) wrote, once its stream is complete, and
         process the rest of the prompt; returns the next-token logits like ``prefill``."""
         prompt_ids = self._checked_prompt(prompt_ids)
         header = reader.finish()
+        kept_slots = self.length
         kept = header.kept
         token_ids, positions = header.token_ids[kept], header.positions[kept]
         injected = self._injectable_count(positions, prompt_ids)
-        self.cache.commit_ingest(injected)
-        return self._process_prompt(prompt_ids, token_ids[:injected], positions[:injected])
+        self.cache.commit_ingest(kept_slots, injected)
+        return self._process_prompt(prompt_ids, kept_slots, self._stream_keep, token_ids[:injected],
+                                    positions[:injected])
+
+    def _check_after_kept(self, positions: np.ndarray, keep: int, kept_slots: int) -> None:
+        """Received KV must start after the kept positions and fit the slots left after them."""
+        if len(positions) and positions[0] < keep:
+            raise KVInjectionError(f"the KV starts at position {int(positions[0])}, inside the {keep} positions "
+                                   "this engine keeps")
+        if kept_slots + len(positions) > self.max_context:
+            raise KVInjectionError(f"KV of {len(positions)} tokens after {kept_slots} kept slots exceeds the "
+                                   f"context buffer of {self.max_context}")
 
     def _checked_prompt(self, prompt_ids) -> np.ndarray:
         prompt_ids = np.asarray(prompt_ids, np.int64)
@@ -232,14 +299,18 @@ class Engine:
         """Tokens of injected KV used: everything before the prompt's last token, which runs here."""
         return int(np.searchsorted(positions, len(prompt_ids) - 1))
 
-    def _process_prompt(self, prompt_ids: np.ndarray, token_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Record the injected slots (already in the cache), then run the prompt from just after them."""
+    def _process_prompt(self, prompt_ids: np.ndarray, kept_slots: int, keep: int, token_ids: np.ndarray,
+                        positions: np.ndarray) -> np.ndarray:
+        """Record the injected slots (already in the cache after the kept ones), then run the prompt
+        from just after them."""
         injected = len(token_ids)
-        self._tokens[:injected] = token_ids
-        self._positions[0, :injected] = positions
-        self.cache.length = injected
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected)
-        resume = int(positions[-1]) + 1 if injected else 0
+        end = kept_slots + injected
+        self._tokens[kept_slots:end] = token_ids
+        self._positions[0, kept_slots:end] = positions
+        self._history[:len(prompt_ids)] = prompt_ids
+        self.cache.length = end
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected, reused_tokens=keep)
+        resume = int(positions[-1]) + 1 if injected else keep
         return self.forward(prompt_ids[resume:])
 
     def observe(self, window: int) -> tuple[np.ndarray, np.ndarray]:
@@ -263,15 +334,18 @@ class Engine:
             raise KVInjectionError("nothing to export: no prompt has been processed")
         return self.cache.snapshot(self._tokens[:self.length], self._positions[0, :self.length], self.producer)
 
-    def generate(self, prompt_ids, params: SamplingParams, kv: KVSnapshot | EDKVReader | None = None) -> Iterator[int]:
+    def generate(self, prompt_ids, params: SamplingParams, kv: KVSnapshot | EDKVReader | None = None,
+                 keep: int = 0) -> Iterator[int]:
         """Process the prompt (optionally from injected KV: a snapshot, or a reader from
         ``open_kv_stream`` whose stream is complete) and yield generated token ids one by one.
+        ``keep`` is as in ``prefill`` (a reader brings the ``keep`` given to ``open_kv_stream``).
 
         Stop tokens end the generation and are not yielded; ``self.stats`` is complete once the
         iterator is exhausted.
         """
         started = time.perf_counter()
-        logits = self.prefill_streamed(prompt_ids, kv) if isinstance(kv, EDKVReader) else self.prefill(prompt_ids, kv)
+        logits = (self.prefill_streamed(prompt_ids, kv) if isinstance(kv, EDKVReader)
+                  else self.prefill(prompt_ids, kv, keep))
         stats = self.stats
         stops = frozenset(self.spec.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids)
         sampler = Sampler(params)

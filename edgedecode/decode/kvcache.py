@@ -82,26 +82,27 @@ class KVCache:
             for kind, value in enumerate(pair):
                 yield layer, kind, value
 
-    def ingest_target(self, n_slots: int) -> np.ndarray:
-        """Where an EDKV reader writes ``n_slots`` compacted tokens: ``[layers, 2, kv_heads, slots, head_dim]``.
+    def ingest_target(self, start: int, n_slots: int) -> np.ndarray:
+        """Where an EDKV reader writes ``n_slots`` compacted tokens bound for slots from ``start`` on:
+        ``[layers, 2, kv_heads, slots, head_dim]``.
 
         On CPU that is the bound buffers themselves (no copy); on CUDA a float32 host staging buffer
         that ``commit_ingest`` uploads and casts on the device (numpy's float16 conversion made
         dequantizing into float16 on the host ~100 ms slower for 4k tokens on the H100 machine).
         """
         if self.device == "cpu":
-            return self.host[:, :, 0]
+            return self.host[:, :, 0, :, start:]
         s = self.spec
         self._staging = np.empty((s.n_layers, 2, s.n_kv_heads, n_slots, s.head_dim), np.float32)
         return self._staging
 
-    def commit_ingest(self, n_slots: int) -> None:
-        """Make the first ``n_slots`` ingested tokens the cache's content."""
+    def commit_ingest(self, start: int, n_slots: int) -> None:
+        """Make the first ``n_slots`` ingested tokens the content of slots [start, start + n_slots)."""
         if self.device == "cpu":
-            self.length = n_slots
+            self.length = start + n_slots
         else:
             staged, self._staging = self._staging, None
-            self.update(0, staged[:, 0, :, :n_slots], staged[:, 1, :, :n_slots])
+            self.update(start, staged[:, 0, :, :n_slots], staged[:, 1, :, :n_slots])
 
     def check_prompt_match(self, token_ids: np.ndarray, positions: np.ndarray, prompt_ids: np.ndarray) -> None:
         """Raise KVInjectionError unless the tokens at ``positions`` (strictly increasing) are the prompt's."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -39,3 +39,14 @@ class KVSnapshot:
     @property
     def n_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the keys and values."""
+        return int(self.keys.nbytes + self.values.nbytes)
+
+    def slots(self, start: int, stop: int | None = None) -> KVSnapshot:
+        """The tokens [start, stop) of this snapshot (views, no copy)."""
+        window = slice(start, stop)
+        return replace(self, token_ids=self.token_ids[window], positions=self.positions[window],
+                       keys=self.keys[:, :, window], values=self.values[:, :, window])

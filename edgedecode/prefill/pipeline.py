@@ -30,6 +30,11 @@ class ScoredPrefill:
     snapshot: KVSnapshot
     importance: np.ndarray  # float32 [n]: attention from the observation window, summed over layers
 
+    def from_position(self, position: int) -> ScoredPrefill:
+        """The tokens at ``position`` and after: what a receiver that holds the positions before it needs."""
+        start = int(np.searchsorted(self.snapshot.positions, position))
+        return ScoredPrefill(self.snapshot.slots(start), self.importance[start:])
+
 
 @dataclass(frozen=True)
 class EncodedKV:
@@ -57,9 +62,11 @@ class EncodedKV:
         return {tier.name: int(counts[tier]) for tier in Tier}
 
 
-def prefill_and_score(engine: Engine, prompt_ids: np.ndarray, window: int = OBSERVATION_WINDOW) -> ScoredPrefill:
-    """Run the whole prompt through ``engine`` (built with emit_queries) and score every token."""
-    engine.prefill(prompt_ids)
+def prefill_and_score(engine: Engine, prompt_ids: np.ndarray, window: int = OBSERVATION_WINDOW,
+                      kv: KVSnapshot | None = None) -> ScoredPrefill:
+    """Run the prompt through ``engine`` (built with emit_queries), from ``kv`` of a prefix of it if
+    given (e.g. from a prefix cache), and score every token."""
+    engine.prefill(prompt_ids, kv=kv)
     queries, query_positions = engine.observe(window)
     snapshot = engine.export_kv()
     per_layer = attention_importance(engine.spec, queries, query_positions, snapshot.keys, snapshot.positions)
