@@ -1,0 +1,1 @@
+"""What the long-running servers share: systemd readiness and watchdog pings (``systemd``), HTTP plumbing (``http``)."""
