@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -238,6 +239,83 @@ def probe(
         path = profile_path(loaded)
         path.write_text(profile.to_json())
         typer.echo(f"saved {path}")
+
+
+def _load_config(config_path: Optional[Path], section: str, **flags):
+    from edgedecode.config import load_config
+
+    return load_config(config_path, overrides={section: flags})
+
+
+def _announce(server: str) -> Callable[[str], None]:
+    def announce(url: str) -> None:
+        typer.echo(f"edgedecode {server} listening on {url}")  # the embedded daemon/chat read this line
+
+    return announce
+
+
+@app.command("prefill-server")
+def prefill_server(
+    host: Optional[str] = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, help="Port (default 8089; 0: any free port)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c",
+                                          help="TOML config (default /etc/edgedecode/edgedecode.toml if present)."),
+) -> None:
+    """Serve POST /v1/prefill: prompts in, their KV out as a streamed EDKV payload under a budget."""
+    from edgedecode.model.graph import GraphOptions
+    from edgedecode.prefill.run import run_prefill_server
+
+    try:
+        settings = _load_config(config, "prefill", host=host, port=port)
+        loaded = _open_model(settings.model.name)
+        _ensure_graph(loaded, GraphOptions("prefill", "float16" if settings.model.device == "cuda" else "float32"))
+        run_prefill_server(loaded, settings, _announce("prefill-server"))
+    except EdgeDecodeError as exc:
+        _fail(exc)
+
+
+@app.command()
+def serve(
+    host: Optional[str] = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, help="Port (default 8088; 0: any free port)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c",
+                                          help="TOML config (default /etc/edgedecode/edgedecode.toml if present)."),
+    prefill_url: Optional[str] = typer.Option(None, "--prefill-url",
+                                              help="Prefill server to pull KV from (default: start one on 127.0.0.1)."),
+) -> None:
+    """Run the decode daemon: OpenAI-compatible API, KV pulled from the prefill server, INT4 decoding."""
+    from edgedecode.daemon.run import run_daemon
+    from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
+
+    try:
+        settings = _load_config(config, "daemon", host=host, port=port, prefill_url=prefill_url)
+        loaded = _open_model(settings.model.name)
+        device = settings.model.device
+        _ensure_graph(loaded, GraphOptions("decode", "float16" if device == "cuda" else "float32", 4,
+                                           q4_1=DEVICE_Q4_1[device]))
+        run_daemon(loaded, settings, config, _announce("serve"))
+    except EdgeDecodeError as exc:
+        _fail(exc)
+
+
+@app.command()
+def chat(
+    url: Optional[str] = typer.Option(None, help="A running daemon (default: start one for this chat)."),
+    token: Optional[str] = typer.Option(None, envvar="EDGEDECODE_DAEMON_AUTH_TOKEN", help="Its bearer token."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Config for the daemon started here."),
+    system: Optional[str] = typer.Option(None, help="System message."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
+    temperature: float = typer.Option(0.0, help="0 means greedy."),
+) -> None:
+    """Chat with the decode daemon, streaming; per turn: time to first token, tokens/s, KV pulled
+    and its tier mix. /reset starts a new conversation, /exit (or end of input) leaves."""
+    from edgedecode.client.chat import ChatSettings, run_chat
+
+    try:
+        run_chat(ChatSettings(url=url, token=token or "", config_path=config, system=system,
+                              max_tokens=max_tokens, temperature=temperature))
+    except EdgeDecodeError as exc:
+        _fail(exc)
 
 
 @app.command()

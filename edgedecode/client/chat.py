@@ -1,0 +1,195 @@
+"""``edgedecode chat``: an interactive, streaming chat against the decode daemon.
+
+Each turn is one OpenAI-style streamed chat completion with the whole conversation and a session id,
+so the daemon reuses the KV it holds and pulls only the new tokens' KV. After each answer a status
+line shows the time to first token, decode tokens/s, the KV bytes pulled and their tier mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from edgedecode.errors import EdgeDecodeError
+
+LISTENING = re.compile(r"listening on (http://\S+)")
+START_TIMEOUT_SECONDS = 900
+
+
+class ChatError(EdgeDecodeError):
+    """The daemon could not be reached or answered with an error."""
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    url: str | None
+    token: str
+    config_path: Path | None
+    system: str | None
+    max_tokens: int
+    temperature: float
+
+
+@dataclass
+class TurnResult:
+    """One answer and the daemon's report on it."""
+
+    text: str
+    report: dict
+    completion_tokens: int
+    seconds: float
+
+
+class ChatClient:
+    """A conversation with the daemon at ``url``."""
+
+    def __init__(self, url: str, token: str = "", system: str | None = None, *, max_tokens: int = 256,
+                 temperature: float = 0.0, timeout: float = 600) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.system = system
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.timeout = timeout
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (a new session id)."""
+        self.session_id = secrets.token_hex(8)
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def send(self, text: str, out: TextIO) -> TurnResult:
+        """Send a user message, write the answer to ``out`` as it streams, and remember both."""
+        self.messages.append({"role": "user", "content": text})
+        body = {"messages": self.messages, "stream": True, "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "session_id": self.session_id,
+                "stream_options": {"include_usage": True}}
+        started, pieces, report, completion = time.perf_counter(), [], {}, 0
+        try:
+            for event in self._events("/v1/chat/completions", body):
+                if "error" in event:
+                    raise ChatError(f"the daemon failed: {event['error'].get('message')}")
+                for choice in event.get("choices", []):
+                    piece = choice.get("delta", {}).get("content")
+                    if piece:
+                        pieces.append(piece)
+                        out.write(piece)
+                        out.flush()
+                report = event.get("edgedecode", report)
+                completion = event.get("usage", {}).get("completion_tokens", completion)
+        except BaseException:
+            self.messages.pop()
+            raise
+        text_out = "".join(pieces)
+        self.messages.append({"role": "assistant", "content": text_out})
+        return TurnResult(text_out, report, completion, time.perf_counter() - started)
+
+    def _events(self, path: str, body: dict) -> Iterator[dict]:
+        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(self.url + path, json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                for raw in response:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    yield json.loads(data)
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")
+            try:
+                detail = json.loads(detail)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            raise ChatError(f"the daemon answered {exc.code}: {detail}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ChatError(f"cannot reach the daemon at {self.url}: {exc}") from None
+
+
+def status_line(result: TurnResult) -> str:
+    """The per-turn summary shown after each answer."""
+    report, kv = result.report, result.report.get("kv", {})
+    parts = [f"TTFT {report.get('ttft_ms', 0):.0f} ms", f"{report.get('decode_tokens_per_second', 0):.1f} tok/s",
+             f"{result.completion_tokens} tokens"]
+    if kv.get("source") == "prefill_server":
+        tiers = " ".join(f"{name} {count}" for name, count in kv.get("tiers", {}).items())
+        parts.append(f"KV pulled {kv.get('wire_bytes', 0) / 1024:.1f} KiB for {kv.get('pulled_tokens', 0)} tokens "
+                     f"(b {kv.get('b_wire') or 0:.3f}; {tiers})")
+    else:
+        parts.append(f"KV computed locally ({kv.get('fallback_reason') or 'no prefill server'})")
+    if kv.get("reused_tokens"):
+        parts.append(f"{kv['reused_tokens']} tokens reused from earlier turns")
+    return "[" + "; ".join(parts) + "]"
+
+
+def start_daemon(config_path: Path | None) -> tuple[subprocess.Popen, str]:
+    """Start ``edgedecode serve`` on a free loopback port for this chat; returns it and its URL."""
+    command = [sys.executable, "-m", "edgedecode", "serve", "--host", "127.0.0.1", "--port", "0"]
+    if config_path is not None:
+        command += ["--config", str(config_path)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("NOTIFY_SOCKET", None)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + START_TIMEOUT_SECONDS
+    for line in process.stdout:
+        match = LISTENING.search(line)
+        if match:
+            return process, match.group(1)
+        if time.monotonic() > deadline:
+            break
+    process.terminate()
+    raise ChatError(f"the decode daemon did not start (exit status {process.wait()})")
+
+
+def run_chat(settings: ChatSettings, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout,
+             err: TextIO = sys.stderr) -> None:
+    """The interactive loop: a line in, the streamed answer and its status line out."""
+    process = None
+    url = settings.url
+    if url is None:
+        err.write("starting the decode daemon (and its prefill server)...\n")
+        process, url = start_daemon(settings.config_path)
+    client = ChatClient(url, settings.token, settings.system, max_tokens=settings.max_tokens,
+                        temperature=settings.temperature)
+    interactive = stdin.isatty()
+    try:
+        while True:
+            if interactive:
+                out.write("> ")
+                out.flush()
+            line = stdin.readline()
+            if not line or line.strip() == "/exit":
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text == "/reset":
+                client.reset()
+                err.write("[new conversation]\n")
+                continue
+            result = client.send(text, out)
+            out.write("\n")
+            out.flush()
+            err.write(status_line(result) + "\n")
+            err.flush()
+    except KeyboardInterrupt:
+        err.write("\n")
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=30)

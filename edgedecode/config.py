@@ -1,0 +1,239 @@
+"""Configuration of the servers: one TOML file, ``EDGEDECODE_<SECTION>_<KEY>`` environment overrides,
+then command-line flags, validated once at start with errors that name the key and the source.
+
+Sections: ``[model]`` (which model, on which device), ``[daemon]`` (``edgedecode serve``) and
+``[prefill]`` (``edgedecode prefill-server``). Every key has a default, so an empty file (or none)
+is a valid configuration: loopback-only servers with an embedded prefill endpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from edgedecode.errors import EdgeDecodeError
+from edgedecode.kv.policy import POLICIES
+
+DEFAULT_CONFIG_PATH = Path("/etc/edgedecode/edgedecode.toml")
+ENV_PREFIX = "EDGEDECODE_"
+
+
+class ConfigError(EdgeDecodeError):
+    """The configuration is unreadable or holds an invalid value."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model the servers run, and where."""
+
+    name: str = "smollm2-135m-instruct"
+    device: str = "cpu"  # cpu or cuda
+    threads: int = 0  # onnxruntime intra-op threads; 0: one per physical core
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """The edge decode daemon (``edgedecode serve``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8088
+    auth_token: str = ""  # bearer token clients must send; required when host is not loopback
+    prefill_url: str = ""  # empty: start an embedded prefill server on 127.0.0.1
+    prefill_token: str = ""  # bearer token sent to the prefill server
+    slots: int = 2  # conversations whose KV stays resident at once
+    max_context: int = 4096  # KV buffer length per slot, tokens
+    max_queue: int = 32  # requests waiting for a slot; more are refused with 429
+    budget: float = 0.3  # KV wire bytes / FP16 bytes asked of the prefill server
+    policy: str = "ours"
+    max_tokens: int = 256  # completion length when a request gives none
+    max_body_bytes: int = 1 << 20  # request body limit (413 above it)
+    max_payload_bytes: int = 256 << 20  # EDKV payload limit (a larger payload is refused)
+    connect_timeout_s: float = 3.0  # to the prefill server
+    fetch_timeout_s: float = 60.0  # the whole KV pull, headers to trailer
+    idle_read_timeout_s: float = 10.0  # longest silence while the KV streams in
+    breaker_failures: int = 3  # consecutive prefill failures that open the circuit breaker
+    breaker_reset_s: float = 30.0  # how long an open breaker skips the prefill server
+    memory_reserve_mb: int = 256  # admission keeps this much system memory available
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """The prefill server (``edgedecode prefill-server``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8089
+    auth_token: str = ""  # bearer token clients must send; required when host is not loopback
+    prefix_cache_mb: int = 256  # prompt KV kept for the next turns of conversations
+    max_prompt_tokens: int = 8192
+    max_body_bytes: int = 4 << 20
+    max_queue: int = 16  # prefill requests waiting; more are refused with 429
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    source: str = "defaults"  # where it was read from, for messages
+
+
+_SECTION_TYPES = {"model": ModelConfig, "daemon": DaemonConfig, "prefill": PrefillConfig}
+
+
+def load_config(path: Path | None = None, *, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+    """The configuration from ``path`` (default: /etc/edgedecode/edgedecode.toml when it exists),
+    then ``EDGEDECODE_<SECTION>_<KEY>`` variables of ``env`` (default: the process environment),
+    then ``overrides`` (command-line flags; None values are ignored), validated.
+
+    Raises:
+        ConfigError: naming the file, variable or flag and the key at fault.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_TYPES}
+    source = "defaults"
+    if path is None and DEFAULT_CONFIG_PATH.exists():
+        path = DEFAULT_CONFIG_PATH
+    if path is not None:
+        source = str(path)
+        for section, items in _read_toml(path).items():
+            values[section].update({key: (value, f"{path}: [{section}] {key}") for key, value in items.items()})
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
+        if section in _SECTION_TYPES and key:
+            values[section][key] = (raw, f"environment variable {name}")
+    for section, items in (overrides or {}).items():
+        values[section].update({key: (value, f"option --{key.replace('_', '-')}")
+                                for key, value in items.items() if value is not None})
+    sections = {section: _build(_SECTION_TYPES[section], section, items) for section, items in values.items()}
+    config = Config(**sections, source=source)
+    _validate(config)
+    return config
+
+
+def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
+    try:
+        document = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for section, items in document.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"{path}: unknown section [{section}]{_suggest(section, _SECTION_TYPES)}; "
+                              f"sections are {', '.join(f'[{s}]' for s in _SECTION_TYPES)}")
+        if not isinstance(items, dict):
+            raise ConfigError(f"{path}: {section} must be a [{section}] table")
+    return document
+
+
+def _suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _build(cls, section: str, items: dict[str, tuple[Any, str]]):
+    """An instance of the section dataclass from (value, where) pairs, each coerced to its field's type."""
+    types = {f.name: f.type for f in fields(cls)}
+    kwargs = {}
+    for key, (value, where) in items.items():
+        if key not in types:
+            raise ConfigError(f"{where}: unknown key {section}.{key}{_suggest(key, types)}")
+        kwargs[key] = _coerce(value, types[key], where)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, type_name: str, where: str) -> Any:
+    """``value`` (from TOML, or a string from the environment or a flag) as ``type_name``."""
+    kind = {"str": str, "int": int, "float": float, "bool": bool}[type_name]
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        try:
+            if kind is bool:
+                if text.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if text.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(text)
+            return kind(text)
+        except ValueError:
+            pass
+    raise ConfigError(f"{where}: expected {type_name}, got {value!r}")
+
+
+def _validate(config: Config) -> None:
+    m, d, p = config.model, config.daemon, config.prefill
+    problems = []
+    if m.device not in ("cpu", "cuda"):
+        problems.append(f"model.device must be cpu or cuda, not {m.device!r}")
+    if m.threads < 0:
+        problems.append("model.threads must be >= 0 (0: one per physical core)")
+    for section, server in (("daemon", d), ("prefill", p)):
+        if not 0 <= server.port <= 65535:
+            problems.append(f"{section}.port must be in 0..65535 (0: any free port)")
+        if not is_loopback(server.host) and not server.auth_token:
+            problems.append(f"{section}.host is {server.host!r}, not loopback: set {section}.auth_token "
+                            f"(or {ENV_PREFIX}{section.upper()}_AUTH_TOKEN) so clients must authenticate")
+        if server.max_body_bytes < 1024:
+            problems.append(f"{section}.max_body_bytes must be >= 1024")
+        if server.max_queue < 1:
+            problems.append(f"{section}.max_queue must be >= 1")
+    if d.prefill_url:
+        parsed = urlparse(d.prefill_url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            problems.append(f"daemon.prefill_url must be an http(s) URL, not {d.prefill_url!r}")
+    if d.slots < 1:
+        problems.append("daemon.slots must be >= 1")
+    if d.max_context < 64:
+        problems.append("daemon.max_context must be >= 64 tokens")
+    if not 0 < d.budget <= 1:
+        problems.append(f"daemon.budget must be in (0, 1] (wire bytes / FP16 bytes), not {d.budget}")
+    if d.policy not in POLICIES:
+        problems.append(f"daemon.policy must be one of {', '.join(POLICIES)}, not {d.policy!r}")
+    if d.max_tokens < 1:
+        problems.append("daemon.max_tokens must be >= 1")
+    for name in ("connect_timeout_s", "fetch_timeout_s", "idle_read_timeout_s", "breaker_reset_s"):
+        if getattr(d, name) <= 0:
+            problems.append(f"daemon.{name} must be > 0")
+    if d.breaker_failures < 1:
+        problems.append("daemon.breaker_failures must be >= 1")
+    if d.max_payload_bytes < 1024 or d.memory_reserve_mb < 0 or p.prefix_cache_mb < 0 or p.max_prompt_tokens < 2:
+        problems.append("daemon.max_payload_bytes >= 1024, daemon.memory_reserve_mb >= 0, "
+                        "prefill.prefix_cache_mb >= 0 and prefill.max_prompt_tokens >= 2 are required")
+    if problems:
+        raise ConfigError(f"invalid configuration ({config.source}): " + "; ".join(problems))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def with_section(config: Config, section: str, **changes: Any) -> Config:
+    """``config`` with some keys of one section replaced (validated again)."""
+    updated = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **changes)})
+    _validate(updated)
+    return updated

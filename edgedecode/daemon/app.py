@@ -1,0 +1,130 @@
+"""``edgedecode serve``: the decode daemon's HTTP API (aiohttp), OpenAI-compatible.
+
+* ``POST /v1/chat/completions``, ``POST /v1/completions`` — JSON, or server-sent events with ``stream``;
+* ``GET /v1/models``;
+* ``GET /healthz`` (the process answers), ``GET /readyz`` (the model is loaded, the worker is
+  alive; says where KV comes from), ``GET /metrics`` (Prometheus).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import aclosing
+
+from aiohttp import web
+
+from edgedecode.config import Config
+from edgedecode.daemon.metrics import DaemonMetrics
+from edgedecode.daemon.openai_api import APIRequestError, ResponseShape, parse_request, usage
+from edgedecode.daemon.service import AdmissionError, DecodeService
+from edgedecode.daemon.slots import QueueFullError
+from edgedecode.decode.engine import ContextOverflowError
+from edgedecode.service.http import add_common_routes, error_middleware, json_error, read_json
+
+logger = logging.getLogger(__name__)
+SERVICE_KEY = web.AppKey("decode_service", DecodeService)
+
+
+def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -> web.Application:
+    """The daemon's aiohttp application around a loaded ``service``."""
+    settings = config.daemon
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware(settings.auth_token)])
+    app[SERVICE_KEY] = service
+    model_name = service.model.record.name
+
+    async def completions(request: web.Request, kind: str, endpoint: str) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        try:
+            parsed = parse_request(await read_json(request), kind, service.model,
+                                   default_max_tokens=settings.max_tokens,
+                                   session_header=request.headers.get("X-Session-Id"))
+            service.check_fits(parsed)
+            turn = service.turn(parsed, parsed.user or request.remote or "unknown", arrived)
+            await turn.open()
+        except (APIRequestError, ContextOverflowError) as exc:
+            metrics.requests.labels(endpoint, "400").inc()
+            return json_error(400, str(exc), param=getattr(exc, "param", None),
+                              code="context_length_exceeded" if isinstance(exc, ContextOverflowError) else None)
+        except QueueFullError as exc:
+            metrics.requests.labels(endpoint, "429").inc()
+            return json_error(429, str(exc), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        except AdmissionError as exc:
+            metrics.requests.labels(endpoint, "503").inc()
+            return json_error(503, str(exc), kind="server_error", code="insufficient_memory",
+                              headers={"Retry-After": "5"})
+        shape = ResponseShape(kind, model_name)
+        if parsed.stream:
+            return await _stream(request, turn, shape, parsed.include_usage, endpoint)
+        try:
+            async with aclosing(turn.pieces()) as pieces:
+                text = "".join([piece async for piece in pieces])
+        except Exception as exc:
+            logger.exception("generation failed")
+            metrics.requests.labels(endpoint, "500").inc()
+            return json_error(500, f"generation failed: {exc}", kind="server_error")
+        metrics.requests.labels(endpoint, "200").inc()
+        body = shape.whole(text, turn.finish_reason, usage(len(parsed.prompt_ids), turn.completion_tokens))
+        body["edgedecode"] = turn.report.to_json()
+        return web.json_response(body)
+
+    async def _stream(request: web.Request, turn, shape: ResponseShape, include_usage: bool,
+                      endpoint: str) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+
+        async def send(obj) -> None:
+            await response.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
+
+        status = "200"
+        try:
+            if turn.request.kind == "chat":
+                await send(shape.chunk(first=True))
+            async with aclosing(turn.pieces()) as pieces:
+                async for piece in pieces:
+                    await send(shape.chunk(piece))
+            final = shape.chunk(finish_reason=turn.finish_reason)
+            final["edgedecode"] = turn.report.to_json()
+            await send(final)
+            if include_usage:
+                await send(shape.usage_chunk(usage(len(turn.request.prompt_ids), turn.completion_tokens)))
+        except (ConnectionResetError, RuntimeError) as exc:  # the client went away; the turn is cancelled
+            status = "499"
+            logger.info("client disconnected: %s", exc)
+            return response
+        except Exception as exc:
+            logger.exception("generation failed")
+            status = "500"
+            await send({"error": {"message": f"generation failed: {exc}", "type": "server_error",
+                                  "param": None, "code": None}})
+        finally:
+            metrics.requests.labels(endpoint, status).inc()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await completions(request, "chat", "chat_completions")
+
+    async def text(request: web.Request) -> web.StreamResponse:
+        return await completions(request, "text", "completions")
+
+    async def models(_: web.Request) -> web.Response:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "edgedecode",
+                "max_context": service.max_context}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def readyz(_: web.Request) -> web.Response:
+        ready = service.healthy()
+        body = {"status": "ready" if ready else "unhealthy", "model": model_name,
+                "prefill": {"url": service.prefill_url(), "breaker": service.breaker.state},
+                "slots": {"total": len(service.pool.slots), "busy": service.pool.busy, "queued": service.pool.queued}}
+        return web.json_response(body, status=200 if ready else 503)
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", text)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/readyz", readyz)
+    add_common_routes(app, metrics.registry)
+    return app

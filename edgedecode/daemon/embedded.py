@@ -1,0 +1,114 @@
+"""The embedded prefill endpoint: with no prefill URL configured, the daemon runs
+``edgedecode prefill-server`` as a child process on 127.0.0.1 (any free port, a fresh random token),
+so one command gives the whole prefill -> EDKV -> decode path on one machine.
+
+The child dies with the daemon (Linux parent-death signal, and terminate on shutdown); if it exits
+on its own it is restarted after a pause, while requests prefill locally meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import re
+import secrets
+import signal
+import sys
+from pathlib import Path
+
+from edgedecode.errors import EdgeDecodeError
+
+logger = logging.getLogger(__name__)
+LISTENING = re.compile(r"listening on (http://\S+)")
+_PR_SET_PDEATHSIG = 1
+
+
+class EmbeddedPrefillError(EdgeDecodeError):
+    """The embedded prefill server did not start."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: shutdown still terminates the child
+        pass
+
+
+class EmbeddedPrefill:
+    """A child ``edgedecode prefill-server`` bound to 127.0.0.1."""
+
+    def __init__(self, config_path: Path | None, *, start_timeout: float = 900.0, restart_delay: float = 5.0) -> None:
+        self.config_path = config_path
+        self.token = secrets.token_urlsafe(24)
+        self.start_timeout = start_timeout
+        self.restart_delay = restart_delay
+        self.url: str | None = None  # None while the child is not serving
+        self._process: asyncio.subprocess.Process | None = None
+        self._watch: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self) -> str:
+        """Start the child and wait until it serves; returns its URL."""
+        command = [sys.executable, "-m", "edgedecode", "prefill-server", "--host", "127.0.0.1", "--port", "0"]
+        if self.config_path is not None:
+            command += ["--config", str(self.config_path)]
+        env = {**os.environ, "EDGEDECODE_PREFILL_AUTH_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        env.pop("NOTIFY_SOCKET", None)  # the child must not report readiness for the daemon's unit
+        self._process = await asyncio.create_subprocess_exec(
+            *command, stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=_die_with_parent)
+        try:
+            self.url = await asyncio.wait_for(self._read_url(), self.start_timeout)
+        except (TimeoutError, EmbeddedPrefillError) as exc:
+            await self._terminate()
+            raise EmbeddedPrefillError(f"the embedded prefill server did not start: {exc or 'timed out'}") from None
+        self._watch = asyncio.create_task(self._supervise())
+        logger.info("embedded prefill server at %s (pid %d)", self.url, self._process.pid)
+        return self.url
+
+    async def _read_url(self) -> str:
+        while True:
+            line = await self._process.stdout.readline()
+            if not line:
+                raise EmbeddedPrefillError(f"it exited with status {await self._process.wait()}")
+            match = LISTENING.search(line.decode(errors="replace"))
+            if match:
+                return match.group(1)
+
+    async def _supervise(self) -> None:
+        """Drain the child's output; restart it when it exits on its own."""
+        while not self._stopping:
+            while await self._process.stdout.readline():
+                pass
+            status = await self._process.wait()
+            self.url = None
+            if self._stopping:
+                return
+            logger.error("the embedded prefill server exited with status %s; restarting in %.0f s",
+                         status, self.restart_delay)
+            await asyncio.sleep(self.restart_delay)
+            try:
+                await self.start()
+                return  # start() runs a fresh supervisor
+            except EmbeddedPrefillError as exc:
+                logger.error("%s", exc)
+                return
+
+    async def stop(self) -> None:
+        """Terminate the child and wait for it."""
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        await self._terminate()
+
+    async def _terminate(self) -> None:
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), 10)
+        except TimeoutError:
+            process.kill()
+            await process.wait()

@@ -1,0 +1,211 @@
+"""The OpenAI-compatible request and response shapes of the decode daemon.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` with one choice (n = 1); ``stream``
+answers with server-sent events ending in ``data: [DONE]``. Beyond the OpenAI fields, requests may
+carry ``session_id`` (a conversation whose KV the daemon keeps between turns; the
+``X-Session-Id`` header works too) and ``top_k``; every final response or chunk carries an
+``edgedecode`` object with the turn's timings and where its KV came from.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgedecode.decode.sampler import SamplingError, SamplingParams
+from edgedecode.errors import EdgeDecodeError
+from edgedecode.model.loader import LoadedModel
+
+MAX_STOP_STRINGS = 4
+_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "response_format")
+
+
+class APIRequestError(EdgeDecodeError):
+    """An invalid completion request (answered with 400 and the offending parameter)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    """A validated completion request, tokenized."""
+
+    kind: str  # "chat" or "text"
+    prompt_ids: np.ndarray
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    session_id: str | None
+    user: str | None
+
+
+def parse_request(body: dict, kind: str, model: LoadedModel, *, default_max_tokens: int,
+                  session_header: str | None) -> CompletionRequest:
+    """Validate an OpenAI request body of ``kind`` ("chat" or "text") and tokenize its prompt."""
+    for name in _UNSUPPORTED:
+        if body.get(name):
+            raise APIRequestError(f"{name} is not supported by this server", name)
+    if body.get("model") not in (None, model.record.name):
+        raise APIRequestError(f"this server serves {model.record.name!r}, not {body['model']!r}", "model")
+    if body.get("n", 1) != 1:
+        raise APIRequestError("only n = 1 is supported", "n")
+    prompt_ids = _chat_prompt(body, model) if kind == "chat" else _text_prompt(body, model)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    try:
+        params = SamplingParams(
+            max_tokens=_number(max_tokens, "max_tokens", int),
+            temperature=_number(body.get("temperature", 1.0), "temperature", float),
+            top_p=_number(body.get("top_p", 1.0), "top_p", float),
+            top_k=_number(body.get("top_k", 0), "top_k", int),
+            seed=None if body.get("seed") is None else _number(body["seed"], "seed", int),
+        )
+    except SamplingError as exc:
+        raise APIRequestError(str(exc)) from None
+    if params.max_tokens < 1:
+        raise APIRequestError("max_tokens must be >= 1", "max_tokens")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise APIRequestError("stream must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise APIRequestError("stream_options must be an object", "stream_options")
+    session_id = body.get("session_id", session_header)
+    user = body.get("user")
+    for name, value in (("session_id", session_id), ("user", user)):
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
+            raise APIRequestError(f"{name} must be a string of 1 to 256 characters", name)
+    return CompletionRequest(kind, prompt_ids, params, stream, bool(options.get("include_usage", False)),
+                             _stop(body.get("stop")), session_id, user)
+
+
+def _number(value, name: str, kind: type):
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not numeric or (kind is int and not float(value).is_integer()):
+        raise APIRequestError(f"{name} must be {'an integer' if kind is int else 'a number'}", name)
+    return kind(value)
+
+
+def _chat_prompt(body: dict, model: LoadedModel) -> np.ndarray:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIRequestError("messages must be a non-empty list", "messages")
+    rendered = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant"):
+            raise APIRequestError(f"messages[{i}] needs a role of system, developer, user or assistant", "messages")
+        role = "system" if message["role"] == "developer" else message["role"]
+        rendered.append({"role": role, "content": _content_text(message.get("content"), i)})
+    return np.asarray(model.tokenizer.encode_chat(rendered), np.int64)
+
+
+def _content_text(content, index: int) -> str:
+    """A message's text: a string, or a list of text parts (other part types are refused)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise APIRequestError(f"messages[{index}].content must be a string or a list of text parts", "messages")
+
+
+def _text_prompt(body: dict, model: LoadedModel) -> np.ndarray:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return np.asarray(model.tokenizer.encode(prompt), np.int64)
+    vocab = model.spec.vocab_size
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                   for t in prompt):
+        return np.asarray(prompt, np.int64)
+    raise APIRequestError(f"prompt must be a string or one list of token ids in [0, {vocab}) "
+                          "(batched prompts are not supported)", "prompt")
+
+
+def _stop(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in stops):
+        raise APIRequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_STRINGS}", "stop")
+    return tuple(stops)
+
+
+class StopText:
+    """Cuts generated text at the first stop string, holding back a tail that could start one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """The text safe to emit now; after a stop string, nothing more."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        self._pending += text
+        cut = min((i for i in (self._pending.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self._pending = self._pending[:cut], ""
+            return out
+        keep = len(self._pending) - self._hold
+        out, self._pending = self._pending[:max(keep, 0)], self._pending[max(keep, 0):]
+        return out
+
+    def flush(self) -> str:
+        """What is held back, once generation has ended."""
+        out, self._pending = ("" if self.stopped else self._pending), ""
+        return out
+
+
+@dataclass
+class ResponseShape:
+    """Builds the JSON objects of one response (chat or text, streamed or whole)."""
+
+    kind: str
+    model: str
+
+    def __post_init__(self) -> None:
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str | None = None, *, first: bool = False, finish_reason: str | None = None) -> dict:
+        """One streamed chunk: a text delta, or the final one with its finish reason."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._envelope("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**self._envelope("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        """The last chunk of a stream asked to include usage: no choices, the counts."""
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._envelope(obj), "choices": [], "usage": usage}
+
+    def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
+        """The non-streamed response."""
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return {**self._envelope("chat.completion"), "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._envelope("text_completion"), "choices": [choice], "usage": usage}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """The OpenAI usage object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,59 @@
+"""Start the decode daemon: the embedded prefill server when no URL is configured, the decode
+engines, then the HTTP API; report readiness and watchdog pings to systemd."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from edgedecode.config import Config
+from edgedecode.daemon.app import create_app
+from edgedecode.daemon.embedded import EmbeddedPrefill
+from edgedecode.daemon.metrics import DaemonMetrics
+from edgedecode.daemon.service import DecodeService
+from edgedecode.model.loader import LoadedModel
+from edgedecode.service import systemd
+from edgedecode.service.http import serve_until_stopped
+
+logger = logging.getLogger(__name__)
+
+
+def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, announce: Callable[[str], None]) -> None:
+    """Serve ``model`` per ``config.daemon`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
+    settings = config.daemon
+
+    async def main() -> None:
+        embedded = None
+        if settings.prefill_url:
+            prefill_url, prefill_token = (lambda: settings.prefill_url), settings.prefill_token
+        else:
+            systemd.notify("STATUS=starting the embedded prefill server")
+            embedded = EmbeddedPrefill(config_path)
+            await embedded.start()
+            prefill_url, prefill_token = (lambda: embedded.url), embedded.token
+        metrics = DaemonMetrics()
+        service = DecodeService(model, config, metrics, prefill_url, prefill_token)
+        await service.start()
+        background: list[asyncio.Task] = []
+
+        async def listening(url: str) -> None:
+            announce(url)
+            systemd.notify("READY=1", f"STATUS=serving {model.record.name} at {url}; KV from {prefill_url()}")
+            interval = systemd.watchdog_interval()
+            if interval is not None:
+                background.append(asyncio.create_task(systemd.run_watchdog(service.healthy, interval)))
+
+        try:
+            await serve_until_stopped(create_app(service, config, metrics), settings.host, settings.port,
+                                      on_listening=listening)
+        finally:
+            systemd.notify("STOPPING=1")
+            for task in background:
+                task.cancel()
+            await service.close()
+            if embedded is not None:
+                await embedded.stop()
+
+    asyncio.run(main())

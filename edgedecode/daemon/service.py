@@ -1,0 +1,258 @@
+"""The decode daemon's request pipeline, independent of HTTP.
+
+Per turn: wait fairly for a KV slot, keep the KV the slot still holds for this prompt, check that
+memory allows the rest, pull the rest's KV from the prefill server into the slot while it downloads
+(or prefill locally when the server fails, times out, is skipped by the circuit breaker or sends a
+bad payload), then decode on the worker thread and stream the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+import psutil
+
+from edgedecode.config import Config
+from edgedecode.daemon.breaker import CircuitBreaker
+from edgedecode.daemon.kv_pull import KVPullError, PullResult, PullSettings, pull_kv
+from edgedecode.daemon.metrics import DaemonMetrics
+from edgedecode.daemon.openai_api import CompletionRequest, StopText
+from edgedecode.daemon.slots import Slot, SlotPool
+from edgedecode.daemon.worker import DecodeWorker, Generation
+from edgedecode.decode.engine import ContextOverflowError, Engine
+from edgedecode.errors import EdgeDecodeError
+from edgedecode.kv.wire import EDKVReader
+from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
+from edgedecode.model.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+WORKER_STALL_SECONDS = 60.0  # a step taking longer than this marks the daemon unhealthy (watchdog)
+
+
+class AdmissionError(EdgeDecodeError):
+    """Not enough memory to take the request now (answered with 503)."""
+
+
+@dataclass
+class TurnReport:
+    """Where a turn's KV came from and what the turn took; sent as the ``edgedecode`` object."""
+
+    kv_source: str = "local"  # "prefill_server" or "local"
+    fallback_reason: str | None = None
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # positions whose KV the slot held from the conversation's earlier turns
+    pulled_tokens: int = 0  # tokens in the pulled payload (kept or dropped)
+    wire_bytes: int = 0
+    fp16_bytes: int = 0
+    tiers: dict[str, int] = field(default_factory=dict)
+    fetch_seconds: float = 0.0
+    ttft_seconds: float = 0.0
+    decode_tokens_per_second: float = 0.0
+    slot: int = -1
+
+    def to_json(self) -> dict:
+        return {
+            "kv": {"source": self.kv_source, "fallback_reason": self.fallback_reason,
+                   "reused_tokens": self.reused_tokens, "pulled_tokens": self.pulled_tokens,
+                   "wire_bytes": self.wire_bytes, "fp16_bytes": self.fp16_bytes,
+                   "b_wire": round(self.wire_bytes / self.fp16_bytes, 4) if self.fp16_bytes else None,
+                   "tiers": self.tiers, "fetch_ms": round(self.fetch_seconds * 1e3, 2)},
+            "ttft_ms": round(self.ttft_seconds * 1e3, 2),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
+            "slot": self.slot,
+        }
+
+
+class DecodeService:
+    """The decode engines (one per slot, one onnxruntime session), the worker thread, the slot pool
+    and the link to the prefill server."""
+
+    def __init__(self, model: LoadedModel, config: Config, metrics: DaemonMetrics,
+                 prefill_url: Callable[[], str | None], prefill_token: str) -> None:
+        self.model = model
+        self.config = config
+        self.metrics = metrics
+        self.prefill_url = prefill_url  # the prefill server now (None while it is down)
+        self._prefill_token = prefill_token
+        d, m = config.daemon, config.model
+        options = GraphOptions("decode", "float16" if m.device == "cuda" else "float32", 4,
+                               q4_1=DEVICE_Q4_1[m.device])
+        threads = m.threads or None
+        first = Engine(model, options, max_context=d.max_context, device=m.device, threads=threads)
+        engines = [first] + [Engine(model, options, max_context=d.max_context, device=m.device, threads=threads,
+                                    share=first) for _ in range(d.slots - 1)]
+        self.max_context = first.max_context
+        self.kv_bytes_per_slot_token = first.cache.dtype.itemsize * 2 * model.spec.n_layers * \
+            model.spec.n_kv_heads * model.spec.head_dim
+        self.pool = SlotPool(engines, d.max_queue)
+        self.worker = DecodeWorker()
+        self.breaker = CircuitBreaker(d.breaker_failures, d.breaker_reset_s)
+        self._ingest = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-ingest")
+        self._http: aiohttp.ClientSession | None = None
+        metrics.resident_kv.set_function(
+            lambda: sum(slot.engine.length for slot in self.pool.slots) * self.kv_bytes_per_slot_token)
+        metrics.queue_depth.set_function(lambda: self.pool.queued)
+        metrics.active.set_function(lambda: self.pool.busy)
+        metrics.breaker_open.set_function(lambda: float(self.breaker.state == "open"))
+
+    async def start(self) -> None:
+        """Open the HTTP client used to pull KV (call on the serving event loop)."""
+        self._http = aiohttp.ClientSession()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+        self.worker.stop()
+        self._ingest.shutdown(wait=True)
+
+    def healthy(self) -> bool:
+        """The worker thread is alive and not stuck (what the systemd watchdog pings on)."""
+        return self.worker.healthy(WORKER_STALL_SECONDS)
+
+    def check_fits(self, request: CompletionRequest) -> None:
+        """Raise ContextOverflowError when the prompt cannot fit a slot with room to generate."""
+        if len(request.prompt_ids) >= self.max_context:
+            raise ContextOverflowError(f"the prompt has {len(request.prompt_ids)} tokens; a slot holds "
+                                       f"{self.max_context} including at least one generated token")
+
+    def turn(self, request: CompletionRequest, client: str, arrived: float) -> Turn:
+        """A turn for ``request``; ``await turn.open()`` then iterate ``turn.pieces()``."""
+        return Turn(self, request, client, arrived)
+
+    def _admit(self, new_tokens: int) -> None:
+        """Refuse a request whose KV would eat into the configured memory reserve."""
+        need = new_tokens * self.kv_bytes_per_slot_token
+        available = psutil.virtual_memory().available
+        reserve = self.config.daemon.memory_reserve_mb << 20
+        if available - need < reserve:
+            raise AdmissionError(f"not enough memory for this request: its KV needs {need >> 20} MiB, "
+                                 f"{available >> 20} MiB are available and {reserve >> 20} MiB are kept in reserve")
+
+    async def _pull(self, slot: Slot, prompt_ids: np.ndarray, keep: int,
+                    report: TurnReport) -> EDKVReader | None:
+        """Pull the KV of the prompt after ``keep`` into the slot; None (reason in ``report``) to prefill locally."""
+        url = self.prefill_url()
+        reason, message = None, ""
+        if url is None:
+            reason, message = "unreachable", "no prefill server is running"
+        elif not self.breaker.allow():
+            reason, message = "breaker_open", f"the circuit breaker skips {url} after repeated failures"
+        else:
+            reader = slot.engine.open_kv_stream(prompt_ids, keep)
+            d = self.config.daemon
+            settings = PullSettings(url, self._prefill_token, d.budget, d.policy, d.max_payload_bytes,
+                                    aiohttp.ClientTimeout(total=d.fetch_timeout_s, sock_connect=d.connect_timeout_s,
+                                                          sock_read=d.idle_read_timeout_s))
+            try:
+                result = await pull_kv(self._http, settings, prompt_ids, keep, reader, self._ingest,
+                                       self.model.spec.kv_bytes_per_token_fp16)
+            except KVPullError as exc:
+                if exc.endpoint_fault:
+                    self.breaker.record_failure()
+                reason, message = exc.reason, str(exc)
+            else:
+                self.breaker.record_success()
+                self._record_pull(result, report)
+                return reader
+        report.fallback_reason = reason
+        self.metrics.fallbacks.labels(reason).inc()
+        logger.warning("prefilling locally (%s): %s", reason, message)
+        return None
+
+    def _record_pull(self, result: PullResult, report: TurnReport) -> None:
+        report.kv_source = "prefill_server"
+        report.pulled_tokens = sum(result.tier_counts.values())
+        report.wire_bytes, report.fp16_bytes = result.wire_bytes, result.fp16_bytes
+        report.tiers = {name: count for name, count in result.tier_counts.items() if count}
+        report.fetch_seconds = result.seconds
+        self.metrics.kv_fetch.observe(result.seconds)
+        self.metrics.kv_wire_bytes.inc(result.wire_bytes)
+        self.metrics.kv_fp16_bytes.inc(result.fp16_bytes)
+        for name, count in result.tier_counts.items():
+            self.metrics.kv_tier_tokens.labels(name).inc(count)
+
+    def _release_after_ingest(self, slot: Slot) -> None:
+        """Give the slot back once the ingest thread is done with it (it may still be writing into it)."""
+        done = asyncio.get_running_loop().run_in_executor(self._ingest, lambda: None)
+        done.add_done_callback(lambda _: self.pool.release(slot))
+
+
+class Turn:
+    """One request's way through the pipeline: ``open()`` (slot, KV), then ``pieces()`` (text)."""
+
+    def __init__(self, service: DecodeService, request: CompletionRequest, client: str, arrived: float) -> None:
+        self.service = service
+        self.request = request
+        self.client = client
+        self.arrived = arrived
+        self.report = TurnReport(prompt_tokens=len(request.prompt_ids))
+        self.finish_reason = "length"
+        self.completion_tokens = 0
+        self._slot: Slot | None = None
+        self._generation: Generation | None = None
+
+    async def open(self) -> None:
+        """Take a slot, keep what it holds of the prompt, pull the rest's KV (or fall back) and
+        start decoding. Raises QueueFullError or AdmissionError (nothing held afterwards)."""
+        service, request = self.service, self.request
+        slot = await service.pool.acquire(self.client, request.session_id)
+        try:
+            engine = slot.engine
+            keep = engine.reusable_prefix(request.prompt_ids) if slot.resumed else 0
+            service._admit(len(request.prompt_ids) - keep + request.params.max_tokens)
+            self.report.reused_tokens, self.report.slot = keep, slot.index
+            reader = await service._pull(slot, request.prompt_ids, keep, self.report)
+        except BaseException:
+            service._release_after_ingest(slot)
+            raise
+        steps = engine.generate(request.prompt_ids, request.params, kv=reader, keep=keep)
+        self._slot = slot
+        self._generation = service.worker.submit(steps, on_done=lambda: service.pool.release(slot))
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The generated text as it comes (stop strings cut it); then ``finish_reason``,
+        ``completion_tokens`` and ``report`` are final."""
+        service, metrics = self.service, self.service.metrics
+        tokenizer = service.model.tokenizer
+        decoder, stop = tokenizer.stream_decoder(), StopText(self.request.stop)
+        previous = None
+        try:
+            async for token in self._generation:
+                now = time.perf_counter()
+                if previous is None:
+                    self.report.ttft_seconds = now - self.arrived
+                    metrics.ttft.observe(self.report.ttft_seconds)
+                else:
+                    metrics.inter_token.observe(now - previous)
+                previous = now
+                self.completion_tokens += 1
+                metrics.generated.inc()
+                text = stop.feed(decoder.feed(token))
+                if text:
+                    yield text
+                if stop.stopped:
+                    self.finish_reason = "stop"
+                    return
+            tail = stop.feed(decoder.flush()) + stop.flush()
+            if tail:
+                yield tail
+            stats = self._slot.engine.stats
+            self.finish_reason = "stop" if stop.stopped or stats.finish_reason == "stop" else "length"
+            self.report.decode_tokens_per_second = stats.decode_tokens_per_second
+        finally:
+            self._generation.cancel()  # a no-op once it has ended; stops it when the client went away
+            self._account()
+
+    def _account(self) -> None:
+        metrics, report = self.service.metrics, self.report
+        pulled = report.pulled_tokens if report.kv_source == "prefill_server" else 0
+        metrics.kv_tokens.labels("reused").inc(report.reused_tokens)
+        metrics.kv_tokens.labels("pulled").inc(pulled)
+        metrics.kv_tokens.labels("computed").inc(max(report.prompt_tokens - report.reused_tokens - pulled, 0))

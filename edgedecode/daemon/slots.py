@@ -1,0 +1,124 @@
+"""KV slots of the decode daemon and the fair, bounded queue of requests waiting for one.
+
+A slot is one decode engine's KV buffers (all engines share one onnxruntime session). A
+conversation (session id) keeps its slot between turns while the slot is idle, so its next turn
+reuses the KV it holds; when every slot is taken by other conversations, the least recently used
+idle one is reassigned. KV is reused only within a conversation: a request's answer never depends
+on what other conversations ran before it (their prefix KV was quantized for other prompts).
+Waiting requests are served round-robin across clients, first come first served within a client,
+so one client's burst cannot starve the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from edgedecode.decode.engine import Engine
+from edgedecode.errors import EdgeDecodeError
+
+
+class QueueFullError(EdgeDecodeError):
+    """Too many requests are waiting for a slot."""
+
+
+@dataclass(eq=False)
+class Slot:
+    """One engine's KV buffers and the conversation that holds them."""
+
+    engine: Engine
+    index: int
+    session_id: str | None = None
+    resumed: bool = False  # taken by the conversation that held it before: its KV may be reused
+    busy: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    session_id: str | None
+    future: asyncio.Future
+
+
+class SlotPool:
+    """Hands out slots to requests, fairly across clients, with at most ``max_queue`` waiting."""
+
+    def __init__(self, engines: list[Engine], max_queue: int) -> None:
+        self.slots = [Slot(engine, i) for i, engine in enumerate(engines)]
+        self.max_queue = max_queue
+        self._waiting: OrderedDict[str, deque[_Waiter]] = OrderedDict()  # by client, in turn order
+
+    @property
+    def queued(self) -> int:
+        return sum(len(waiters) for waiters in self._waiting.values())
+
+    @property
+    def busy(self) -> int:
+        return sum(slot.busy for slot in self.slots)
+
+    async def acquire(self, client: str, session_id: str | None) -> Slot:
+        """A slot for this request: the conversation's own when it is idle, else a free or the least
+        recently used idle one; waits its turn when all are busy.
+
+        Raises:
+            QueueFullError: ``max_queue`` requests are already waiting.
+        """
+        if not self._waiting:
+            slot = self._pick(session_id)
+            if slot is not None:
+                return self._take(slot, session_id)
+        if self.queued >= self.max_queue:
+            raise QueueFullError(f"{self.queued} requests are waiting for a decode slot (limit {self.max_queue})")
+        waiter = _Waiter(session_id, asyncio.get_running_loop().create_future())
+        self._waiting.setdefault(client, deque()).append(waiter)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.release(waiter.future.result())  # handed a slot just as the request went away
+            else:
+                self._forget(client, waiter)
+            raise
+
+    def release(self, slot: Slot) -> None:
+        """Give the slot back (the conversation keeps its KV in it) and serve the next waiter."""
+        slot.busy = False
+        slot.last_used = time.monotonic()
+        while self._waiting:
+            client, waiters = next(iter(self._waiting.items()))
+            candidate = self._pick(waiters[0].session_id)
+            if candidate is None:
+                return
+            waiter = waiters.popleft()
+            del self._waiting[client]
+            if waiters:  # the client goes to the back of the round
+                self._waiting[client] = waiters
+            if not waiter.future.done():
+                waiter.future.set_result(self._take(candidate, waiter.session_id))
+
+    def _pick(self, session_id: str | None) -> Slot | None:
+        idle = [slot for slot in self.slots if not slot.busy]
+        if not idle:
+            return None
+        if session_id is not None:
+            for slot in idle:
+                if slot.session_id == session_id:
+                    return slot
+        free = [slot for slot in idle if slot.session_id is None]
+        return free[0] if free else min(idle, key=lambda slot: slot.last_used)
+
+    @staticmethod
+    def _take(slot: Slot, session_id: str | None) -> Slot:
+        slot.busy = True
+        slot.resumed = session_id is not None and slot.session_id == session_id
+        slot.session_id = session_id
+        return slot
+
+    def _forget(self, client: str, waiter: _Waiter) -> None:
+        waiters = self._waiting.get(client)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self._waiting[client]

@@ -1,0 +1,140 @@
+"""``edgedecode prefill-server``: the prefill node's HTTP API (aiohttp).
+
+* ``POST /v1/prefill`` — JSON in (see ``PrefillRequest.parse``), a streamed EDKV payload out
+  (chunked, ``application/x-edkv``), frame by frame. Response headers summarise it
+  (``X-EDKV-Tokens``, ``X-EDKV-Wire-Bytes``, ``X-EDKV-FP16-Bytes``, ``X-Prefix-Reused-Tokens``);
+  the receiver trusts only the payload itself.
+* ``GET /v1/models`` — the served model with its KV contract and producer fingerprint.
+* ``GET /healthz``, ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from edgedecode.config import Config
+from edgedecode.decode.engine import ContextOverflowError
+from edgedecode.errors import EdgeDecodeError
+from edgedecode.kv.policy import BudgetError
+from edgedecode.kv.tiers import Tier
+from edgedecode.prefill.service import PrefillRequestError, PrefillService
+from edgedecode.service.http import add_common_routes, error_middleware, json_error, process_gauges, read_json
+
+logger = logging.getLogger(__name__)
+EDKV_CONTENT_TYPE = "application/x-edkv"
+SERVICE_KEY = web.AppKey("prefill_service", PrefillService)
+
+
+class PrefillMetrics:
+    """The prefill server's Prometheus metrics, on their own registry."""
+
+    def __init__(self, service: PrefillService) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("edgedecode_prefill_requests_total", "Prefill requests by HTTP status.",
+                                ["status"], registry=registry)
+        self.seconds = Histogram("edgedecode_prefill_seconds", "Prefill, scoring and encoding time per request.",
+                                 registry=registry, buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
+        self.tokens = Counter("edgedecode_prefill_tokens_total",
+                              "Prompt tokens by where their KV came from (computed, or the prefix cache).",
+                              ["source"], registry=registry)
+        self.sent_bytes = Counter("edgedecode_prefill_sent_bytes_total", "EDKV bytes sent.", registry=registry)
+        self.fp16_bytes = Counter("edgedecode_prefill_fp16_equivalent_bytes_total",
+                                  "FP16 bytes of the KV sent.", registry=registry)
+        self.tier_tokens = Counter("edgedecode_prefill_tier_tokens_total", "Tokens sent per KV tier.", ["tier"],
+                                   registry=registry)
+        self.queue = Gauge("edgedecode_prefill_queue_depth", "Prefill requests waiting or running.",
+                           registry=registry)
+        cache = service.cache
+        Gauge("edgedecode_prefix_cache_bytes", "Bytes of KV in the prefix cache.",
+              registry=registry).set_function(lambda: cache.nbytes)
+        Gauge("edgedecode_prefix_cache_entries", "Prompts in the prefix cache.",
+              registry=registry).set_function(lambda: len(cache))
+        process_gauges(registry)
+
+
+def create_app(service: PrefillService, config: Config) -> web.Application:
+    """The prefill server's aiohttp application around a loaded ``service``."""
+    settings = config.prefill
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware(settings.auth_token)])
+    metrics = PrefillMetrics(service)
+    app[SERVICE_KEY] = service
+    waiting = 0
+
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        nonlocal waiting
+        if waiting >= settings.max_queue:
+            metrics.requests.labels("429").inc()
+            return json_error(429, f"{waiting} prefill requests are queued (limit {settings.max_queue}); retry later",
+                              kind="rate_limit_error", code="queue_full")
+        waiting += 1
+        metrics.queue.inc()
+        try:
+            return await _prefill(request)
+        finally:
+            waiting -= 1
+            metrics.queue.dec()
+
+    async def _prefill(request: web.Request) -> web.StreamResponse:
+        try:
+            parsed = service.parse(await read_json(request))
+            result = await service.prefill(parsed)
+        except PrefillRequestError as exc:
+            metrics.requests.labels("400").inc()
+            return json_error(400, str(exc), param=exc.param)
+        except (BudgetError, ContextOverflowError) as exc:
+            metrics.requests.labels("422").inc()
+            return json_error(422, str(exc), code="unprocessable")
+        except EdgeDecodeError as exc:
+            logger.exception("prefill failed")
+            metrics.requests.labels("500").inc()
+            return json_error(500, f"prefill failed: {exc}", kind="server_error")
+        encoded = result.encoded
+        metrics.seconds.observe(result.seconds)
+        metrics.tokens.labels("prefix_cache").inc(result.reused_tokens)
+        metrics.tokens.labels("computed").inc(result.prompt_tokens - result.reused_tokens)
+        for tier, count in encoded.tier_counts().items():
+            metrics.tier_tokens.labels(tier).inc(count)
+        response = web.StreamResponse(headers={
+            "Content-Type": EDKV_CONTENT_TYPE,
+            "X-EDKV-Tokens": str(len(encoded.tiers)),
+            "X-EDKV-Wire-Bytes": str(encoded.wire_bytes),
+            "X-EDKV-FP16-Bytes": str(encoded.fp16_bytes),
+            "X-Prefix-Reused-Tokens": str(result.reused_tokens),
+            "X-Prefill-Seconds": f"{result.seconds:.4f}",
+        })
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for frame in encoded.frames:
+            await response.write(frame)
+            metrics.sent_bytes.inc(len(frame))
+        await response.write_eof()
+        metrics.fp16_bytes.inc(encoded.fp16_bytes)
+        metrics.requests.labels("200").inc()
+        return response
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [model_card(service)]})
+
+    app.router.add_post("/v1/prefill", prefill)
+    app.router.add_get("/v1/models", models)
+    add_common_routes(app, metrics.registry)
+    return app
+
+
+def model_card(service: PrefillService) -> dict:
+    """The served model, its KV contract and the producer fingerprint its payloads carry."""
+    engine = service.engine
+    return {
+        "id": service.model.record.name,
+        "object": "model",
+        "owned_by": "edgedecode",
+        "kv_contract": dataclasses.asdict(engine.spec.kv_contract),
+        "producer": dataclasses.asdict(engine.producer),
+        "max_prompt_tokens": service.max_prompt_tokens,
+        "tier_profile": {"allowed": [t.name for t in service.profile.allowed],
+                         "tiers": [t.name for t in Tier], "source": service.profile.source},
+    }

@@ -1,0 +1,149 @@
+"""The prefill node's work, independent of HTTP: validate a request, prefill it with the
+higher-precision graph (from the prefix cache where a prefix is held), score and encode the KV the
+client lacks under its budget.
+
+Every onnxruntime call runs on one worker thread; the server awaits it, so its event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgedecode.decode.engine import Engine
+from edgedecode.errors import EdgeDecodeError
+from edgedecode.evaluation.probe import profile_path
+from edgedecode.kv.policy import POLICIES, TierProfile
+from edgedecode.kv.tiers import Tier, parse_tiers
+from edgedecode.model.graph import GraphOptions
+from edgedecode.model.loader import LoadedModel
+from edgedecode.prefill.pipeline import EncodedKV, encode_within_budget, prefill_and_score
+from edgedecode.prefill.prefix_cache import PrefixCache
+
+
+class PrefillRequestError(EdgeDecodeError):
+    """A prefill request that cannot be served as given (answered with 400/422)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """What a client asks for: the KV of ``token_ids`` from position ``held_tokens`` on, at ``budget``."""
+
+    token_ids: np.ndarray  # int64 [n], the whole prompt
+    held_tokens: int  # leading positions whose KV the client already holds
+    budget: float
+    policy: str
+    allowed: tuple[Tier, ...]
+
+    @classmethod
+    def parse(cls, body: dict, model: LoadedModel, max_prompt_tokens: int) -> PrefillRequest:
+        """Validate a JSON body: exactly one of ``token_ids``, ``text`` or ``messages``; optional
+        ``held_tokens`` (0), ``budget`` (1.0), ``policy`` ("ours"), ``allowed_tiers`` (all) and
+        ``model`` (must be this server's)."""
+        known = {"model", "token_ids", "text", "messages", "held_tokens", "budget", "policy", "allowed_tiers"}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise PrefillRequestError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
+                                      unknown[0])
+        if body.get("model") not in (None, model.record.name):
+            raise PrefillRequestError(f"this server prefills {model.record.name!r}, not {body['model']!r}", "model")
+        token_ids = _prompt(body, model)
+        if len(token_ids) < 1:
+            raise PrefillRequestError("the prompt is empty", "token_ids")
+        if len(token_ids) > max_prompt_tokens:
+            raise PrefillRequestError(f"the prompt has {len(token_ids)} tokens; this server takes at most "
+                                      f"{max_prompt_tokens}", "token_ids")
+        held = body.get("held_tokens", 0)
+        if not isinstance(held, int) or isinstance(held, bool) or not 0 <= held < len(token_ids):
+            raise PrefillRequestError(f"held_tokens must be an integer in [0, {len(token_ids)}) for this prompt",
+                                      "held_tokens")
+        budget = body.get("budget", 1.0)
+        if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:
+            raise PrefillRequestError("budget must be a number in (0, 1]: wire bytes / FP16 bytes", "budget")
+        policy = body.get("policy", "ours")
+        if policy not in POLICIES:
+            raise PrefillRequestError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}", "policy")
+        try:
+            allowed = parse_tiers(body.get("allowed_tiers", [t.name for t in Tier]))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise PrefillRequestError(f"allowed_tiers: {exc}", "allowed_tiers") from None
+        if Tier.FP16 not in allowed:
+            raise PrefillRequestError("allowed_tiers must include fp16", "allowed_tiers")
+        return cls(token_ids, held, float(budget), policy, allowed)
+
+
+def _prompt(body: dict, model: LoadedModel) -> np.ndarray:
+    given = [key for key in ("token_ids", "text", "messages") if key in body]
+    if len(given) != 1:
+        raise PrefillRequestError("give exactly one of token_ids, text or messages", "token_ids")
+    value = body[given[0]]
+    if given[0] == "token_ids":
+        vocab = model.spec.vocab_size
+        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                  for t in value):
+            raise PrefillRequestError(f"token_ids must be a list of integers in [0, {vocab})", "token_ids")
+        return np.asarray(value, np.int64)
+    if given[0] == "text":
+        if not isinstance(value, str):
+            raise PrefillRequestError("text must be a string", "text")
+        return np.asarray(model.tokenizer.encode(value), np.int64)
+    if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                              and isinstance(m.get("content"), str) for m in value):
+        raise PrefillRequestError("messages must be a list of {role, content} objects with string values", "messages")
+    return np.asarray(model.tokenizer.encode_chat(value), np.int64)
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """An encoded answer and what producing it took."""
+
+    encoded: EncodedKV
+    prompt_tokens: int
+    reused_tokens: int  # prompt positions whose KV came from the prefix cache
+    seconds: float
+
+
+class PrefillService:
+    """The prefill graph (higher precision, emits the queries that score tokens), its prefix cache
+    and the measured tier profile of the model."""
+
+    def __init__(self, model: LoadedModel, *, device: str = "cpu", threads: int | None = None,
+                 max_prompt_tokens: int, prefix_cache_bytes: int) -> None:
+        self.model = model
+        options = GraphOptions("prefill", "float16" if device == "cuda" else "float32")
+        self.max_prompt_tokens = min(max_prompt_tokens, model.spec.context_length)
+        self.engine = Engine(model, options, max_context=self.max_prompt_tokens + 1, device=device, threads=threads)
+        self.cache = PrefixCache(prefix_cache_bytes)
+        self.profile = TierProfile.load(profile_path(model))
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-prefill")
+
+    def parse(self, body: dict) -> PrefillRequest:
+        """A validated request (PrefillRequestError names the field at fault)."""
+        return PrefillRequest.parse(body, self.model, self.max_prompt_tokens)
+
+    async def prefill(self, request: PrefillRequest) -> PrefillResult:
+        """Run ``request`` on the worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._prefill, request)
+
+    def _prefill(self, request: PrefillRequest) -> PrefillResult:
+        started = time.perf_counter()
+        ids = request.token_ids
+        hit = self.cache.lookup(ids[:-1])  # the last token always runs: it is the one that scores
+        scored = prefill_and_score(self.engine, ids, kv=hit.kv if hit else None)
+        self.cache.store(scored.snapshot)
+        profile = TierProfile(tuple(t for t in self.profile.allowed if t in request.allowed),
+                              self.profile.distortion, self.profile.source)
+        encoded = encode_within_budget(scored.from_position(request.held_tokens), request.budget, request.policy,
+                                       profile=profile, meta={"held_tokens": request.held_tokens})
+        return PrefillResult(encoded, len(ids), hit.n_tokens if hit else 0, time.perf_counter() - started)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,115 @@
+"""What both servers share on the HTTP side: bearer-token auth, JSON errors, /healthz and /metrics,
+and running an aiohttp app until it is told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import psutil
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+logger = logging.getLogger(__name__)
+UNAUTHENTICATED_PATHS = frozenset({"/healthz"})  # liveness only: says nothing about the model or the data
+
+
+def json_error(status: int, message: str, *, kind: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+    """An error in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def error_middleware(auth_token: str):
+    """Middleware: bearer-token auth (when ``auth_token`` is set) and every error answered as JSON,
+    including aiohttp's own (413 for an oversized body, 404, 405)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if auth_token and request.path not in UNAUTHENTICATED_PATHS:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), auth_token.encode()):
+                reason = "missing bearer token" if not given else "wrong bearer token"
+                return json_error(401, f"unauthorized: {reason} (send 'Authorization: Bearer <token>')",
+                                  kind="authentication_error", code="unauthorized",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            kind = "request_too_large" if exc.status == 413 else "invalid_request_error"
+            return json_error(exc.status, exc.text or exc.reason, kind=kind, code=str(exc.status))
+
+    return middleware
+
+
+async def read_json(request: web.Request) -> dict:
+    """The request body as a JSON object; a 400 naming the problem otherwise (413 when too large)."""
+    body = await request.read()  # aiohttp raises HTTPRequestEntityTooLarge past client_max_size
+    try:
+        document = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise web.HTTPBadRequest(text=f"the body is not valid JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise web.HTTPBadRequest(text="the body must be a JSON object")
+    return document
+
+
+def process_gauges(registry: CollectorRegistry) -> None:
+    """Register the process's resident memory (psutil) on ``registry``, read at each scrape."""
+    process = psutil.Process()
+    Gauge("edgedecode_process_resident_memory_bytes", "Resident set size of this process.",
+          registry=registry).set_function(lambda: process.memory_info().rss)
+
+
+def add_common_routes(app: web.Application, registry: CollectorRegistry) -> None:
+    """GET /healthz (the process answers) and GET /metrics (Prometheus text format)."""
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def metrics(_: web.Request) -> web.Response:
+        response = web.Response(body=generate_latest(registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+
+
+async def serve_until_stopped(app: web.Application, host: str, port: int, *,
+                              on_listening: Callable[[str], Awaitable[None] | None] | None = None) -> None:
+    """Run ``app`` on host:port (port 0: any free one) until SIGTERM or SIGINT, then shut down cleanly.
+
+    ``on_listening`` gets the bound URL once the socket accepts connections.
+    """
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await site.start()
+        bound = site._server.sockets[0].getsockname()  # the real port when 0 was asked for
+        url = f"http://{_url_host(host)}:{bound[1]}"
+        if on_listening is not None:
+            result = on_listening(url)
+            if asyncio.iscoroutine(result):
+                await result
+        await stop.wait()
+        logger.info("shutting down")
+    finally:
+        await runner.cleanup()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,371 @@
+"""The prefill server and the decode daemon as real processes on 127.0.0.1 with the real model:
+the official openai client against the daemon, multi-turn KV reuse, auth and limits, metrics, and
+every way the prefill side can fail (killed mid-stream, corrupt, truncated or other-model payloads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+from serving_helpers import ServerProcess, ThreadedApp
+
+from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import encode_payload
+
+TOKEN, PREFILL_TOKEN = "daemon-secret", "prefill-secret"
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+BUDGET = 0.3
+LONG_TEXT = " ".join(["The lighthouse keeper wrote down the weather every morning before dawn."] * 30)
+
+
+def _config(tmp_path, name: str, **daemon) -> str:
+    """A TOML config for the test servers (threads and context sized for the CI machine)."""
+    settings = {"slots": 2, "max_context": 2048, "budget": BUDGET, "max_body_bytes": 64 * 1024,
+                "prefill_token": PREFILL_TOKEN, **daemon}
+    lines = ["[model]", "threads = 2", "[daemon]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
+    lines += ["[prefill]", "prefix_cache_mb = 64", "max_prompt_tokens = 2048"]
+    path = tmp_path / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("serving")
+
+
+@pytest.fixture(scope="module")
+def prefill_server(smollm2_model, workdir):
+    server = ServerProcess(["prefill-server", "--config", _config(workdir, "prefill")], workdir / "prefill.log",
+                           env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(prefill_server, workdir):
+    server = ServerProcess(["serve", "--config", _config(workdir, "daemon"), "--prefill-url", prefill_server.url],
+                           workdir / "daemon.log", env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN})
+    yield server
+    server.stop()
+
+
+def _client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key=TOKEN, timeout=120, max_retries=0)
+
+
+def _get(url: str, token: str | None = TOKEN) -> tuple[int, str]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _post(url: str, body: bytes, token: str | None = TOKEN) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _metrics(server) -> dict[str, float]:
+    """Every sample of /metrics (parsed by prometheus-client), by name and labels."""
+    status, text = _get(server.url + "/metrics")
+    assert status == 200
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def _chat(server, messages, **extra):
+    completion = _client(server).chat.completions.create(
+        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=48, **extra)
+    return completion, completion.model_extra["edgedecode"]
+
+
+# --- the daemon with a real prefill server ------------------------------------------------------
+
+def test_openai_client_gets_streamed_and_whole_answers_with_usage(daemon, smollm2_model):
+    whole, report = _chat(daemon, QUESTION)
+    prompt_tokens = len(smollm2_model.tokenizer.encode_chat(QUESTION))
+    assert whole.choices[0].finish_reason == "stop"
+    answer = whole.choices[0].message.content
+    assert "Paris" in answer
+    assert whole.usage.prompt_tokens == prompt_tokens
+    assert whole.usage.completion_tokens == len(smollm2_model.tokenizer.encode(answer, add_bos=False))
+    assert whole.usage.total_tokens == prompt_tokens + whole.usage.completion_tokens
+    assert report["kv"]["source"] == "prefill_server"
+
+    stream = _client(daemon).chat.completions.create(
+        model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=48, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == answer
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens
+
+
+def test_greedy_output_equals_generate_cli_for_the_same_messages(daemon):
+    question = "Name three rivers in Europe."
+    completion, report = _chat(daemon, [{"role": "user", "content": question}],
+                               extra_body={"session_id": "cli-compare"})
+    assert report["kv"]["source"] == "prefill_server"
+    command = ["generate", "--chat", "--handoff", "--budget", str(BUDGET), "--max-tokens", "48", "--threads", "2",
+               "--max-context", "2048", "--json", question]
+    cli = subprocess.run([sys.executable, "-m", "edgedecode", *command], capture_output=True, text=True, timeout=300,
+                         env=os.environ)
+    assert cli.returncode == 0, cli.stderr
+    expected = json.loads(cli.stdout)
+    assert completion.choices[0].message.content == expected["text"]
+    assert completion.usage.completion_tokens == len(expected["token_ids"])
+    # the same tiers for the same tokens; the payloads differ only in the header's meta (the server adds held_tokens)
+    assert report["kv"]["tiers"] == {name: n for name, n in expected["kv_transfer"]["tiers"].items() if n}
+    assert abs(report["kv"]["wire_bytes"] - expected["kv_transfer"]["wire_bytes"]) < 64
+
+
+def test_second_turn_pulls_only_the_new_tokens(daemon, smollm2_model):
+    session = {"session_id": "turns"}
+    first, report1 = _chat(daemon, QUESTION, extra_body=session)
+    before = _metrics(daemon)
+    turn2 = QUESTION + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And what is the capital of Italy?"}]
+    second, report2 = _chat(daemon, turn2, extra_body=session)
+    after = _metrics(daemon)
+    kv = report2["kv"]
+    prompt2 = second.usage.prompt_tokens
+    assert kv["source"] == "prefill_server"
+    assert kv["reused_tokens"] >= first.usage.prompt_tokens  # the first turn's prompt and answer stay resident
+    assert kv["pulled_tokens"] == prompt2 - kv["reused_tokens"]
+    per_token = smollm2_model.spec.kv_bytes_per_token_fp16
+    pulled_fp16 = (after["edgedecode_kv_fp16_equivalent_bytes_total{}"]
+                   - before["edgedecode_kv_fp16_equivalent_bytes_total{}"])
+    assert pulled_fp16 == kv["pulled_tokens"] * per_token < prompt2 * per_token
+    assert (after["edgedecode_prompt_tokens_total{source=reused}"]
+            - before["edgedecode_prompt_tokens_total{source=reused}"]) == kv["reused_tokens"]
+    assert "Rome" in second.choices[0].message.content
+
+
+def test_text_completions_with_stop_strings(daemon):
+    status, body = _post(daemon.url + "/v1/completions", json.dumps(
+        {"prompt": "1, 2, 3, 4,", "max_tokens": 24, "temperature": 0, "stop": [" 7"]}).encode())
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and choice["finish_reason"] == "stop"
+    assert choice["text"].startswith(" 5, 6,") and " 7" not in choice["text"]
+
+
+def test_auth_limits_and_malformed_requests_get_clear_errors(daemon):
+    chat = daemon.url + "/v1/chat/completions"
+    body = json.dumps({"messages": QUESTION, "max_tokens": 4}).encode()
+    status, error = _post(chat, body, token=None)
+    assert status == 401 and "missing bearer token" in error["error"]["message"]
+    status, error = _post(chat, body, token="wrong")
+    assert status == 401 and "wrong bearer token" in error["error"]["message"]
+    assert _get(daemon.url + "/healthz", token=None)[0] == 200
+    assert _get(daemon.url + "/metrics", token=None)[0] == 401
+    status, error = _post(chat, json.dumps({"messages": [{"role": "user", "content": "x" * 100_000}]}).encode())
+    assert status == 413 and error["error"]["type"] == "request_too_large"
+    status, error = _post(chat, b"{not json")
+    assert status == 400 and "not valid JSON" in error["error"]["message"]
+    status, error = _post(chat, json.dumps({"messages": QUESTION, "n": 3}).encode())
+    assert status == 400 and error["error"]["param"] == "n"
+    status, error = _post(daemon.url + "/v1/completions", json.dumps({"prompt": list(range(3000))}).encode())
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded"
+    assert "Paris" in _chat(daemon, QUESTION)[0].choices[0].message.content  # still serving
+
+
+def test_metrics_parse_and_hold_the_documented_families(daemon):
+    _chat(daemon, QUESTION)
+    samples = _metrics(daemon)
+    for name in ("edgedecode_requests_total{endpoint=chat_completions,status=200}",
+                 "edgedecode_time_to_first_token_seconds_count{}", "edgedecode_inter_token_latency_seconds_count{}",
+                 "edgedecode_kv_wire_bytes_total{}", "edgedecode_kv_fp16_equivalent_bytes_total{}",
+                 "edgedecode_kv_tier_tokens_total{tier=INT4}", "edgedecode_kv_fetch_seconds_count{}",
+                 "edgedecode_resident_kv_bytes{}", "edgedecode_process_resident_memory_bytes{}"):
+        assert name in samples, name
+    assert samples["edgedecode_kv_wire_bytes_total{}"] < BUDGET * samples["edgedecode_kv_fp16_equivalent_bytes_total{}"]
+    assert samples["edgedecode_resident_kv_bytes{}"] > 0 and samples["edgedecode_process_resident_memory_bytes{}"] > 1e7
+    status, text = _get(daemon.url + "/readyz")
+    assert status == 200 and json.loads(text)["prefill"]["breaker"] == "closed"
+
+
+def test_prefill_server_answers_edkv_and_refuses_bad_requests(prefill_server, smollm2_model):
+    url = prefill_server.url + "/v1/prefill"
+    body = json.dumps({"messages": QUESTION, "budget": 0.5}).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {PREFILL_TOKEN}"}
+    with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=120) as response:
+        payload = response.read()
+        assert response.headers["Content-Type"] == "application/x-edkv"
+        assert int(response.headers["X-EDKV-Wire-Bytes"]) == len(payload)
+    from edgedecode.kv.wire import decode_snapshot
+
+    snapshot = decode_snapshot(payload, smollm2_model.spec.kv_contract)
+    np.testing.assert_array_equal(snapshot.token_ids, smollm2_model.tokenizer.encode_chat(QUESTION))
+    assert len(payload) <= 0.5 * snapshot.n_tokens * smollm2_model.spec.kv_bytes_per_token_fp16
+    for bad, param in (({"text": "hi", "budget": 0}, "budget"), ({"text": "hi", "held_tokens": 5}, "held_tokens"),
+                       ({"token_ids": [1, -2]}, "token_ids"), ({"text": "hi", "policy": "best"}, "policy"),
+                       ({"text": "hi", "colour": 1}, "colour")):
+        status, error = _post(url, json.dumps(bad).encode(), token=PREFILL_TOKEN)
+        assert (status, error["error"]["param"]) == (400, param)
+    assert _post(url, body, token=None)[0] == 401
+    status, text = _get(prefill_server.url + "/v1/models", token=PREFILL_TOKEN)
+    card = json.loads(text)["data"][0]
+    assert card["kv_contract"]["n_layers"] == smollm2_model.spec.n_layers and card["producer"]["weights_sha256"]
+
+
+# --- a faulty prefill endpoint in front of the real one -----------------------------------------
+
+class FaultyPrefill:
+    """An endpoint that forwards to a real prefill server and breaks the answer as told (``mode``)."""
+
+    def __init__(self, upstream: str, model) -> None:
+        self.upstream = upstream
+        self.model = model
+        self.mode = "relay"
+        self.kill_pid: int | None = None
+        app = web.Application()
+        app.router.add_post("/v1/prefill", self.prefill)
+        self.server = ThreadedApp(app)
+        self.url = self.server.url
+
+    async def prefill(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if self.mode == "dead":
+            request.transport.abort()  # the connection drops before any answer
+            raise web.HTTPInternalServerError()
+        if self.mode == "other-model":
+            return self._respond(request, self._other_model_payload(body["token_ids"]))
+        async with aiohttp.ClientSession() as http, http.post(
+                self.upstream + "/v1/prefill", json=body,
+                headers={"Authorization": f"Bearer {PREFILL_TOKEN}"}) as upstream:
+            if self.mode == "relay-then-kill":
+                response = web.StreamResponse(headers={"Content-Type": "application/x-edkv"})
+                await response.prepare(request)
+                sent = 0
+                async for data in upstream.content.iter_any():
+                    await response.write(data)
+                    sent += len(data)
+                    if sent >= 64 * 1024:
+                        os.kill(self.kill_pid, signal.SIGKILL)  # the prefill server dies mid-stream
+                        request.transport.abort()
+                        raise web.HTTPInternalServerError()
+            payload = await upstream.read()
+        if self.mode == "corrupt":
+            payload = bytearray(payload)
+            payload[len(payload) // 2] ^= 0x40
+        elif self.mode == "truncated":
+            payload = payload[:len(payload) // 2]
+        return self._respond(request, bytes(payload))
+
+    @staticmethod
+    def _respond(request, payload: bytes) -> web.Response:
+        return web.Response(body=payload, content_type="application/x-edkv")
+
+    def _other_model_payload(self, token_ids) -> bytes:
+        """A well-formed payload for the same tokens from a model with another KV layout."""
+        spec = self.model.spec
+        contract = replace(spec.kv_contract, n_layers=spec.n_layers - 6)
+        n = len(token_ids)
+        keys = np.random.default_rng(0).standard_normal((contract.n_layers, contract.n_kv_heads, n,
+                                                         contract.head_dim)).astype(np.float32)
+        snapshot = KVSnapshot(contract, np.asarray(token_ids), np.arange(n), keys, keys,
+                              KVProducer("other-model", "1" * 64, "prefill"))
+        return b"".join(encode_payload(snapshot, np.full(n, Tier.INT8, np.uint8)))
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def faulty(prefill_server, smollm2_model):
+    endpoint = FaultyPrefill(prefill_server.url, smollm2_model)
+    yield endpoint
+    endpoint.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon_behind_faulty(faulty, workdir):
+    server = ServerProcess(["serve", "--config", _config(workdir, "faulty", breaker_failures=2, breaker_reset_s=2.0),
+                            "--prefill-url", faulty.url], workdir / "daemon-faulty.log",
+                           env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN})
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("mode, reason", [("corrupt", "bad_payload"), ("truncated", "truncated"),
+                                          ("other-model", "bad_payload")])
+def test_a_bad_payload_falls_back_to_local_prefill_and_the_next_request_is_normal(
+        daemon_behind_faulty, faulty, mode, reason):
+    faulty.mode = mode
+    before = _metrics(daemon_behind_faulty)
+    completion, report = _chat(daemon_behind_faulty, QUESTION)
+    assert (report["kv"]["source"], report["kv"]["fallback_reason"]) == ("local", reason)
+    assert "Paris" in completion.choices[0].message.content
+    counter = f"edgedecode_prefill_fallbacks_total{{reason={reason}}}"
+    assert _metrics(daemon_behind_faulty)[counter] == before.get(counter, 0) + 1
+    faulty.mode = "relay"
+    other = [{"role": "user", "content": f"Say the word {mode} twice."}]  # a prompt no slot holds
+    assert _chat(daemon_behind_faulty, other)[1]["kv"]["source"] == "prefill_server"
+
+
+def test_prefill_server_killed_mid_stream_then_breaker_skips_it(daemon_behind_faulty, faulty, smollm2_model, workdir):
+    victim = ServerProcess(["prefill-server", "--config", _config(workdir, "victim")], workdir / "victim.log",
+                           env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN})
+    faulty.upstream, faulty.kill_pid, faulty.mode = victim.url, victim.process.pid, "relay-then-kill"
+    long_prompt = [{"role": "user", "content": f"Summarize: {LONG_TEXT}"}]
+    truncated = "edgedecode_prefill_fallbacks_total{reason=truncated}"
+    before = _metrics(daemon_behind_faulty).get(truncated, 0)
+    started = time.monotonic()
+    completion, report = _chat(daemon_behind_faulty, long_prompt)
+    assert victim.process.wait(timeout=10) == -signal.SIGKILL
+    assert (report["kv"]["source"], report["kv"]["fallback_reason"]) == ("local", "truncated")
+    assert completion.choices[0].message.content and time.monotonic() - started < 120
+    faulty.mode = "dead"  # the endpoint is gone: the next failure opens the breaker (2 in a row)
+    reasons = [_chat(daemon_behind_faulty, [{"role": "user", "content": f"Count to {n}."}])[1]["kv"]["fallback_reason"]
+               for n in (3, 4)]
+    assert reasons == ["unreachable", "breaker_open"]
+    samples = _metrics(daemon_behind_faulty)
+    assert samples[truncated] == before + 1
+    assert samples["edgedecode_prefill_breaker_open{}"] == 1
+    victim.stop()
+
+
+# --- one machine: `edgedecode chat` starts the daemon, which starts its embedded prefill server ---
+
+def test_chat_runs_the_whole_path_on_one_machine(smollm2_model, workdir):
+    turns = "What is the capital of France? Answer in one sentence.\nAnd of Italy?\n/reset\nName a river.\n/exit\n"
+    run = subprocess.run([sys.executable, "-m", "edgedecode", "chat", "--config", _config(workdir, "chat"),
+                          "--max-tokens", "32"], input=turns, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN})
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout and "Rome" in run.stdout
+    status = [line for line in run.stderr.splitlines() if line.startswith("[TTFT")]
+    assert len(status) == 3 and all("KV pulled" in line for line in status), run.stderr
+    assert "reused from earlier turns" in status[1]  # the second turn kept the first turn's KV
+    assert "reused" not in status[2] and "[new conversation]" in run.stderr
