@@ -189,3 +189,71 @@ def test_stop_text_cuts_at_a_stop_string_split_across_pieces():
     assert out == "Hello " and stop.stopped and stop.flush() == ""
     keep = StopText(("END",))
     assert "".join(keep.feed(p) for p in ["a E", "b"]) + keep.flush() == "a Eb" and not keep.stopped
+
+
+# --- decode worker ------------------------------------------------------------------------------
+
+def test_worker_interleaves_generations_and_releases_before_the_end_is_seen():
+    from edgedecode.daemon.worker import DecodeWorker
+
+    import threading
+
+    trace, both_submitted = [], threading.Event()
+
+    def steps(name, n):
+        both_submitted.wait(5)  # a's first step waits until b is queued too
+        for i in range(n):
+            trace.append(name)
+            yield f"{name}{i}"
+
+    async def scenario():
+        worker = DecodeWorker()
+        released = []
+        a = worker.submit(steps("a", 3), on_done=lambda: released.append("a"))
+        b = worker.submit(steps("b", 3), on_done=lambda: released.append("b"))
+        both_submitted.set()
+        got_a = [item async for item in a]
+        assert "a" in released  # on_done ran before the consumer saw the end
+        got_b = [item async for item in b]
+        assert released == ["a", "b"] or released == ["b", "a"]
+        worker.stop()
+        return got_a, got_b
+
+    got_a, got_b = asyncio.run(scenario())
+    assert (got_a, got_b) == (["a0", "a1", "a2"], ["b0", "b1", "b2"])
+    # one step each in turn once b has joined (before a's first step, or right after it)
+    assert "".join(trace) in ("ababab", "aababb")
+
+
+def test_worker_delivers_errors_and_closes_cancelled_generations():
+    from edgedecode.daemon.worker import DecodeWorker
+
+    closed = []
+
+    def failing():
+        yield 1
+        raise ValueError("boom")
+
+    def endless():
+        try:
+            while True:
+                yield 0
+        finally:
+            closed.append(True)
+
+    async def scenario():
+        worker = DecodeWorker()
+        with pytest.raises(ValueError, match="boom"):
+            async for _ in worker.submit(failing()):
+                pass
+        done = asyncio.Event()
+        endless_run = worker.submit(endless(), on_done=done.set)
+        async for _ in endless_run:
+            endless_run.cancel()
+        await asyncio.wait_for(done.wait(), 5)
+        assert worker.healthy(60)
+        worker.stop()
+        assert not worker.healthy(60)
+
+    asyncio.run(scenario())
+    assert closed == [True]

@@ -39,10 +39,16 @@ class Generation:
         self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     def _end(self, item) -> None:
-        """Deliver the last item (the end, or an exception), then run ``on_done`` on the loop."""
-        self._deliver(item)
-        if self._on_done is not None:
-            self._loop.call_soon_threadsafe(self._on_done)
+        """Run ``on_done``, then deliver the last item (the end, or an exception), in one loop callback:
+        whoever sees the end also sees what ``on_done`` did (a slot released before the next request)."""
+        self._loop.call_soon_threadsafe(self._finish, item)
+
+    def _finish(self, item) -> None:
+        try:
+            if self._on_done is not None:
+                self._on_done()
+        finally:
+            self._queue.put_nowait(item)
 
     async def __aiter__(self) -> AsyncIterator:
         """The items as they come; re-raises the iterator's exception."""
