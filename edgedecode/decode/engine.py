@@ -313,20 +313,33 @@ class Engine:
         resume = int(positions[-1]) + 1 if injected else keep
         return self.forward(prompt_ids[resume:])
 
-    def observe(self, window: int) -> tuple[np.ndarray, np.ndarray]:
-        """Pre-RoPE queries [layers, w, heads*head_dim] of the last w cached tokens, and their positions.
+    def prefill_observed(self, prompt_ids: np.ndarray, window: int,
+                         kv: KVSnapshot | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Process the prompt (from ``kv`` of a prefix of it if given, as ``prefill``) and return the
+        pre-RoPE queries [layers, w, heads*head_dim] of its last w tokens and their positions.
 
-        Runs those tokens again over the same past (their KV is rewritten with what it was); needs a
-        graph built with ``emit_queries``. The prefill side scores token importance from these.
+        The last w tokens run as their own pass, which outputs their queries, so the prompt is
+        processed once. Needs a graph built with ``emit_queries``; the prefill side scores token
+        importance from these queries.
         """
         if not self.options.emit_queries:
             raise EdgeDecodeError("this engine's graph was built without emit_queries")
-        w = min(window, self.length)
-        if w == 0:
-            raise KVInjectionError("nothing to observe: no prompt has been processed")
-        self.cache.length -= w
+        if not 0 < window <= PREFILL_CHUNK_TOKENS:
+            raise ValueError(f"window must be in 1..{PREFILL_CHUNK_TOKENS}")
+        prompt_ids = self._checked_prompt(prompt_ids)
+        w = min(window, len(prompt_ids))
+        head = len(prompt_ids) - w
+        if head:
+            usable = None if kv is None else kv.slots(0, int(np.searchsorted(kv.positions, head)))
+            self.prefill(prompt_ids[:head], usable if usable is not None and usable.n_tokens else None)
+        else:
+            self.reset()
+            self.stats = GenerationStats()
+        start = self.length
+        self._tokens[start:start + w] = prompt_ids[head:]
         self._run(w, True)
-        return self._queries[:, 0], self._positions[0, self.length - w:self.length].copy()
+        self.stats.prompt_tokens = len(prompt_ids)
+        return self._queries[:, 0], self._positions[0, start:start + w].copy()
 
     def export_kv(self) -> KVSnapshot:
         """A copy of the cached KV with its token ids, positions, layout contract and producer."""

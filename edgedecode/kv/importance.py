@@ -1,8 +1,8 @@
 """Token importance for tier assignment: attention from an observation window (SnapKV-style), or a
 position-only prior for comparison.
 
-The prefill side reruns the prompt's last w tokens with query outputs (``Engine.observe``) and
-scores every cached token by the softmax attention those queries give it, summed over query heads
+The prefill side runs the prompt's last w tokens as their own pass with query outputs
+(``Engine.prefill_observed``) and scores every cached token by the softmax attention those queries give it, summed over query heads
 and window queries, per layer. Sinks and the window itself are pinned by the policy, not here.
 """
 

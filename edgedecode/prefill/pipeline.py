@@ -66,8 +66,7 @@ def prefill_and_score(engine: Engine, prompt_ids: np.ndarray, window: int = OBSE
                       kv: KVSnapshot | None = None) -> ScoredPrefill:
     """Run the prompt through ``engine`` (built with emit_queries), from ``kv`` of a prefix of it if
     given (e.g. from a prefix cache), and score every token."""
-    engine.prefill(prompt_ids, kv=kv)
-    queries, query_positions = engine.observe(window)
+    queries, query_positions = engine.prefill_observed(prompt_ids, window, kv)
     snapshot = engine.export_kv()
     per_layer = attention_importance(engine.spec, queries, query_positions, snapshot.keys, snapshot.positions)
     return ScoredPrefill(snapshot, per_layer.sum(axis=0))
