@@ -277,3 +277,19 @@ def test_zero_point_graph_tracks_the_correction_graph(prompt, cuda_decoder, cuda
     print(f"{prompt}: zero-point vs correction step, max |logit diff| {np.abs(shipped - corrected).max():.4f}")
     np.testing.assert_allclose(shipped, corrected, atol=0.25)
     _assert_greedy_agrees_up_to_a_near_tie(cuda_decoder, cuda_correction_decoder, ids, prompt)
+
+
+@on_cuda
+def test_engines_sharing_a_cuda_session_each_replay_their_own_graph(smollm2_model, cuda_decoder, logit_vectors,
+                                                                     long_prompt):
+    """The daemon's KV slots on CUDA: one session, one captured graph per engine, steps interleaved."""
+    sibling = Engine(smollm2_model, CUDA_DECODE, max_context=2048, device="cuda", share=cuda_decoder)
+    assert sibling.cuda_graph and sibling.session is cuda_decoder.session
+    greedy = SamplingParams(max_tokens=16, stop_token_ids=())
+    chat = logit_vectors["chat_ids"]
+    alone = [list(cuda_decoder.generate(chat, greedy)), list(sibling.generate(long_prompt, greedy))]
+    interleaved = [[], []]
+    for a, b in zip(cuda_decoder.generate(chat, greedy), sibling.generate(long_prompt, greedy), strict=True):
+        interleaved[0].append(a)
+        interleaved[1].append(b)
+    assert interleaved == alone
