@@ -171,6 +171,33 @@ def test_second_turn_pulls_only_the_new_tokens(daemon, smollm2_model):
     assert "Rome" in second.choices[0].message.content
 
 
+def test_concurrent_streams_share_the_decoder_token_by_token(daemon):
+    """Two streams at once (two slots): the worker steps them in turn, so their tokens interleave."""
+    import threading
+
+    arrivals: dict[str, list[float]] = {}
+
+    def stream(name: str, prompt: str) -> None:
+        chunks = _client(daemon).completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=40,
+                                                    temperature=0, stream=True)
+        arrivals[name] = [time.monotonic() for chunk in chunks if chunk.choices and chunk.choices[0].text]
+
+    threads = [threading.Thread(target=stream, args=(name, prompt)) for name, prompt in
+               (("a", "Once upon a time, in a small village by the sea,"),
+                ("b", "The history of the printing press begins"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    a, b = arrivals["a"], arrivals["b"]
+    assert len(a) > 20 and len(b) > 20
+    first, second = (a, b) if a[0] < b[0] else (b, a)
+    # the later stream starts before the earlier one ends, and they alternate from then on
+    assert second[0] < first[-1]
+    overlap = [t for t in first if second[0] <= t <= second[-1]]
+    assert len(overlap) > 10
+
+
 def test_text_completions_with_stop_strings(daemon):
     status, body = _post(daemon.url + "/v1/completions", json.dumps(
         {"prompt": "1, 2, 3, 4,", "max_tokens": 24, "temperature": 0, "stop": [" 7"]}).encode())
@@ -369,3 +396,35 @@ def test_chat_runs_the_whole_path_on_one_machine(smollm2_model, workdir):
     assert len(status) == 3 and all("KV pulled" in line for line in status), run.stderr
     assert "reused from earlier turns" in status[1]  # the second turn kept the first turn's KV
     assert "reused" not in status[2] and "[new conversation]" in run.stderr
+
+
+# --- the daemon's pipeline in process -------------------------------------------------------------
+
+def test_admission_refuses_a_turn_that_would_eat_the_memory_reserve(smollm2_model):
+    import asyncio
+
+    from edgedecode.config import load_config
+    from edgedecode.daemon.metrics import DaemonMetrics
+    from edgedecode.daemon.openai_api import parse_request
+    from edgedecode.daemon.service import AdmissionError, DecodeService
+
+    config = load_config(None, env={}, overrides={"daemon": {"slots": 1, "max_context": 512,
+                                                             "memory_reserve_mb": 1 << 30}, "model": {"threads": 2}})
+    service = DecodeService(smollm2_model, config, DaemonMetrics(), lambda: None, "")
+    request = parse_request({"messages": QUESTION, "temperature": 0}, "chat", smollm2_model, default_max_tokens=8,
+                            session_header=None)
+
+    async def scenario():
+        await service.start()
+        try:
+            with pytest.raises(AdmissionError, match="not enough memory for this request"):
+                await service.turn(request, "client", time.perf_counter()).open()
+            for _ in range(100):  # the slot goes back once the ingest thread confirms it is done with it
+                if not service.pool.busy:
+                    break
+                await asyncio.sleep(0.01)
+            assert service.pool.busy == 0
+        finally:
+            await service.close()
+
+    asyncio.run(scenario())
