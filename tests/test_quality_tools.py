@@ -6,6 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 
 
@@ -31,3 +34,40 @@ def test_kv_quality_writes_tables_and_plot(smollm2_model, tmp_path):
     report = (tmp_path / "kv-quality.md").read_text()
     assert "## Goals" in report and "| 0.2 | ours |" in report
     assert (tmp_path / "kv-quality.png").stat().st_size > 10_000
+
+
+def _crossquant_part(cq, indices: list[int], targets: list[str], tokens: int = 128) -> dict:
+    """A crossquant.json of a run over some prompts and targets, with synthetic per-token numbers."""
+    scale = {"target": 1.0, "handoff": 0.5, "wire-0.3": 0.6}
+    wire = {"budget": 0.3, "b_wire": 0.29, "b_raw": 0.3, "wire_bytes": 100,
+            "tiers": {"FP16": 1, "INT8": 0, "INT4": 8, "INT2": 0, "DROP": 1}}
+    return {"prompts": [{"index": i, "name": f"p{i}", "kind": "prose", "size": "short", "prompt_tokens": 10,
+                         "wire": {"wire-0.3": wire}} for i in indices],
+            "results": {t: {m: [cq.summarize(np.full(tokens, 0.01 * (i + 1) * s * (10 if t == "b" else 1)),
+                                             np.ones(tokens, bool)) for i in indices]
+                            for m, s in scale.items()} for t in targets},
+            "config": {"model": "m", "tokens": tokens, "window_tokens": cq.WINDOW_TOKENS, "budgets": [0.3],
+                       "wall_seconds": 1.0}}
+
+
+def test_crossquant_merges_runs_split_by_prompt_and_target():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import crossquant as cq
+    finally:
+        sys.path.remove(str(TOOLS))
+    whole = _crossquant_part(cq, [0, 1, 2], ["a", "b"])
+    merged = cq.merge([_crossquant_part(cq, [2], ["a", "b"]), _crossquant_part(cq, [0, 1], ["a"]),
+                       _crossquant_part(cq, [0, 1], ["b"])])
+    assert merged["prompts"] == whole["prompts"] and merged["results"] == whole["results"]
+    assert merged["config"]["prompt_indices"] == [0, 1, 2] and merged["config"]["part_wall_seconds"] == [1.0] * 3
+    summary = cq.aggregate(merged["results"])
+    assert summary["a"]["handoff"]["mean_kl_change"] == pytest.approx(-0.5)
+    assert summary["b"]["wire-0.3"]["prompts_improved"] == 3
+    table = cq.markdown_table(summary, 3, cq.wire_summary(merged["prompts"]))
+    assert "| a | wire-0.3 | 0.290 |" in table and "| wire-0.3 | 0.3 | 0.290 (0.290–0.290) |" in table
+    for parts in ([_crossquant_part(cq, [0], ["a"]), _crossquant_part(cq, [1], ["b"])],  # gaps
+                  [_crossquant_part(cq, [0, 1], ["a"]), _crossquant_part(cq, [1], ["a"])],  # overlap
+                  [_crossquant_part(cq, [0], ["a"]), _crossquant_part(cq, [1], ["a"], tokens=64)]):  # settings
+        with pytest.raises(SystemExit):
+            cq.merge(parts)

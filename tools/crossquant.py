@@ -7,13 +7,19 @@ Every target decode graph (the same weights, re-quantized: GraphOptions.weights)
 those tokens teacher-forced in each mode:
 
 * ``target``: from its own prefill of the prompt;
-* ``handoff``: from the reference's prefill KV injected into it (the PD path).
+* ``handoff``: from the reference's prefill KV injected into it (the PD path, in process);
+* ``wire-<b>`` (one per --budgets entry): the same KV sent through EDKV at budget b (wire bytes ÷
+  FP16 bytes) under the "ours" policy and the model's tier profile, decoded as the receiver would.
 
 Per token: KL(ref || mode) and top-1 agreement; per prompt: mean, p50 and p99 of the KL; and the
-decay of both over 64-token windows by distance from the prompt. Writes box plots, decay curves
-and the raw results (``crossquant.json``) to --out-dir and prints a markdown table (or the JSON).
+decay of both over 64-token windows by distance from the prompt; per wire mode and prompt: the
+achieved b_wire and the tier mix. Writes box plots, decay curves and the raw results
+(``crossquant.json``) to --out-dir and prints markdown tables (or the JSON).
 
-    python tools/crossquant.py [--tokens 512] [--prompts 12] [--targets native q4b64 ...] [--json] [--out-dir docs]
+    python tools/crossquant.py [--tokens 512] [--prompts 12] [--targets native q4b64 ...] [--budgets 0.5 0.3 0.2]
+                               [--json] [--out-dir docs]
+    python tools/crossquant.py --only 0 4 8 --out-dir part0 ...     # a subset of the prompts (seeds unchanged)
+    python tools/crossquant.py --merge part*/crossquant.json --out-dir docs/crossquant-wire
 
 Plots need matplotlib: pip install -e '.[bench]'.
 """
@@ -21,6 +27,7 @@ Plots need matplotlib: pip install -e '.[bench]'.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import time
@@ -30,20 +37,28 @@ from pathlib import Path
 from pydoc_data.topics import topics
 
 import numpy as np
+from crossquant_plot import plot  # tools/, beside this script
 
 from edgedecode.decode.engine import Engine
 from edgedecode.decode.sampler import Sampler, SamplingParams
+from edgedecode.evaluation.probe import profile_path
 from edgedecode.evaluation.scoring import kl_per_token, log_softmax
+from edgedecode.evaluation.transfer import through_wire
+from edgedecode.kv.policy import TierProfile
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel, load_model
+from edgedecode.model.spec import KVContract
 from edgedecode.model.tokenizer import Tokenizer
+from edgedecode.prefill.pipeline import ScoredPrefill, prefill_and_score
 
 logger = logging.getLogger("crossquant")
 
 WINDOW_TOKENS = 64
 TEMPERATURE, TOP_P = 0.7, 0.95
 DEFAULT_TARGETS = ("native", "q4b16", "q4b64", "q4b128", "q2b32")
+DEFAULT_BUDGETS = (0.5, 0.3, 0.2)
+WIRE_POLICY = "ours"
 EXCERPT_TOKENS = {"short": 128, "medium": 768, "long": 2000}  # chat "short" prompts are plain questions
 KL_CHUNK_ROWS = 128  # rows of [vocab] log-softmax computed at once
 
@@ -96,26 +111,54 @@ class Reference:
     tokens: np.ndarray  # int64 [n]
     logprobs: np.ndarray  # float32 [n, vocab]: row i is the distribution token i was sampled from
     kv: KVSnapshot  # the reference's KV of the whole prompt
+    scored: ScoredPrefill  # the prompt as the prefill side sends it: KV and each token's attention importance
 
 
-# A mode: what KV the target starts from, given the reference run; None = the target prefills the
-# prompt itself. Part 3 ("through the wire") adds one mode per EDKV budget here: the reference's KV
-# encoded and decoded (edgedecode.evaluation.transfer.through_wire, which also wants the tokens'
-# attention importance, so Reference then carries the prefill's scores as well).
-Transport = Callable[[Reference], KVSnapshot]
+@dataclass(frozen=True)
+class Delivery:
+    """The prompt KV a target starts from, and what sending it cost (None: handed over in process)."""
+
+    kv: KVSnapshot
+    wire: dict | None = None  # budget, b_wire, b_raw, wire_bytes, tiers (tokens per tier)
 
 
-def direct(ref: Reference) -> KVSnapshot:
-    """The in-process handoff: the reference's prompt KV, unchanged."""
-    return ref.kv
+# A mode: what KV the target starts from, given the reference run and the receiver's KV contract;
+# None = the target prefills the prompt itself.
+Transport = Callable[[Reference, KVContract], Delivery]
+
+
+def direct(ref: Reference, receiver: KVContract) -> Delivery:
+    """The in-process handoff: the reference's prompt KV, unchanged (float32)."""
+    return Delivery(ref.kv)
+
+
+def through_edkv(budget: float, profile: TierProfile) -> Transport:
+    """The handoff through the wire: ref's scored prompt KV encoded as EDKV within ``budget`` under
+    WIRE_POLICY, then decoded as the receiver would."""
+    def send(ref: Reference, receiver: KVContract) -> Delivery:
+        kv, encoded = through_wire(ref.scored, budget, WIRE_POLICY, receiver, profile=profile)
+        return Delivery(kv, {"budget": budget, "b_wire": encoded.b_wire, "b_raw": encoded.b_raw,
+                             "wire_bytes": encoded.wire_bytes, "tiers": encoded.tier_counts()})
+    return send
 
 
 BASELINE = "target"  # every other mode is compared with it
 MODES: dict[str, Transport | None] = {BASELINE: None, "handoff": direct}
 
 
+def study_modes(budgets: list[float], profile: TierProfile) -> dict[str, Transport | None]:
+    """MODES plus one ``wire-<budget>`` mode per budget."""
+    return {**MODES, **{f"wire-{budget:g}": through_edkv(budget, profile) for budget in budgets}}
+
+
 def reference_run(engine: Engine, prompt: np.ndarray, n_tokens: int, seed: int) -> Reference:
-    """Prefill the prompt with the reference graph and sample n_tokens, keeping every distribution."""
+    """Score the prompt as the prefill side does, then prefill it again and sample n_tokens, keeping
+    every distribution.
+
+    Sampling starts from a plain prefill (which resets the engine), so the scoring pass, which re-runs
+    the prompt's last tokens to observe their queries, cannot change what the reference samples.
+    """
+    scored = prefill_and_score(engine, prompt)
     logits = engine.prefill(prompt)
     kv = engine.export_kv()
     sampler = Sampler(SamplingParams(max_tokens=n_tokens, temperature=TEMPERATURE, top_p=TOP_P, seed=seed))
@@ -126,7 +169,7 @@ def reference_run(engine: Engine, prompt: np.ndarray, n_tokens: int, seed: int) 
         tokens[i] = sampler.pick(logits)
         if i + 1 < n_tokens:
             logits = engine.forward(tokens[i:i + 1])
-    return Reference(tokens, logprobs, kv)
+    return Reference(tokens, logprobs, kv, scored)
 
 
 def replay(engine: Engine, prompt: np.ndarray, tokens: np.ndarray, kv: KVSnapshot | None) -> np.ndarray:
@@ -156,30 +199,68 @@ def summarize(kl: np.ndarray, top1: np.ndarray) -> dict:
             "window_kl": windows(kl), "window_top1": windows(top1.astype(np.float64))}
 
 
-def run_study(model: LoadedModel, prompts: list[PromptSpec], targets: list[str], n_tokens: int,
+def run_study(model: LoadedModel, prompts: list[int], targets: list[str], n_tokens: int,
               modes: dict[str, Transport | None], accuracy_level: int, threads: int) -> dict:
-    """Every prompt through the reference, then every target in every mode; returns the results tree."""
-    ids = [prompt_ids(p, model.tokenizer) for p in prompts]
-    context = max(len(i) for i in ids) + n_tokens + 1
+    """The given prompts (indices into PROMPTS, also their seeds) through the reference, then every
+    mode into every target; returns the prompt records and the results tree."""
+    ids = [prompt_ids(spec, model.tokenizer) for spec in PROMPTS]
+    context = max(len(ids[i]) for i in prompts) + n_tokens + 1
     ref_engine = Engine(model, GraphOptions("prefill", "float32", 0), max_context=context, threads=threads)
     engines = {t: Engine(model, GraphOptions("decode", "float32", accuracy_level, weights=t),
                          max_context=context, threads=threads) for t in targets}
+    receiver = model.spec.kv_contract  # every target's: re-quantized weights share the KV layout
     results: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in modes} for t in targets}
-    for seed, (spec, prompt) in enumerate(zip(prompts, ids)):
+    records = []
+    for index in prompts:
+        spec, prompt = PROMPTS[index], ids[index]
         started = time.perf_counter()
-        ref = reference_run(ref_engine, prompt, n_tokens, seed)
-        for target, engine in engines.items():
-            for mode, transport in modes.items():
-                kv = None if transport is None else transport(ref)
-                kl, top1 = token_metrics(ref.logprobs, replay(engine, prompt, ref.tokens, kv))
-                results[target][mode].append(summarize(kl, top1))
-        logger.info("%s (%d prompt tokens) done in %.0f s; mean KL %s", spec.name, len(prompt),
-                    time.perf_counter() - started,
+        ref = reference_run(ref_engine, prompt, n_tokens, seed=index)
+        wire = {}
+        for mode, transport in modes.items():
+            delivery = None if transport is None else transport(ref, receiver)
+            if delivery is not None and delivery.wire is not None:
+                wire[mode] = delivery.wire
+            for target, engine in engines.items():
+                logits = replay(engine, prompt, ref.tokens, None if delivery is None else delivery.kv)
+                results[target][mode].append(summarize(*token_metrics(ref.logprobs, logits)))
+        records.append({"index": index, "name": spec.name, "kind": spec.kind, "size": spec.size,
+                        "prompt_tokens": len(prompt), "wire": wire})
+        logger.info("%s (%d prompt tokens) done in %.0f s; b_wire %s; mean KL %s", spec.name, len(prompt),
+                    time.perf_counter() - started, " ".join(f"{m} {w['b_wire']:.3f}" for m, w in wire.items()),
                     "; ".join(f"{t} " + " ".join(f"{m} {r[-1]['mean_kl']:.4f}" for m, r in per_mode.items())
                               for t, per_mode in results.items()))
-    return {"prompts": [{"name": p.name, "kind": p.kind, "size": p.size, "prompt_tokens": len(i)}
-                        for p, i in zip(prompts, ids)],
-            "results": results}
+    return {"prompts": records, "results": results}
+
+
+def merge(parts: list[dict]) -> dict:
+    """One study from runs with the same settings over disjoint prompts and/or targets (e.g. parallel
+    --only runs): every target must end up with every mode of every prompt."""
+    settings = ("model", "tokens", "temperature", "top_p", "window_tokens", "accuracy_level", "budgets", "policy",
+                "tier_profile")
+    first = parts[0]["config"]
+    differing = sorted({k for part in parts for k in settings if part["config"].get(k) != first.get(k)})
+    if differing:
+        raise SystemExit(f"cannot merge runs with different settings: {', '.join(differing)}")
+    prompts: dict[int, dict] = {}
+    cells: dict[tuple[str, str, int], dict] = {}  # (target, mode, prompt index) -> that prompt's numbers
+    for part in parts:
+        indices = [prompt.get("index", row) for row, prompt in enumerate(part["prompts"])]
+        prompts.update(zip(indices, part["prompts"]))
+        for target, modes in part["results"].items():
+            for mode, rows in modes.items():
+                for index, row in zip(indices, rows):
+                    if (target, mode, index) in cells:
+                        raise SystemExit(f"{target} {mode} of prompt {index} is in two of the runs")
+                    cells[target, mode, index] = row
+    order = sorted(prompts)
+    targets, modes = list(dict.fromkeys(c[0] for c in cells)), list(dict.fromkeys(c[1] for c in cells))
+    missing = [cell for cell in itertools.product(targets, modes, order) if cell not in cells]
+    if missing:
+        raise SystemExit(f"the runs leave {len(missing)} gaps, e.g. {missing[0]}")
+    walls = [w for part in parts for w in part["config"].get("part_wall_seconds", [part["config"]["wall_seconds"]])]
+    return {"prompts": [prompts[i] for i in order],
+            "results": {t: {m: [cells[t, m, i] for i in order] for m in modes} for t in targets},
+            "config": {**first, "prompt_indices": order, "wall_seconds": max(walls), "part_wall_seconds": walls}}
 
 
 def aggregate(results: dict) -> dict:
@@ -202,115 +283,95 @@ def aggregate(results: dict) -> dict:
     return summary
 
 
-def markdown_table(summary: dict, n_prompts: int) -> str:
-    """The table of docs/crossquant.md: one row per target and mode, means over prompts."""
-    lines = [("| target | mode | mean KL | Δ vs target | median Δ per prompt | prompts better | p50 KL | p99 KL "
-              "| top-1 % | Δ first / last window |"),
-             "|---|---|---|---|---|---|---|---|---|---|"]
+def wire_summary(prompts: list[dict]) -> dict:
+    """Per wire mode: the budget, achieved b_wire and b_raw (mean, min and max over prompts) and the
+    tier mix (tokens over all prompts)."""
+    summary = {}
+    for mode in prompts[0].get("wire", {}):
+        sent = [p["wire"][mode] for p in prompts]
+        b_wire = [s["b_wire"] for s in sent]
+        summary[mode] = {"budget": sent[0]["budget"], "b_wire": float(np.mean(b_wire)), "b_wire_min": min(b_wire),
+                         "b_wire_max": max(b_wire), "b_raw": float(np.mean([s["b_raw"] for s in sent])),
+                         "tiers": {tier: sum(s["tiers"][tier] for s in sent) for tier in sent[0]["tiers"]}}
+    return summary
+
+
+def markdown_table(summary: dict, n_prompts: int, wire: dict | None = None) -> str:
+    """The tables of docs/crossquant.md: one row per target and mode, means over prompts; then, with
+    wire modes, what each one sent (b_wire: wire bytes ÷ FP16 bytes of the prompt's KV)."""
+    wire = wire or {}
+    lines = [("| target | mode | b_wire | mean KL | Δ vs target | median Δ per prompt | prompts better | p50 KL "
+              "| p99 KL | top-1 % | Δ first / last window |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for target, rows in summary.items():
         for mode, r in rows.items():
+            b_wire = f"{wire[mode]['b_wire']:.3f}" if mode in wire else "" if mode == BASELINE else "fp32"
             change = ("| | | |" if mode == BASELINE else
                       f"| {r['mean_kl_change']:+.1%} | {r['median_prompt_change']:+.1%} | "
                       f"{r['prompts_improved']}/{n_prompts} |")
             windows_change = ("" if mode == BASELINE else
                               f"{r['window_change'][0]:+.0%} / {r['window_change'][-1]:+.0%}")
-            lines.append(f"| {target} | {mode} | {r['mean_kl']:.4f} {change} {r['p50_kl']:.4f} | {r['p99_kl']:.3f} "
-                         f"| {100 * r['top1']:.1f} | {windows_change} |")
+            lines.append(f"| {target} | {mode} | {b_wire} | {r['mean_kl']:.4f} {change} {r['p50_kl']:.4f} "
+                         f"| {r['p99_kl']:.3f} | {100 * r['top1']:.1f} | {windows_change} |")
+    if wire:
+        tiers = list(next(iter(wire.values()))["tiers"])
+        lines += ["", f"| mode | budget | b_wire mean (min–max) | b_raw | tokens {' / '.join(tiers)} |",
+                  "|---|---|---|---|---|"]
+        for mode, w in wire.items():
+            total = sum(w["tiers"].values())
+            mix = " / ".join(f"{100 * n / total:.1f} %" for n in w["tiers"].values())
+            lines.append(f"| {mode} | {w['budget']:g} | {w['b_wire']:.3f} ({w['b_wire_min']:.3f}–{w['b_wire_max']:.3f}) "
+                         f"| {w['b_raw']:.3f} | {mix} |")
     return "\n".join(lines)
 
 
-def plot(study: dict, summary: dict, out_dir: Path) -> list[Path]:
-    """Box plots of per-prompt mean and p99 KL per target and mode, and decay curves; returns the PNG paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    targets = list(summary)
-    modes = list(study["results"][targets[0]])
-    colors = dict(zip(modes, ["tab:red", "tab:blue", "tab:green", "tab:orange", "tab:purple", "tab:brown"]))
-    markers = {"short": "o", "medium": "s", "long": "D"}
-    sizes = [p["size"] for p in study["prompts"]]
-    width = 0.8 / len(modes)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, key in zip(axes, ("mean_kl", "p99_kl")):
-        for i, mode in enumerate(modes):
-            data = [[p[key] for p in study["results"][t][mode]] for t in targets]
-            positions = np.arange(len(targets)) + (i - (len(modes) - 1) / 2) * width
-            style = {"color": colors[mode]}
-            ax.boxplot(data, positions=positions, widths=width * 0.8, showfliers=False, boxprops=style,
-                       medianprops=style, whiskerprops=style, capprops=style)
-            for x, values in zip(positions, data):
-                for value, size in zip(values, sizes):
-                    ax.scatter(x, value, marker=markers[size], s=14, facecolors="none", edgecolors=colors[mode])
-        ax.set_xticks(range(len(targets)), targets)
-        ax.set(yscale="log", ylabel="KL(ref || ·), nats", title=f"{key.split('_')[0]} KL per prompt")
-    handles = [plt.Line2D([], [], color=c, label=m) for m, c in colors.items()]
-    handles += [plt.Line2D([], [], marker=m, linestyle="", color="gray", markerfacecolor="none", label=s)
-                for s, m in markers.items()]
-    axes[1].legend(handles=handles, fontsize=8)
-    fig.suptitle(f"Cross-quant, {len(sizes)} prompts: {BASELINE} = own prefill, handoff = fp32 prefill KV")
-    fig.tight_layout()
-    box_path = out_dir / "crossquant_kl.png"
-    fig.savefig(box_path, dpi=110)
-    plt.close(fig)
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = dict(zip(modes, ["--", "-", ":", "-.", (0, (5, 1)), (0, (1, 3))]))
-    for target, rows in summary.items():
-        color = None
-        for mode, row in rows.items():
-            starts = np.arange(len(row["window_kl"])) * WINDOW_TOKENS
-            line, = left.plot(starts, row["window_kl"], linestyle=styles[mode], color=color,
-                              label=f"{target} {mode}")
-            color = line.get_color()
-            if mode != BASELINE:
-                right.plot(starts, 100 * np.asarray(row["window_change"]), linestyle=styles[mode], color=color,
-                           marker="o", label=f"{target} {mode}")
-    left.set(yscale="log", xlabel="generated tokens (window start)", ylabel="mean KL over prompts, nats",
-             title="KL by distance from the prompt")
-    right.axhline(0, color="gray", linewidth=0.8)
-    right.set(xlabel="generated tokens (window start)", ylabel=f"% KL change vs {BASELINE}",
-              title=f"Change in KL per {WINDOW_TOKENS}-token window")
-    left.legend(fontsize=7, ncol=2)
-    right.legend(fontsize=7)
-    fig.tight_layout()
-    decay_path = out_dir / "crossquant_decay.png"
-    fig.savefig(decay_path, dpi=110)
-    plt.close(fig)
-    return [box_path, decay_path]
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=512, help="tokens the reference generates per prompt")
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
-                        metavar=f"1..{len(PROMPTS)}")
+    select = parser.add_mutually_exclusive_group()
+    select.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
+                        metavar=f"1..{len(PROMPTS)}", help="the first N prompts")
+    select.add_argument("--only", type=int, nargs="+", choices=range(len(PROMPTS)), metavar="I",
+                        help=f"only these prompts (indices 0..{len(PROMPTS) - 1}, also their seeds), e.g. to "
+                             "split one study over processes")
+    select.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="run nothing: combine the crossquant.json of runs with the same settings over "
+                             "disjoint prompts and/or targets, and write the outputs of the whole")
     parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS),
                         help="decode-graph weight formats: native or q<bits>b<block_size>")
+    parser.add_argument("--budgets", type=float, nargs="*", default=list(DEFAULT_BUDGETS),
+                        help="EDKV budgets (wire bytes ÷ FP16 bytes of the prompt's KV), one wire-<b> mode "
+                             "each; none: target and handoff only")
     parser.add_argument("--accuracy-level", type=int, default=4, help="of the target graphs (4: as shipped)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=Path("docs"))
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 
-    started = time.perf_counter()
-    model = load_model(args.model)
-    study = run_study(model, list(PROMPTS[:args.prompts]), args.targets, args.tokens, MODES,
-                      args.accuracy_level, args.threads)
-    summary = aggregate(study["results"])
-    study.update(config={"model": model.record.name, "tokens": args.tokens, "temperature": TEMPERATURE,
-                         "top_p": TOP_P, "window_tokens": WINDOW_TOKENS, "accuracy_level": args.accuracy_level,
-                         "threads": args.threads, "wall_seconds": round(time.perf_counter() - started, 1)},
-                 summary=summary)
+    if args.merge:
+        study = merge([json.loads(path.read_text()) for path in args.merge])
+    else:
+        started = time.perf_counter()
+        model = load_model(args.model)
+        profile = TierProfile.load(profile_path(model))  # the defaults when the model has not been probed
+        indices = sorted(set(args.only)) if args.only else list(range(args.prompts))
+        study = run_study(model, indices, args.targets, args.tokens, study_modes(args.budgets, profile),
+                          args.accuracy_level, args.threads)
+        study["config"] = {"model": model.record.name, "tokens": args.tokens, "temperature": TEMPERATURE,
+                           "top_p": TOP_P, "window_tokens": WINDOW_TOKENS, "accuracy_level": args.accuracy_level,
+                           "budgets": args.budgets, "policy": WIRE_POLICY,
+                           "tier_profile": json.loads(profile.to_json()), "prompt_indices": indices,
+                           "threads": args.threads, "wall_seconds": round(time.perf_counter() - started, 1)}
+    study.update(summary=aggregate(study["results"]), wire=wire_summary(study["prompts"]))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "crossquant.json").write_text(json.dumps(study, indent=1))
-    paths = plot(study, summary, args.out_dir)
-    logger.info("wrote %s and %s in %.0f s", args.out_dir / "crossquant.json", ", ".join(map(str, paths)),
-                study["config"]["wall_seconds"])
-    print(json.dumps(study, indent=1) if args.json else markdown_table(summary, args.prompts))
+    paths = plot(study, args.out_dir, BASELINE)
+    logger.info("wrote %s and %s (study wall time %.0f s)", args.out_dir / "crossquant.json",
+                ", ".join(map(str, paths)), study["config"]["wall_seconds"])
+    print(json.dumps(study, indent=1) if args.json else
+          markdown_table(study["summary"], len(study["prompts"]), study["wire"]))
 
 
 if __name__ == "__main__":
