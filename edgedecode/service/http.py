@@ -46,6 +46,11 @@ def error_middleware(auth_token: str):
                 raise
             kind = "request_too_large" if exc.status == 413 else "invalid_request_error"
             return json_error(exc.status, exc.text or exc.reason, kind=kind, code=str(exc.status))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:  # a bug: the client gets a JSON 500, the log the traceback, the server goes on
+            logger.exception("unhandled error serving %s %s", request.method, request.path)
+            return json_error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
 
     return middleware
 
