@@ -52,6 +52,7 @@ class DaemonConfig:
     max_context: int = 4096  # KV buffer length per slot, tokens
     max_queue: int = 32  # requests waiting for a slot; more are refused with 429
     budget: float = 0.3  # KV wire bytes / FP16 bytes asked of the prefill server
+    min_wire_bytes: int = 64 << 10  # a payload this small is never squeezed below it (short prompts keep their tokens)
     policy: str = "ours"
     max_tokens: int = 256  # completion length when a request gives none
     max_body_bytes: int = 1 << 20  # request body limit (413 above it)
@@ -208,6 +209,8 @@ def _validate(config: Config) -> None:
         problems.append(f"daemon.budget must be in (0, 1] (wire bytes / FP16 bytes), not {d.budget}")
     if d.policy not in POLICIES:
         problems.append(f"daemon.policy must be one of {', '.join(POLICIES)}, not {d.policy!r}")
+    if d.min_wire_bytes < 0:
+        problems.append("daemon.min_wire_bytes must be >= 0")
     if d.max_tokens < 1:
         problems.append("daemon.max_tokens must be >= 1")
     for name in ("connect_timeout_s", "fetch_timeout_s", "idle_read_timeout_s", "breaker_reset_s"):

@@ -205,6 +205,10 @@ def test_text_completions_with_stop_strings(daemon):
     choice = body["choices"][0]
     assert body["object"] == "text_completion" and choice["finish_reason"] == "stop"
     assert choice["text"].startswith(" 5, 6,") and " 7" not in choice["text"]
+    status, body = _post(daemon.url + "/v1/completions", json.dumps(
+        {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}).encode())
+    kv = body["edgedecode"]["kv"]  # 4 tokens: min_wire_bytes raises the budget, so none is dropped
+    assert kv["budget"] > BUDGET and "DROP" not in kv["tiers"] and kv["wire_bytes"] <= 64 << 10
 
 
 def test_auth_limits_and_malformed_requests_get_clear_errors(daemon):

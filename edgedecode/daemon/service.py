@@ -49,6 +49,7 @@ class TurnReport:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # positions whose KV the slot held from the conversation's earlier turns
     pulled_tokens: int = 0  # tokens in the pulled payload (kept or dropped)
+    budget: float | None = None  # asked of the prefill server
     wire_bytes: int = 0
     fp16_bytes: int = 0
     tiers: dict[str, int] = field(default_factory=dict)
@@ -61,7 +62,7 @@ class TurnReport:
         return {
             "kv": {"source": self.kv_source, "fallback_reason": self.fallback_reason,
                    "reused_tokens": self.reused_tokens, "pulled_tokens": self.pulled_tokens,
-                   "wire_bytes": self.wire_bytes, "fp16_bytes": self.fp16_bytes,
+                   "budget": self.budget, "wire_bytes": self.wire_bytes, "fp16_bytes": self.fp16_bytes,
                    "b_wire": round(self.wire_bytes / self.fp16_bytes, 4) if self.fp16_bytes else None,
                    "tiers": self.tiers, "fetch_ms": round(self.fetch_seconds * 1e3, 2)},
             "ttft_ms": round(self.ttft_seconds * 1e3, 2),
@@ -147,7 +148,8 @@ class DecodeService:
         else:
             reader = slot.engine.open_kv_stream(prompt_ids, keep)
             d = self.config.daemon
-            settings = PullSettings(url, self._prefill_token, d.budget, d.policy, d.max_payload_bytes,
+            report.budget = self.budget_for(len(prompt_ids) - keep)
+            settings = PullSettings(url, self._prefill_token, report.budget, d.policy, d.max_payload_bytes,
                                     aiohttp.ClientTimeout(total=d.fetch_timeout_s, sock_connect=d.connect_timeout_s,
                                                           sock_read=d.idle_read_timeout_s))
             try:
@@ -165,6 +167,13 @@ class DecodeService:
         self.metrics.fallbacks.labels(reason).inc()
         logger.warning("prefilling locally (%s): %s", reason, message)
         return None
+
+    def budget_for(self, tokens: int) -> float:
+        """The budget asked for ``tokens`` tokens' KV: the configured one, raised so the payload may
+        use at least ``min_wire_bytes`` (a few KB saved are not worth dropping a short prompt's tokens)."""
+        d = self.config.daemon
+        fp16_bytes = max(tokens, 1) * self.model.spec.kv_bytes_per_token_fp16
+        return min(1.0, max(d.budget, d.min_wire_bytes / fp16_bytes))
 
     def _record_pull(self, result: PullResult, report: TurnReport) -> None:
         report.kv_source = "prefill_server"
