@@ -63,6 +63,7 @@ class DaemonConfig:
     breaker_failures: int = 3  # consecutive prefill failures that open the circuit breaker
     breaker_reset_s: float = 30.0  # how long an open breaker skips the prefill server
     memory_reserve_mb: int = 256  # admission keeps this much system memory available
+    client_timeout_s: float = 30.0  # longest wait for a client to send its body or accept more of the answer
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class PrefillConfig:
     max_prompt_tokens: int = 8192
     max_body_bytes: int = 4 << 20
     max_queue: int = 16  # prefill requests waiting; more are refused with 429
+    client_timeout_s: float = 30.0  # longest wait for a client to send its body or accept more of the payload
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,8 @@ def _validate(config: Config) -> None:
             problems.append(f"{section}.max_body_bytes must be >= 1024")
         if server.max_queue < 1:
             problems.append(f"{section}.max_queue must be >= 1")
+        if server.client_timeout_s <= 0:
+            problems.append(f"{section}.client_timeout_s must be > 0")
     if d.prefill_url:
         parsed = urlparse(d.prefill_url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:

@@ -21,7 +21,7 @@ from edgedecode.daemon.openai_api import APIRequestError, ResponseShape, parse_r
 from edgedecode.daemon.service import AdmissionError, DecodeService
 from edgedecode.daemon.slots import QueueFullError
 from edgedecode.decode.engine import ContextOverflowError
-from edgedecode.service.http import add_common_routes, error_middleware, json_error, read_json
+from edgedecode.service.http import add_common_routes, error_middleware, json_error, read_json, write_within
 
 logger = logging.getLogger(__name__)
 SERVICE_KEY = web.AppKey("decode_service", DecodeService)
@@ -37,7 +37,7 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
     async def completions(request: web.Request, kind: str, endpoint: str) -> web.StreamResponse:
         arrived = time.perf_counter()
         try:
-            parsed = parse_request(await read_json(request), kind, service.model,
+            parsed = parse_request(await read_json(request, settings.client_timeout_s), kind, service.model,
                                    default_max_tokens=settings.max_tokens,
                                    session_header=request.headers.get("X-Session-Id"))
             service.check_fits(parsed)
@@ -75,7 +75,8 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
         await response.prepare(request)
 
         async def send(obj) -> None:
-            await response.write(f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode())
+            data = f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+            await write_within(response, data, settings.client_timeout_s)
 
         status = "200"
         try:
@@ -89,7 +90,7 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
             await send(final)
             if include_usage:
                 await send(shape.usage_chunk(usage(len(turn.request.prompt_ids), turn.completion_tokens)))
-        except (ConnectionResetError, RuntimeError) as exc:  # the client went away; the turn is cancelled
+        except ConnectionResetError as exc:  # the client went away (or stopped reading); the turn is cancelled
             status = "499"
             logger.info("client disconnected: %s", exc)
             return response
@@ -100,7 +101,7 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
                                   "param": None, "code": None}})
         finally:
             metrics.requests.labels(endpoint, status).inc()
-        await response.write(b"data: [DONE]\n\n")
+        await write_within(response, b"data: [DONE]\n\n", settings.client_timeout_s)
         await response.write_eof()
         return response
 

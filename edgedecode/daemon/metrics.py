@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from edgedecode.daemon.kv_pull import KVPullError
 from edgedecode.kv.tiers import Tier
 from edgedecode.service.http import process_gauges
 
@@ -40,6 +41,8 @@ class DaemonMetrics:
         self.fallbacks = Counter("edgedecode_prefill_fallbacks_total",
                                  "Requests prefilled locally instead of by the prefill server, by reason.",
                                  ["reason"], registry=registry)
+        for reason in KVPullError.REASONS:
+            self.fallbacks.labels(reason)
         self.queue_depth = Gauge("edgedecode_queue_depth", "Requests waiting for a decode slot.", registry=registry)
         self.active = Gauge("edgedecode_active_generations", "Requests holding a decode slot.", registry=registry)
         self.resident_kv = Gauge("edgedecode_resident_kv_bytes", "Bytes of KV held in the decode slots.",

@@ -22,7 +22,14 @@ from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.policy import BudgetError
 from edgedecode.kv.tiers import Tier
 from edgedecode.prefill.service import PrefillRequestError, PrefillService
-from edgedecode.service.http import add_common_routes, error_middleware, json_error, process_gauges, read_json
+from edgedecode.service.http import (
+    add_common_routes,
+    error_middleware,
+    json_error,
+    process_gauges,
+    read_json,
+    write_within,
+)
 
 logger = logging.getLogger(__name__)
 EDKV_CONTENT_TYPE = "application/x-edkv"
@@ -80,7 +87,7 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
 
     async def _prefill(request: web.Request) -> web.StreamResponse:
         try:
-            parsed = service.parse(await read_json(request))
+            parsed = service.parse(await read_json(request, settings.client_timeout_s))
             result = await service.prefill(parsed)
         except PrefillRequestError as exc:
             metrics.requests.labels("400").inc()
@@ -108,9 +115,16 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
         })
         response.enable_chunked_encoding()
         await response.prepare(request)
-        for frame in encoded.frames:
-            await response.write(frame)
-            metrics.sent_bytes.inc(len(frame))
+        try:
+            for frame in encoded.frames:
+                await write_within(response, frame, settings.client_timeout_s)
+                metrics.sent_bytes.inc(len(frame))
+        except ConnectionResetError as exc:
+            logger.info("client gone mid-payload: %s", exc)
+            metrics.requests.labels("499").inc()
+            if request.transport is not None:
+                request.transport.abort()
+            return response
         await response.write_eof()
         metrics.fp16_bytes.inc(encoded.fp16_bytes)
         metrics.requests.labels("200").inc()

@@ -55,9 +55,14 @@ def error_middleware(auth_token: str):
     return middleware
 
 
-async def read_json(request: web.Request) -> dict:
-    """The request body as a JSON object; a 400 naming the problem otherwise (413 when too large)."""
-    body = await request.read()  # aiohttp raises HTTPRequestEntityTooLarge past client_max_size
+async def read_json(request: web.Request, timeout: float) -> dict:
+    """The request body as a JSON object; a 400 naming the problem otherwise (413 when too large,
+    408 when it does not arrive within ``timeout`` seconds)."""
+    try:
+        async with asyncio.timeout(timeout):
+            body = await request.read()  # aiohttp raises HTTPRequestEntityTooLarge past client_max_size
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {timeout:g} s") from None
     try:
         document = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -65,6 +70,16 @@ async def read_json(request: web.Request) -> dict:
     if not isinstance(document, dict):
         raise web.HTTPBadRequest(text="the body must be a JSON object")
     return document
+
+
+async def write_within(response: web.StreamResponse, data: bytes, timeout: float) -> None:
+    """Write to a streamed response; a client that takes more than ``timeout`` seconds to accept it
+    counts as gone (ConnectionResetError), so it cannot hold the server's resources forever."""
+    try:
+        async with asyncio.timeout(timeout):
+            await response.write(data)
+    except TimeoutError:
+        raise ConnectionResetError(f"the client accepted nothing for {timeout:g} s") from None
 
 
 def process_gauges(registry: CollectorRegistry) -> None:
