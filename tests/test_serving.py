@@ -255,9 +255,8 @@ def test_metrics_parse_and_hold_the_documented_families(daemon):
                  "edgedecode_resident_kv_bytes{}", "edgedecode_process_resident_memory_bytes{}"):
         assert name in samples, name
     # every pull fits max(budget x its FP16 bytes, min_wire_bytes = 64 KiB)
-    pulls = samples["edgedecode_kv_fetch_seconds_count{}"]
-    assert samples["edgedecode_kv_wire_bytes_total{}"] <= (BUDGET * samples["edgedecode_kv_fp16_equivalent_bytes_total{}"]
-                                                          + pulls * (64 << 10))
+    pulls, fp16 = samples["edgedecode_kv_fetch_seconds_count{}"], samples["edgedecode_kv_fp16_equivalent_bytes_total{}"]
+    assert samples["edgedecode_kv_wire_bytes_total{}"] <= BUDGET * fp16 + pulls * (64 << 10)
     assert samples["edgedecode_resident_kv_bytes{}"] > 0 and samples["edgedecode_process_resident_memory_bytes{}"] > 1e7
     status, text = _get(daemon.url + "/readyz")
     assert status == 200 and json.loads(text)["prefill"]["breaker"] == "closed"
