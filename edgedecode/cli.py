@@ -248,8 +248,10 @@ def _load_config(config_path: Optional[Path], section: str, **flags):
 
 
 def _announce(server: str) -> Callable[[str], None]:
+    from edgedecode.service.http import LISTENING_LINE
+
     def announce(url: str) -> None:
-        typer.echo(f"edgedecode {server} listening on {url}")  # the embedded daemon/chat read this line
+        typer.echo(LISTENING_LINE.format(server=server, url=url))
 
     return announce
 

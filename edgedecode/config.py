@@ -47,6 +47,7 @@ class DaemonConfig:
     port: int = 8088
     auth_token: str = ""  # bearer token clients must send; required when host is not loopback
     prefill_url: str = ""  # empty: start an embedded prefill server on 127.0.0.1
+    local_prefill_only: bool = False  # never ask a prefill server: prefill every prompt on this box
     prefill_token: str = ""  # bearer token sent to the prefill server
     slots: int = 2  # conversations whose KV stays resident at once
     max_context: int = 4096  # KV buffer length per slot, tokens
@@ -201,6 +202,8 @@ def _validate(config: Config) -> None:
             problems.append(f"{section}.max_queue must be >= 1")
         if server.client_timeout_s <= 0:
             problems.append(f"{section}.client_timeout_s must be > 0")
+    if d.prefill_url and d.local_prefill_only:
+        problems.append("daemon.prefill_url and daemon.local_prefill_only exclude each other")
     if d.prefill_url:
         parsed = urlparse(d.prefill_url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:

@@ -3,50 +3,30 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 from aiohttp import web
 
-LISTENING = re.compile(r"listening on (http://\S+)")
+from edgedecode.client.process import ServerStartError, start_server, stop_server
+
 START_TIMEOUT = 600
 
 
 class ServerProcess:
-    """``python -m edgedecode <command> --port 0 ...`` with its URL; stderr goes to a log file."""
+    """``python -m edgedecode <args> --port 0`` with its URL; stderr goes to a log file."""
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.process = subprocess.Popen([sys.executable, "-m", "edgedecode", *args, "--port", "0"],
-                                        stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=full_env)
-        deadline = time.monotonic() + START_TIMEOUT
-        self.url = None
-        for line in self.process.stdout:
-            match = LISTENING.search(line)
-            if match:
-                self.url = match.group(1)
-                break
-            if time.monotonic() > deadline:
-                break
-        if self.url is None:
-            self.stop()
-            raise RuntimeError(f"{args[0]} did not start; its log:\n{log.read_text()[-3000:]}")
+        try:
+            self.process, self.url = start_server(args, env=env, stderr=self._log_file, timeout=START_TIMEOUT)
+        except ServerStartError as exc:
+            self._log_file.close()
+            raise RuntimeError(f"{exc}; its log:\n{log.read_text()[-3000:]}") from None
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_server(self.process)
         self._log_file.close()
 
 

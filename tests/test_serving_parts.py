@@ -194,9 +194,9 @@ def test_stop_text_cuts_at_a_stop_string_split_across_pieces():
 # --- decode worker ------------------------------------------------------------------------------
 
 def test_worker_interleaves_generations_and_releases_before_the_end_is_seen():
-    from edgedecode.daemon.worker import DecodeWorker
-
     import threading
+
+    from edgedecode.daemon.worker import DecodeWorker
 
     trace, both_submitted = [], threading.Event()
 

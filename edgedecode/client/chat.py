@@ -8,8 +8,6 @@ line shows the time to first token, decode tokens/s, the KV bytes pulled and the
 from __future__ import annotations
 
 import json
-import os
-import re
 import secrets
 import subprocess
 import sys
@@ -21,10 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from edgedecode.client.process import ServerStartError, start_server, stop_server
 from edgedecode.errors import EdgeDecodeError
-
-LISTENING = re.compile(r"listening on (http://\S+)")
-START_TIMEOUT_SECONDS = 900
 
 
 class ChatError(EdgeDecodeError):
@@ -77,7 +73,7 @@ class ChatClient:
                 "stream_options": {"include_usage": True}}
         started, pieces, report, completion = time.perf_counter(), [], {}, 0
         try:
-            for event in self._events("/v1/chat/completions", body):
+            for event in stream_events(self.url, "/v1/chat/completions", body, self.token, self.timeout):
                 if "error" in event:
                     raise ChatError(f"the daemon failed: {event['error'].get('message')}")
                 for choice in event.get("choices", []):
@@ -95,30 +91,32 @@ class ChatClient:
         self.messages.append({"role": "assistant", "content": text_out})
         return TurnResult(text_out, report, completion, time.perf_counter() - started)
 
-    def _events(self, path: str, body: dict) -> Iterator[dict]:
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(self.url + path, json.dumps(body).encode(), headers)
+def stream_events(url: str, path: str, body: dict, token: str = "", timeout: float = 600) -> Iterator[dict]:
+    """POST ``body`` to the daemon at ``url`` + ``path`` and yield the JSON of each server-sent event
+    until ``[DONE]``. Raises ChatError with the daemon's message on an HTTP error."""
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url.rstrip("/") + path, json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                yield json.loads(data)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                for raw in response:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    yield json.loads(data)
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")
-            try:
-                detail = json.loads(detail)["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                pass
-            raise ChatError(f"the daemon answered {exc.code}: {detail}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise ChatError(f"cannot reach the daemon at {self.url}: {exc}") from None
+            detail = json.loads(detail)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise ChatError(f"the daemon answered {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ChatError(f"cannot reach the daemon at {url}: {exc}") from None
 
 
 def status_line(result: TurnResult) -> str:
@@ -139,21 +137,11 @@ def status_line(result: TurnResult) -> str:
 
 def start_daemon(config_path: Path | None) -> tuple[subprocess.Popen, str]:
     """Start ``edgedecode serve`` on a free loopback port for this chat; returns it and its URL."""
-    command = [sys.executable, "-m", "edgedecode", "serve", "--host", "127.0.0.1", "--port", "0"]
-    if config_path is not None:
-        command += ["--config", str(config_path)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("NOTIFY_SOCKET", None)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    for line in process.stdout:
-        match = LISTENING.search(line)
-        if match:
-            return process, match.group(1)
-        if time.monotonic() > deadline:
-            break
-    process.terminate()
-    raise ChatError(f"the decode daemon did not start (exit status {process.wait()})")
+    args = ["serve", "--host", "127.0.0.1"] + (["--config", str(config_path)] if config_path is not None else [])
+    try:
+        return start_server(args)
+    except ServerStartError as exc:
+        raise ChatError(f"the decode daemon did not start: {exc}") from None
 
 
 def run_chat(settings: ChatSettings, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout,
@@ -191,5 +179,4 @@ def run_chat(settings: ChatSettings, stdin: TextIO = sys.stdin, out: TextIO = sy
         err.write("\n")
     finally:
         if process is not None:
-            process.terminate()
-            process.wait(timeout=30)
+            stop_server(process)

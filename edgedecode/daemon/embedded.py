@@ -12,16 +12,15 @@ import asyncio
 import ctypes
 import logging
 import os
-import re
 import secrets
 import signal
 import sys
 from pathlib import Path
 
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.service.http import LISTENING
 
 logger = logging.getLogger(__name__)
-LISTENING = re.compile(r"listening on (http://\S+)")
 _PR_SET_PDEATHSIG = 1
 
 

@@ -26,7 +26,9 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
 
     async def main() -> None:
         embedded = None
-        if settings.prefill_url:
+        if settings.local_prefill_only:
+            prefill_url, prefill_token = (lambda: None), ""
+        elif settings.prefill_url:
             prefill_url, prefill_token = (lambda: settings.prefill_url), settings.prefill_token
         else:
             systemd.notify("STATUS=starting the embedded prefill server")

@@ -44,7 +44,7 @@ class AdmissionError(EdgeDecodeError):
 class TurnReport:
     """Where a turn's KV came from and what the turn took; sent as the ``edgedecode`` object."""
 
-    kv_source: str = "local"  # "prefill_server" or "local"
+    kv_source: str = "local"  # "prefill_server" or "local" (a fallback names its reason)
     fallback_reason: str | None = None
     prompt_tokens: int = 0
     reused_tokens: int = 0  # positions whose KV the slot held from the conversation's earlier turns
@@ -141,6 +141,8 @@ class DecodeService:
         """Pull the KV of the prompt after ``keep`` into the slot; None (reason in ``report``) to prefill locally."""
         url = self.prefill_url()
         reason, message = None, ""
+        if self.config.daemon.local_prefill_only:
+            return None  # by configuration, not a fallback
         if url is None:
             reason, message = "unreachable", "no prefill server is running"
         elif not self.breaker.allow():

@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -17,6 +18,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 logger = logging.getLogger(__name__)
 UNAUTHENTICATED_PATHS = frozenset({"/healthz"})  # liveness only: says nothing about the model or the data
+# What a server prints on stdout once it listens; whoever starts one as a child reads its URL from it.
+LISTENING_LINE = "edgedecode {server} listening on {url}"
+LISTENING = re.compile(r"listening on (http://\S+)")
 
 
 def json_error(status: int, message: str, *, kind: str = "invalid_request_error", code: str | None = None,
