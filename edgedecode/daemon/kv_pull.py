@@ -48,6 +48,7 @@ class PullResult:
     fp16_bytes: int  # the same tokens' K and V at FP16
     tier_counts: dict[str, int]  # tokens per tier
     seconds: float
+    server_seconds: float | None  # the prefill server's own time (its X-Prefill-Seconds header; informative)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
                 client_fault = 400 <= response.status < 500 and response.status not in (408, 429)
                 reason = "rejected" if client_fault else "http_error"
                 raise KVPullError(reason, f"the prefill server answered {response.status}: {detail}")
+            server_seconds = _header_seconds(response.headers.get("X-Prefill-Seconds"))
             pending: asyncio.Future | None = None
             buffered = bytearray()
             async for data in response.content.iter_any():
@@ -119,7 +121,14 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
     header = reader.header
     counts = np.bincount(header.tiers.min(axis=0), minlength=len(Tier))  # a token's best tier over its layers
     return PullResult(received, header.n_tokens * kv_bytes_per_token_fp16,
-                      {tier.name: int(counts[tier]) for tier in Tier}, time.perf_counter() - started)
+                      {tier.name: int(counts[tier]) for tier in Tier}, time.perf_counter() - started, server_seconds)
+
+
+def _header_seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _feed_and_finish(reader: EDKVReader, data: bytes) -> None:

@@ -54,6 +54,7 @@ class TurnReport:
     fp16_bytes: int = 0
     tiers: dict[str, int] = field(default_factory=dict)
     fetch_seconds: float = 0.0
+    server_seconds: float | None = None  # the prefill server's share of fetch_seconds, as it reports it
     ttft_seconds: float = 0.0
     decode_tokens_per_second: float = 0.0
     slot: int = -1
@@ -64,7 +65,8 @@ class TurnReport:
                    "reused_tokens": self.reused_tokens, "pulled_tokens": self.pulled_tokens,
                    "budget": self.budget, "wire_bytes": self.wire_bytes, "fp16_bytes": self.fp16_bytes,
                    "b_wire": round(self.wire_bytes / self.fp16_bytes, 4) if self.fp16_bytes else None,
-                   "tiers": self.tiers, "fetch_ms": round(self.fetch_seconds * 1e3, 2)},
+                   "tiers": self.tiers, "fetch_ms": round(self.fetch_seconds * 1e3, 2),
+                   "prefill_server_ms": None if self.server_seconds is None else round(self.server_seconds * 1e3, 2)},
             "ttft_ms": round(self.ttft_seconds * 1e3, 2),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
             "slot": self.slot,
@@ -183,6 +185,7 @@ class DecodeService:
         report.wire_bytes, report.fp16_bytes = result.wire_bytes, result.fp16_bytes
         report.tiers = {name: count for name, count in result.tier_counts.items() if count}
         report.fetch_seconds = result.seconds
+        report.server_seconds = result.server_seconds
         self.metrics.kv_fetch.observe(result.seconds)
         self.metrics.kv_wire_bytes.inc(result.wire_bytes)
         self.metrics.kv_fp16_bytes.inc(result.fp16_bytes)
