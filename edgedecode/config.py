@@ -75,6 +75,7 @@ class PrefillConfig:
     port: int = 8089
     auth_token: str = ""  # bearer token clients must send; required when host is not loopback
     prefix_cache_mb: int = 256  # prompt KV kept for the next turns of conversations
+    encode_threads: int = 0  # threads quantizing and compressing EDKV chunks; 0: one per CPU
     max_prompt_tokens: int = 8192
     max_body_bytes: int = 4 << 20
     max_queue: int = 16  # prefill requests waiting; more are refused with 429
@@ -225,6 +226,8 @@ def _validate(config: Config) -> None:
             problems.append(f"daemon.{name} must be > 0")
     if d.breaker_failures < 1:
         problems.append("daemon.breaker_failures must be >= 1")
+    if p.encode_threads < 0:
+        problems.append("prefill.encode_threads must be >= 0 (0: one per CPU)")
     if d.max_payload_bytes < 1024 or d.memory_reserve_mb < 0 or p.prefix_cache_mb < 0 or p.max_prompt_tokens < 2:
         problems.append("daemon.max_payload_bytes >= 1024, daemon.memory_reserve_mb >= 0, "
                         "prefill.prefix_cache_mb >= 0 and prefill.max_prompt_tokens >= 2 are required")

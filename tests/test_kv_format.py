@@ -245,6 +245,15 @@ def test_tiers_may_differ_per_layer() -> None:
     assert err[0] < err[1] < err[2]
 
 
+def test_parallel_encoding_writes_the_same_bytes() -> None:
+    snap = snapshot(40)
+    tiers = np.array([Tier.FP16, Tier.INT8, Tier.INT4, Tier.DROP] * 10, np.uint8)
+    serial = encode(snap, tiers, chunk_tokens=7, chunk_layers=1)
+    assert encode(snap, tiers, chunk_tokens=7, chunk_layers=1, workers=4) == serial
+    with pytest.raises(ValueError, match="workers"):
+        encode(snap, tiers, workers=0)
+
+
 def test_progress_and_the_per_chunk_callback_follow_each_chunk() -> None:
     snap = snapshot(30)
     tiers = np.full(30, Tier.INT4, np.uint8)

@@ -80,8 +80,9 @@ def tier_costs(snapshot: KVSnapshot) -> dict[Tier, float]:
 
 def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ours", *,
                          profile: TierProfile | None = None, pdtrim_head_fraction: float = 0.5,
-                         meta: dict | None = None) -> EncodedKV:
-    """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``."""
+                         meta: dict | None = None, workers: int = 1) -> EncodedKV:
+    """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``
+    (``workers``: threads encoding chunks at once)."""
     snapshot = scored.snapshot
     costs = tier_costs(snapshot)
     fp16_bytes = int(costs[Tier.FP16] * snapshot.n_tokens)
@@ -94,7 +95,7 @@ def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ou
     def encode(tiers: np.ndarray) -> EncodedKV:
         counts = np.bincount(tiers, minlength=len(Tier))
         raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
-        return EncodedKV(list(encode_payload(snapshot, tiers, meta=meta)), tiers, fp16_bytes, raw)
+        return EncodedKV(list(encode_payload(snapshot, tiers, meta=meta, workers=workers)), tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
     target = budget

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 
 from edgedecode.config import Config
@@ -21,7 +22,8 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
     settings = config.prefill
     service = PrefillService(model, device=config.model.device, threads=config.model.threads or None,
                              max_prompt_tokens=settings.max_prompt_tokens,
-                             prefix_cache_bytes=settings.prefix_cache_mb << 20)
+                             prefix_cache_bytes=settings.prefix_cache_mb << 20,
+                             encode_threads=settings.encode_threads or os.cpu_count() or 1)
 
     async def main() -> None:
         async def listening(url: str) -> None:

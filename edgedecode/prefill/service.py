@@ -116,8 +116,9 @@ class PrefillService:
     and the measured tier profile of the model."""
 
     def __init__(self, model: LoadedModel, *, device: str = "cpu", threads: int | None = None,
-                 max_prompt_tokens: int, prefix_cache_bytes: int) -> None:
+                 max_prompt_tokens: int, prefix_cache_bytes: int, encode_threads: int = 1) -> None:
         self.model = model
+        self.encode_threads = encode_threads
         options = GraphOptions("prefill", "float16" if device == "cuda" else "float32")
         self.max_prompt_tokens = min(max_prompt_tokens, model.spec.context_length)
         self.engine = Engine(model, options, max_context=self.max_prompt_tokens + 1, device=device, threads=threads)
@@ -142,7 +143,8 @@ class PrefillService:
         profile = TierProfile(tuple(t for t in self.profile.allowed if t in request.allowed),
                               self.profile.distortion, self.profile.source)
         encoded = encode_within_budget(scored.from_position(request.held_tokens), request.budget, request.policy,
-                                       profile=profile, meta={"held_tokens": request.held_tokens})
+                                       profile=profile, meta={"held_tokens": request.held_tokens},
+                                       workers=self.encode_threads)
         return PrefillResult(encoded, len(ids), hit.n_tokens if hit else 0, time.perf_counter() - started)
 
     def close(self) -> None:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 import zlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -46,6 +49,7 @@ def encode_payload(
     chunk_layers: int | None = None,
     level: int = DEFAULT_ZSTD_LEVEL,
     meta: dict[str, Any] | None = None,
+    workers: int = 1,
 ) -> Iterator[bytes]:
     """Encode `snapshot` as an EDKV 1.x stream.
 
@@ -56,6 +60,8 @@ def encode_payload(
         chunk_tokens, chunk_layers: chunk size (chunk_layers None: all layers in every chunk).
         level: zstd level.
         meta: free-form JSON object stored in the header (policy name, budget, ...).
+        workers: threads that quantize and compress chunks at once (numpy and zstd release the GIL);
+            the frames come out in order either way, byte for byte the same.
 
     Returns:
         An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
@@ -67,7 +73,9 @@ def encode_payload(
         body = header.to_json()
     except TypeError as e:  # every other field is built here from numbers and strings
         raise KVMalformedError("meta", f"meta must be JSON-serialisable: {e}") from None
-    return _frames(snapshot, body, plans, level)
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    return _frames(snapshot, body, plans, level, workers)
 
 
 def _build_header(
@@ -112,17 +120,23 @@ def _build_header(
     return header, plans
 
 
-def _frames(snapshot: KVSnapshot, body: bytes, plans: list[ChunkPlan], level: int) -> Iterator[bytes]:
+def _frames(snapshot: KVSnapshot, body: bytes, plans: list[ChunkPlan], level: int, workers: int) -> Iterator[bytes]:
     digest = hashlib.sha256()
     frame = HEADER_PREFIX.pack(HEADER_MAGIC, MAJOR, MINOR, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
     digest.update(frame)
     yield frame
-    compressor = zstandard.ZstdCompressor(level=level)
-    for index, plan in enumerate(plans):
-        compressed = compressor.compress(_raw_chunk(snapshot, plan))
-        prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), zlib.crc32(compressed))
-        digest.update(prefix)  # the body is covered by the CRC-32 inside the prefix
-        yield prefix + compressed
+    compressors = threading.local()  # a ZstdCompressor is not shared between threads
+
+    def encode(plan: ChunkPlan) -> bytes:
+        if not hasattr(compressors, "zstd"):
+            compressors.zstd = zstandard.ZstdCompressor(level=level)
+        return compressors.zstd.compress(_raw_chunk(snapshot, plan))
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="edkv-encode") if workers > 1 else nullcontext() as pool:
+        for index, compressed in enumerate(pool.map(encode, plans) if pool else map(encode, plans)):
+            prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), zlib.crc32(compressed))
+            digest.update(prefix)  # the body is covered by the CRC-32 inside the prefix
+            yield prefix + compressed
     yield TRAILER.pack(TRAILER_MAGIC, len(plans), digest.digest())
 
 
