@@ -96,11 +96,11 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
                 if len(buffered) >= FEED_BYTES:
                     if pending is not None:
                         await pending
-                    pending = loop.run_in_executor(ingest, reader.feed, bytes(buffered))
-                    buffered.clear()
+                    # hand the buffer itself over (no copy) and gather the next piece in a fresh one
+                    pending, buffered = loop.run_in_executor(ingest, reader.feed, buffered), bytearray()
             if pending is not None:
                 await pending
-            await loop.run_in_executor(ingest, _feed_and_finish, reader, bytes(buffered))
+            await loop.run_in_executor(ingest, _feed_and_finish, reader, buffered)
     except KVPullError:
         raise
     except KVTruncatedError as exc:
@@ -131,7 +131,7 @@ def _header_seconds(value: str | None) -> float | None:
         return None
 
 
-def _feed_and_finish(reader: EDKVReader, data: bytes) -> None:
+def _feed_and_finish(reader: EDKVReader, data: bytearray) -> None:
     if data:
         reader.feed(data)
     reader.finish()
