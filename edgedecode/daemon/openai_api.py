@@ -16,19 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.decode.sampler import SamplingError, SamplingParams
-from edgedecode.errors import EdgeDecodeError
+from edgedecode.errors import RequestError
 from edgedecode.model.loader import LoadedModel
 
 MAX_STOP_STRINGS = 4
 _UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "response_format")
 
 
-class APIRequestError(EdgeDecodeError):
-    """An invalid completion request (answered with 400 and the offending parameter)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+class APIRequestError(RequestError):
+    """An invalid completion request."""
 
 
 @dataclass(frozen=True)

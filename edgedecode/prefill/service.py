@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.decode.engine import Engine
-from edgedecode.errors import EdgeDecodeError
+from edgedecode.errors import RequestError
 from edgedecode.evaluation.probe import profile_path
 from edgedecode.kv.policy import POLICIES, TierProfile
 from edgedecode.kv.tiers import Tier, parse_tiers
@@ -25,12 +25,8 @@ from edgedecode.prefill.pipeline import EncodedKV, encode_within_budget, prefill
 from edgedecode.prefill.prefix_cache import PrefixCache
 
 
-class PrefillRequestError(EdgeDecodeError):
-    """A prefill request that cannot be served as given (answered with 400/422)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+class PrefillRequestError(RequestError):
+    """A prefill request that cannot be served as given."""
 
 
 @dataclass(frozen=True)
