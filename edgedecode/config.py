@@ -8,7 +8,6 @@ is a valid configuration: loopback-only servers with an embedded prefill endpoin
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import ipaddress
 import os
@@ -244,9 +243,3 @@ def is_loopback(host: str) -> bool:
     except ValueError:
         return False
 
-
-def with_section(config: Config, section: str, **changes: Any) -> Config:
-    """``config`` with some keys of one section replaced (validated again)."""
-    updated = dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **changes)})
-    _validate(updated)
-    return updated

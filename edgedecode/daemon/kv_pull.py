@@ -76,6 +76,7 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
     headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
     loop = asyncio.get_running_loop()
     received = 0
+    pending: asyncio.Future | None = None  # the ingest thread's current piece of work
     try:
         async with http.post(settings.url.rstrip("/") + "/v1/prefill", json=body, headers=headers,
                              timeout=settings.timeout) as response:
@@ -85,7 +86,6 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
                 reason = "rejected" if client_fault else "http_error"
                 raise KVPullError(reason, f"the prefill server answered {response.status}: {detail}")
             server_seconds = _header_seconds(response.headers.get("X-Prefill-Seconds"))
-            pending: asyncio.Future | None = None
             buffered = bytearray()
             async for data in response.content.iter_any():
                 received += len(data)
@@ -100,7 +100,8 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
                     pending, buffered = loop.run_in_executor(ingest, reader.feed, buffered), bytearray()
             if pending is not None:
                 await pending
-            await loop.run_in_executor(ingest, _feed_and_finish, reader, buffered)
+            pending = loop.run_in_executor(ingest, _feed_and_finish, reader, buffered)
+            await pending
     except KVPullError:
         raise
     except KVTruncatedError as exc:
@@ -118,6 +119,9 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
         raise KVPullError(reason, f"the prefill server at {settings.url} failed: {exc}") from None
     except aiohttp.ClientError as exc:
         raise KVPullError("http_error", f"the prefill request failed: {exc}") from None
+    finally:
+        if pending is not None and not pending.done():
+            await asyncio.wait([pending])  # the caller reuses the KV buffers: the ingest thread must be done
     header = reader.header
     counts = np.bincount(header.tiers.min(axis=0), minlength=len(Tier))  # a token's best tier over its layers
     return PullResult(received, header.n_tokens * kv_bytes_per_token_fp16,
