@@ -448,3 +448,26 @@ def test_admission_refuses_a_turn_that_would_eat_the_memory_reserve(smollm2_mode
             await service.close()
 
     asyncio.run(scenario())
+
+
+def test_the_embedded_prefill_server_is_restarted_when_it_dies(smollm2_model, workdir):
+    import psutil
+
+    daemon = ServerProcess(["serve", "--config", _config(workdir, "embedded")], workdir / "embedded.log",
+                           env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN})
+    try:
+        child = psutil.Process(daemon.process.pid).children()[0]
+        first_url = json.loads(_get(daemon.url + "/readyz")[1])["prefill"]["url"]
+        child.kill()
+        report = _chat(daemon, [{"role": "user", "content": "Hi"}])[1]  # meanwhile: local prefill
+        assert (report["kv"]["source"], report["kv"]["fallback_reason"]) == ("local", "unreachable")
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            url = json.loads(_get(daemon.url + "/readyz")[1])["prefill"]["url"]
+            if url not in (None, first_url):
+                break
+            time.sleep(0.5)
+        assert url not in (None, first_url)
+        assert _chat(daemon, QUESTION)[1]["kv"]["source"] == "prefill_server"
+    finally:
+        daemon.stop()
