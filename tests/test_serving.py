@@ -450,7 +450,10 @@ def test_admission_refuses_a_turn_that_would_eat_the_memory_reserve(smollm2_mode
     asyncio.run(scenario())
 
 
-def test_the_embedded_prefill_server_is_restarted_when_it_dies(smollm2_model, workdir):
+def test_the_embedded_prefill_server_is_restarted_when_it_dies_and_a_stop_drains_requests(smollm2_model, workdir):
+    import signal
+    import threading
+
     import psutil
 
     daemon = ServerProcess(["serve", "--config", _config(workdir, "embedded")], workdir / "embedded.log",
@@ -469,5 +472,17 @@ def test_the_embedded_prefill_server_is_restarted_when_it_dies(smollm2_model, wo
             time.sleep(0.5)
         assert url not in (None, first_url)
         assert _chat(daemon, QUESTION)[1]["kv"]["source"] == "prefill_server"
+        # SIGTERM (systemctl stop) while a stream runs: the stream still ends normally, then the daemon exits
+        stream = _client(daemon).completions.create(model="smollm2-135m-instruct", prompt="Once upon a time",
+                                                    max_tokens=64, temperature=0, stream=True)
+        chunks = [next(iter(stream))]
+        children = psutil.Process(daemon.process.pid).children()  # the restarted prefill server
+        threading.Timer(0.2, daemon.process.send_signal, (signal.SIGTERM,)).start()
+        chunks += list(stream)
+        assert sum(bool(c.choices and c.choices[0].text) for c in chunks) == 64
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert daemon.process.wait(timeout=60) == 0
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert children and not alive  # the daemon stopped its prefill server too
     finally:
         daemon.stop()
