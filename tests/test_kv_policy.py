@@ -13,6 +13,7 @@ from edgedecode.kv.policy import (
     TierProfile,
     allocate,
     pdtrim_tiers,
+    pin_priority,
     pinned_mask,
     policy_tiers,
 )
@@ -99,3 +100,25 @@ def test_pdtrim_keeps_head_and_tail_at_fp16():
 def test_unknown_policy_is_named():
     with pytest.raises(BudgetError, match="unknown KV policy 'best'"):
         policy_tiers("best", 0.3, np.arange(10), COSTS)
+
+
+@pytest.mark.parametrize("n", [5, 24, 68])
+def test_a_short_prompt_too_big_for_its_budget_keeps_its_newest_tokens(n):
+    """Every token of a short prompt is pinned; when some must go, the recent window's oldest go
+    first — never the last tokens (a chat's generation prompt) nor the attention sinks."""
+    positions = np.arange(n)
+    attention = np.random.default_rng(n).pareto(1.5, n)
+    int4_share = COSTS[Tier.INT4] / COSTS[Tier.FP16]
+    budget = int4_share * (n - 2) / n  # room for all but two tokens at INT4
+    tiers = policy_tiers("ours", budget, positions, COSTS, attention=attention)
+    dropped = np.flatnonzero(tiers == Tier.DROP)
+    assert len(dropped) == 2 and np.all(tiers[-min(4, n - 2):] != Tier.DROP)
+    if n > 8:
+        assert list(dropped) == [4, 5]  # the oldest of the recent window after the four sinks
+
+
+def test_pin_priority_ranks_sinks_and_the_newest_first():
+    priority = pin_priority(np.arange(200))
+    assert np.all(priority[4:136] == 0) and priority[-1] == 1.0
+    assert np.all(np.diff(priority[136:]) > 0)  # the window's oldest ranks lowest
+    assert priority[-5] < priority[0] < priority[-4]  # the sinks come right after the four newest

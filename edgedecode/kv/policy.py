@@ -6,9 +6,12 @@ of each tier; ``prefill/pipeline.py`` scales its target so the compressed payloa
 The allocator maximises importance-weighted fidelity, sum_t importance_t * (1 - distortion(tier_t)):
 every kept token starts at the cheapest allowed kept tier, tokens are dropped only when even that
 does not fit (least important first), and the remaining bytes buy upgrades in order of fidelity
-gained per byte. Pinned tokens (attention sinks, the recent window) weigh ten times the most
-important scored token: they are kept first and upgraded first at every step, but a near-lossless
-step for them (INT8 -> FP16) does not outbid a real one for others (INT4 -> INT8).
+gained per byte. Pinned tokens (attention sinks, the recent window) weigh ten to twenty times the
+most important scored token: they are kept first and upgraded first at every step, but a
+near-lossless step for them (INT8 -> FP16) does not outbid a real one for others (INT4 -> INT8).
+Among pinned tokens the sinks and the newest rank highest and the recent window's oldest lowest, so
+a budget too small for all of them drops the window's oldest first, never the prompt's last tokens
+(in a chat prompt, the generation prompt itself).
 """
 
 from __future__ import annotations
@@ -74,6 +77,19 @@ def pinned_mask(positions: np.ndarray, *, sinks: int = SINK_TOKENS, recent: int 
     return mask
 
 
+def pin_priority(positions: np.ndarray, *, sinks: int = SINK_TOKENS, recent: int = RECENT_TOKENS) -> np.ndarray:
+    """float64 [n]: 0 for unpinned tokens; for pinned ones a rank in (0, 1] falling linearly from the
+    newest token (1) to the recent window's oldest, with the sinks just below the ``sinks`` newest:
+    when not every pinned token fits, the window's oldest go first and the prompt's last tokens last."""
+    n = len(positions)
+    window = min(recent, n)
+    priority = np.zeros(n)
+    priority[n - window:] = np.arange(1, window + 1) / max(window, 1)
+    sink = positions < sinks
+    priority[sink] = np.maximum(priority[sink], (window - sinks + 0.5) / max(window, 1))
+    return priority
+
+
 def _ladder(costs: Mapping[Tier, float], profile: TierProfile) -> list[tuple[Tier, float, float]]:
     """Allowed kept tiers as (tier, cost, fidelity), cheapest first, on the upper concave hull that
     starts at DROP (cost 0, fidelity 0).
@@ -104,6 +120,8 @@ def allocate(importance: np.ndarray, budget: float, costs: Mapping[Tier, float],
              pinned: np.ndarray | None = None) -> np.ndarray:
     """Tiers uint8 [n] maximising importance-weighted fidelity within ``budget`` × FP16 bytes.
 
+    ``pinned``: a mask, or a priority in [0, 1] per token (``pin_priority``; 0: not pinned).
+
     Two phases. Keep: every token at the cheapest kept tier, or, when that does not fit, as many as
     fit, the least important (never a pinned one while another can go) dropped. Dropping is the
     costliest lever per byte (research/kv_calibration.md), so it buys nothing else. Upgrade: the
@@ -113,7 +131,8 @@ def allocate(importance: np.ndarray, budget: float, costs: Mapping[Tier, float],
     weight = np.asarray(importance, np.float64)
     weight = weight / weight.mean() if n and weight.mean() > 0 else np.ones(n)
     if pinned is not None and n:
-        weight = np.where(pinned, _PIN_FACTOR * weight.max(), weight)
+        priority = np.asarray(pinned, np.float64)
+        weight = np.where(priority > 0, _PIN_FACTOR * weight.max() * (1.0 + priority), weight)
     ladder = _ladder(costs, profile)
     floor, cheapest, _ = ladder[0]
     available = budget * n * costs[Tier.FP16]
@@ -171,9 +190,9 @@ def policy_tiers(policy: str, budget: float, positions: np.ndarray, costs: Mappi
     if policy == "ours":
         if attention is None:
             raise BudgetError("policy 'ours' needs attention importance")
-        return allocate(attention, budget, costs, profile, pinned_mask(positions))
+        return allocate(attention, budget, costs, profile, pin_priority(positions))
     if policy == "position":
-        return allocate(position_importance(positions), budget, costs, profile, pinned_mask(positions))
+        return allocate(position_importance(positions), budget, costs, profile, pin_priority(positions))
     if policy in ("uniform-int8", "uniform-int4"):
         tier = Tier.INT8 if policy == "uniform-int8" else Tier.INT4
         uniform = TierProfile((tier, Tier.DROP), profile.distortion, f"uniform {tier.name}")
