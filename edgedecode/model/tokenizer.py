@@ -2,14 +2,17 @@
 
 Encoding runs through HuggingFace `tokenizers`; decoding maps each token to its bytes (GPT-2
 byte-level alphabet) so that streamed output can hold back incomplete UTF-8 sequences.
-Chat templates render with jinja2 exactly as HF transformers does.
+Chat templates render with jinja2 exactly as HF transformers does; control tokens in a chat prompt
+come only from the template's own text, never from the messages (see `Tokenizer.encode_chat`).
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Sequence
+import re
+import secrets
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 
@@ -29,6 +32,8 @@ SUPPORTED_MODELS = ("gpt2",)
 # so it is deliberately absent: only the ones verified against llama.cpp are listed.
 SUPPORTED_PRE = ("smollm", "gpt-2")
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+# Private-use characters around a placeholder for a control-token literal hidden in a message.
+_MASK_OPEN, _MASK_CLOSE = "\ue000", "\ue001"
 
 
 class TokenizerError(EdgeDecodeError):
@@ -84,6 +89,11 @@ class Tokenizer:
         # llama.cpp splits control tokens out only with parse_special, user-defined ones always.
         self._hf_special = self._make_hf(bpe, control, user)
         self._hf_plain = self._make_hf(bpe, [], user)
+        self._control_ids = {text: vocab[text] for text in control if text}
+        # Longest first, so that the leftmost match is also the longest, as in HF's added-token split;
+        # "(?!)" never matches (a vocabulary without control tokens).
+        alternatives = "|".join(re.escape(t) for t in sorted(self._control_ids, key=len, reverse=True))
+        self._control_re = re.compile(f"({alternatives or '(?!)'})")
         byte_of = _byte_decoder()
         self._special_ids = frozenset(i for i, t in enumerate(types) if t != _NORMAL and t != _USER_DEFINED)
         self._bytes = [
@@ -120,11 +130,15 @@ class Tokenizer:
         """Token ids of `text`; parse_special=False tokenizes control-token strings as plain text."""
         hf = self._hf_special if parse_special else self._hf_plain
         ids = hf.encode(text, add_special_tokens=False).ids if text else []
-        if self.spec.add_bos if add_bos is None else add_bos:
-            if self.spec.bos_token_id is None:
-                raise TokenizerError("add_bos requested but the model has no BOS token")
-            ids.insert(0, self.spec.bos_token_id)
-        return ids
+        return self._bos(add_bos) + ids
+
+    def _bos(self, add_bos: bool | None) -> list[int]:
+        """[BOS] if `add_bos` (None: the model's add_bos flag) asks for it, else []."""
+        if not (self.spec.add_bos if add_bos is None else add_bos):
+            return []
+        if self.spec.bos_token_id is None:
+            raise TokenizerError("add_bos requested but the model has no BOS token")
+        return [self.spec.bos_token_id]
 
     def token_bytes(self, token_id: int, *, skip_special: bool = True) -> bytes:
         """The raw bytes one token stands for (empty for special tokens when skipped)."""
@@ -162,7 +176,7 @@ class Tokenizer:
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._tokens[token_id]
 
-    def render_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True) -> str:
         """Render `messages` with the model's chat template, the way HF transformers does."""
         try:
             return self._template.render(
@@ -174,11 +188,53 @@ class Tokenizer:
         except TemplateError as exc:
             raise TokenizerError(f"chat template failed to render: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
-        """Render then encode with special tokens; no second BOS if the template already emits it."""
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    def encode_chat(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True,
+                    special_in_content: bool = False) -> list[int]:
+        """Render `messages` with the chat template and encode the prompt; no second BOS if the template emits it.
+
+        Control tokens come only from the template's own text: a message string (content, role, ...)
+        that spells one is tokenized as plain text, exactly as `encode(..., parse_special=False)` does,
+        so a client cannot forge turns. Each such literal is swapped for a per-call placeholder before
+        rendering (so templates that transform content, e.g. `| trim`, still work) and put back as plain
+        text afterwards. Prompts without such literals get the same ids as rendering then
+        `encode(parse_special=True)`. `special_in_content=True` (opt-in, the servers'
+        `allow_special_tokens`) parses control tokens in the messages too.
+        """
+        if special_in_content:
+            text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+            ids = self.encode(text, parse_special=True, add_bos=False)
+        else:
+            tag = f"{_MASK_OPEN}{secrets.randbits(64)}:"  # user text cannot guess the random part
+            masked = [{key: self._mask_controls(value, tag) for key, value in m.items()} for m in messages]
+            text = self.render_chat(masked, add_generation_prompt=add_generation_prompt)
+            ids = self._encode_masked(text, tag)
         bos = self._special_text(self.spec.bos_token_id)
-        return self.encode(text, parse_special=True, add_bos=False if bos and text.startswith(bos) else None)
+        return self._bos(False if bos and text.startswith(bos) else None) + ids
+
+    def _mask_controls(self, value: object, tag: str) -> object:
+        """`value` with each control-token literal in its strings (nested in lists and dicts too) replaced
+        by the placeholder `tag` + its token id + _MASK_CLOSE."""
+        if isinstance(value, str):
+            return self._control_re.sub(lambda m: f"{tag}{self._control_ids[m[1]]}{_MASK_CLOSE}", value)
+        if isinstance(value, list):
+            return [self._mask_controls(v, tag) for v in value]
+        if isinstance(value, Mapping):
+            return {k: self._mask_controls(v, tag) for k, v in value.items()}
+        return value
+
+    def _encode_masked(self, text: str, tag: str) -> list[int]:
+        """Ids of rendered `text`: its control-token literals (the template's) become control ids, every
+        other stretch is tokenized as plain text once the placeholders `tag` made are put back."""
+        placeholder = re.compile(re.escape(tag) + f"([0-9]+){_MASK_CLOSE}")
+        ids: list[int] = []
+        # With its capturing group, split alternates plain stretches (even indices) and control literals.
+        for i, part in enumerate(self._control_re.split(text)):
+            if i % 2:
+                ids.append(self._control_ids[part])
+            elif part:
+                plain = placeholder.sub(lambda m: self._tokens[int(m[1])], part)
+                ids.extend(self._hf_plain.encode(plain, add_special_tokens=False).ids)
+        return ids
 
     def stream_decoder(self) -> StreamDecoder:
         """A decoder that turns tokens fed one at a time into text, never splitting a character."""
