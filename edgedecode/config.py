@@ -64,6 +64,8 @@ class DaemonConfig:
     breaker_reset_s: float = 30.0  # how long an open breaker skips the prefill server
     memory_reserve_mb: int = 256  # admission keeps this much system memory available
     client_timeout_s: float = 30.0  # longest wait for a client to send its body or accept more of the answer
+    header_timeout_s: float = 10.0  # longest a connection may take to send a request's headers
+    allow_special_tokens: bool = False  # client text may spell control tokens (<|im_start|>...); off: plain text
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,8 @@ class PrefillConfig:
     max_body_bytes: int = 4 << 20
     max_queue: int = 16  # prefill requests waiting; more are refused with 429
     client_timeout_s: float = 30.0  # longest wait for a client to send its body or accept more of the payload
+    header_timeout_s: float = 10.0  # longest a connection may take to send a request's headers
+    allow_special_tokens: bool = False  # client text may spell control tokens (<|im_start|>...); off: plain text
 
 
 @dataclass(frozen=True)
@@ -200,8 +204,9 @@ def _validate(config: Config) -> None:
             problems.append(f"{section}.max_body_bytes must be >= 1024")
         if server.max_queue < 1:
             problems.append(f"{section}.max_queue must be >= 1")
-        if server.client_timeout_s <= 0:
-            problems.append(f"{section}.client_timeout_s must be > 0")
+        for name in ("client_timeout_s", "header_timeout_s"):
+            if getattr(server, name) <= 0:
+                problems.append(f"{section}.{name} must be > 0")
     if d.prefill_url and d.local_prefill_only:
         problems.append("daemon.prefill_url and daemon.local_prefill_only exclude each other")
     if d.prefill_url:

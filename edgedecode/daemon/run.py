@@ -49,7 +49,7 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
 
         try:
             await serve_until_stopped(create_app(service, config, metrics), settings.host, settings.port,
-                                      on_listening=listening)
+                                      header_timeout=settings.header_timeout_s, on_listening=listening)
         finally:
             systemd.notify("STOPPING=1")
             for task in background:

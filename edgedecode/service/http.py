@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import re
 import signal
@@ -15,6 +14,10 @@ import psutil
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from edgedecode.errors import RequestError
+from edgedecode.service.header_deadline import start_site
+from edgedecode.service.json_body import parse_json_object
 
 logger = logging.getLogger(__name__)
 UNAUTHENTICATED_PATHS = frozenset({"/healthz"})  # liveness only: says nothing about the model or the data
@@ -30,50 +33,66 @@ def json_error(status: int, message: str, *, kind: str = "invalid_request_error"
     return web.json_response(body, status=status, headers=headers)
 
 
-def error_middleware(auth_token: str):
-    """Middleware: bearer-token auth (when ``auth_token`` is set) and every error answered as JSON,
-    including aiohttp's own (413 for an oversized body, 404, 405)."""
+# A handler whose answer went wrong after its status line was sent (a stream cut short by an error,
+# a client gone mid-stream) records the status to count here, e.g. request[OUTCOME] = "500".
+OUTCOME = web.RequestKey("edgedecode_outcome", str)
+ResponseCounter = Callable[[web.Request, str], None]
+
+
+def error_middleware(auth_token: str, count: ResponseCounter | None = None):
+    """Middleware: bearer-token auth (when ``auth_token`` is set), every error answered as JSON
+    (including aiohttp's own: 413 for an oversized body, 404, 405; a ``RequestError`` is a 400
+    naming its param), and ``count(request, status)`` called exactly once per request with the
+    status it ended with ("499" when the client went away first)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if auth_token and request.path not in UNAUTHENTICATED_PATHS:
-            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), auth_token.encode()):
-                reason = "missing bearer token" if not given else "wrong bearer token"
-                return json_error(401, f"unauthorized: {reason} (send 'Authorization: Bearer <token>')",
-                                  kind="authentication_error", code="unauthorized",
-                                  headers={"WWW-Authenticate": "Bearer"})
+        status = "499"
         try:
-            return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            kind = "request_too_large" if exc.status == 413 else "invalid_request_error"
-            return json_error(exc.status, exc.text or exc.reason, kind=kind, code=str(exc.status))
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception as exc:  # a bug: the client gets a JSON 500, the log the traceback, the server goes on
-            logger.exception("unhandled error serving %s %s", request.method, request.path)
-            return json_error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+            response = await _answer(request, handler, auth_token)
+            status = request.get(OUTCOME, str(response.status))
+            return response
+        finally:
+            if count is not None:
+                count(request, status)
 
     return middleware
 
 
+async def _answer(request: web.Request, handler, auth_token: str) -> web.StreamResponse:
+    if auth_token and request.path not in UNAUTHENTICATED_PATHS:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), auth_token.encode()):
+            reason = "missing bearer token" if not given else "wrong bearer token"
+            return json_error(401, f"unauthorized: {reason} (send 'Authorization: Bearer <token>')",
+                              kind="authentication_error", code="unauthorized",
+                              headers={"WWW-Authenticate": "Bearer"})
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return json_error(400, str(exc), param=exc.param)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "request_too_large" if exc.status == 413 else "invalid_request_error"
+        return json_error(exc.status, exc.text or exc.reason, kind=kind, code=str(exc.status))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as exc:  # a bug: the client gets a JSON 500, the log the traceback, the server goes on
+        logger.exception("unhandled error serving %s %s", request.method, request.path)
+        return json_error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+
+
 async def read_json(request: web.Request, timeout: float) -> dict:
-    """The request body as a JSON object; a 400 naming the problem otherwise (413 when too large,
-    408 when it does not arrive within ``timeout`` seconds)."""
+    """The request body as a JSON object whose every value a handler can take as it is: a
+    ``BodyError`` (400) naming the field otherwise (413 when too large, 408 when it does not arrive
+    within ``timeout`` seconds). See ``parse_json_object`` for what is refused."""
     try:
         async with asyncio.timeout(timeout):
             body = await request.read()  # aiohttp raises HTTPRequestEntityTooLarge past client_max_size
     except TimeoutError:
         raise web.HTTPRequestTimeout(text=f"the request body did not arrive within {timeout:g} s") from None
-    try:
-        document = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise web.HTTPBadRequest(text=f"the body is not valid JSON: {exc}") from None
-    if not isinstance(document, dict):
-        raise web.HTTPBadRequest(text="the body must be a JSON object")
-    return document
+    return parse_json_object(body)
 
 
 async def write_within(response: web.StreamResponse, data: bytes, timeout: float) -> None:
@@ -108,23 +127,21 @@ def add_common_routes(app: web.Application, registry: CollectorRegistry) -> None
     app.router.add_get("/metrics", metrics)
 
 
-async def serve_until_stopped(app: web.Application, host: str, port: int, *,
+async def serve_until_stopped(app: web.Application, host: str, port: int, *, header_timeout: float,
                               on_listening: Callable[[str], Awaitable[None] | None] | None = None) -> None:
     """Run ``app`` on host:port (port 0: any free one) until SIGTERM or SIGINT, then shut down cleanly.
 
-    ``on_listening`` gets the bound URL once the socket accepts connections.
+    A connection whose request headers take longer than ``header_timeout`` seconds to arrive is closed
+    (see ``header_deadline``). ``on_listening`` gets the bound URL once the socket accepts connections.
     """
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    runner, site = await start_site(app, host, port, header_timeout=header_timeout,
+                                    handle_signals=False, access_log=None)
     try:
-        await site.start()
-        bound = site._server.sockets[0].getsockname()  # the real port when 0 was asked for
-        url = f"http://{_url_host(host)}:{bound[1]}"
+        url = f"http://{_url_host(host)}:{site.port}"  # the real port when 0 was asked for
         if on_listening is not None:
             result = on_listening(url)
             if asyncio.iscoroutine(result):
