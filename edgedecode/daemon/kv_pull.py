@@ -123,7 +123,8 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
         if pending is not None and not pending.done():
             await asyncio.wait([pending])  # the caller reuses the KV buffers: the ingest thread must be done
     header = reader.header
-    counts = np.bincount(header.tiers.min(axis=0), minlength=len(Tier))  # a token's best tier over its layers
+    best = header.tiers.min(axis=0, initial=max(Tier))  # a token's best tier over its layers (none: no tokens)
+    counts = np.bincount(best, minlength=len(Tier))
     return PullResult(received, header.n_tokens * kv_bytes_per_token_fp16,
                       {tier.name: int(counts[tier]) for tier in Tier}, time.perf_counter() - started, server_seconds)
 

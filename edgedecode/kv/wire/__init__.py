@@ -7,6 +7,7 @@ from edgedecode.kv.wire.errors import (
     KVMalformedError,
     KVTooLargeError,
     KVTruncatedError,
+    KVValueError,
     KVVersionError,
 )
 from edgedecode.kv.wire.header import ChunkSpec, EDKVHeader
@@ -23,6 +24,7 @@ __all__ = [
     "KVMalformedError",
     "KVTooLargeError",
     "KVTruncatedError",
+    "KVValueError",
     "KVVersionError",
     "ReadProgress",
     "decode_snapshot",

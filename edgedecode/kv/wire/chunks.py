@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.kv.quant import QuantLayout, codes_shape, params_shape, section_nbytes
-from edgedecode.kv.tiers import Tier
+from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,3 +104,67 @@ def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
         strides.append(step)
         step *= dim
     return tuple(reversed(strides))
+
+
+def section_float16(buf: bytearray | memoryview, section: Section, n_heads: int, head_dim: int) -> np.ndarray:
+    """One float16 view of everything in `section` that must be finite: the FP16 rows, or the scales and the
+    zeros together (they are adjacent), ``[layers, ...]``. Shares `buf`'s memory, like `section_arrays`."""
+    m = len(section.tokens)
+    if section.layout is None:
+        return section_arrays(buf, section, n_heads, head_dim)[0]
+    codes = n_heads * int(np.prod(codes_shape(section.layout, m, head_dim)))
+    params = n_heads * int(np.prod(params_shape(section.layout, m, head_dim)))
+    return np.ndarray((section.layer_stop - section.layer_start, 2 * params), np.float16, buffer=buf,
+                      offset=section.offset + codes, strides=(section.layer_stride, 2))
+
+
+def chunk_sizes(
+    tiers: np.ndarray,
+    layouts: dict[Tier, tuple[QuantLayout, QuantLayout]],
+    n_heads: int,
+    head_dim: int,
+    rects: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(raw_nbytes, sections) of each chunk, int64 [C] each, as `plan_chunk` would find them, without planning.
+
+    `rects` is int64 [C, 4] (layer_start, layer_stop, token_start, token_stop) of non-empty rectangles inside the
+    tier map, each layer of them at most once per chunk; `layouts` must hold every quantized tier in `tiers`.
+    Vectorised over the (chunk, layer) pairs: no Python work per chunk.
+    """
+    n_layers, n = tiers.shape
+    count = len(rects)
+    if count == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    l0, l1, t0, t1 = (rects[:, k] for k in range(4))
+    heights = l1 - l0
+    starts = np.cumsum(heights) - heights
+    chunk = np.repeat(np.arange(count), heights)  # one entry per (chunk, layer) pair
+    layer = l0[chunk] + np.arange(len(chunk)) - starts[chunk]
+    a, b = t0[chunk], t1[chunk]
+    cum = np.zeros((n_layers, n + 1), np.int64)
+    nbytes = np.zeros(len(chunk), np.int64)
+    present = np.zeros(len(chunk), np.int64)
+    for tier in (Tier.FP16, *QUANTIZED_TIERS):
+        np.cumsum(tiers == tier, axis=1, out=cum[:, 1:])
+        m = cum[layer, b] - cum[layer, a]  # tokens of `tier` in each pair's layer and token range
+        present += m > 0
+        if tier is Tier.FP16:
+            nbytes += 2 * 2 * n_heads * head_dim * m
+            continue
+        if tier not in layouts:
+            continue  # not in the tier map: m is 0 everywhere
+        for layout in layouts[tier]:
+            if layout.axis == "token":
+                params = m * (head_dim // layout.group)
+            else:  # ceil(m / group); a group beyond n tokens is one group, and stays within int64
+                group = min(layout.group, max(n, 1))
+                params = -(-m // group) * head_dim
+            nbytes += n_heads * (m * (head_dim * layout.bits // 8) + 4 * params)
+    # a new run of layers starts at the chunk's first layer and wherever a layer's row differs from the one above
+    if n_layers > 1:
+        np.cumsum(tiers[1:] != tiers[:-1], axis=1, out=cum[1:, 1:])  # cum[l]: row l differs from row l - 1
+        new_run = (layer == l0[chunk]) | (cum[layer, b] > cum[layer, a])
+    else:
+        new_run = np.ones(len(chunk), bool)
+    sections = 2 * present * new_run
+    return np.add.reduceat(nbytes, starts), np.add.reduceat(sections, starts)

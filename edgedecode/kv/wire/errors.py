@@ -39,3 +39,8 @@ class KVTooLargeError(KVFormatError):
 
 class KVMalformedError(KVFormatError):
     """Bytes or header fields that break the format: bad magic, JSON, tier map, chunk table, sizes."""
+
+
+class KVValueError(KVMalformedError):
+    """A chunk whose checksums hold but whose float16 values (FP16 rows, quantization scales or zeros) are not
+    finite; refused before anything from the chunk is written."""

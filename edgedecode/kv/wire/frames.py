@@ -17,5 +17,54 @@ CHUNK_PREFIX = struct.Struct("<4sIII")  # magic, chunk index, compressed length,
 TRAILER = struct.Struct("<4sI32s")  # magic, chunk count, SHA-256 of every byte before the trailer
 MAGIC_NBYTES = 4
 
-DEFAULT_MAX_HEADER_BYTES = 16 << 20
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+
+# Limits on what a header may declare (docs/kv-format.md §7), checked on the raw JSON before any per-item work:
+# a hostile header must cost the receiver time in proportion to its context, not to what the header claims.
+MIN_CHUNK_TOKENS = 64  # a writer with chunk_tokens >= this (any chunk_layers) always stays within the limits
+CHUNK_COUNT_FLOOR = 256  # any chunking of up to this many chunks is accepted, however fine
+SECTIONS_PER_CHUNK = 8  # 2 (K, V) × 4 non-DROP tiers: a chunk whose layers all share one tier row
+MAX_NAME_CHARS = 1024  # each string of the contract and the producer
+MAX_META_VALUES = 256  # JSON values inside `meta` (containers, keys and scalars)
+MAX_META_DEPTH = 8  # nesting of `meta` below its own object
+MAX_META_CHARS = 4096  # characters of all keys and strings inside `meta`
+HEADER_BASE_BYTES = 128 << 10  # contract, producer, layouts, meta, zstd_level, room for new fields; even \u-escaped
+CHUNK_ROW_BYTES = 64  # one chunk-table row, spaced or indented JSON included ("[0,30,0,256,1474560]," is 21)
+FIXED_CONTAINERS = 64  # JSON arrays and objects of a header besides chunk rows and meta (about 15 today)
+
+
+def max_chunks(n_tokens: int, n_layers: int) -> int:
+    """Most chunk-table rows a header of `n_tokens` × `n_layers` may declare.
+
+    CHUNK_COUNT_FLOOR, or one chunk per layer per MIN_CHUNK_TOKENS tokens if that is more: what the writer makes
+    with ``chunk_layers=1, chunk_tokens=MIN_CHUNK_TOKENS``, its finest chunking that always fits.
+    """
+    return max(CHUNK_COUNT_FLOOR, n_layers * -(-n_tokens // MIN_CHUNK_TOKENS))
+
+
+def max_sections(n_tokens: int, n_layers: int) -> int:
+    """Most sections (chunks.py: per layer run, K/V and tier) the chunks of such a header may hold in all."""
+    return SECTIONS_PER_CHUNK * max_chunks(n_tokens, n_layers)
+
+
+def max_header_nbytes(max_tokens: int, n_layers: int) -> int:
+    """Header JSON bytes that a legitimate header of up to `max_tokens` tokens can need, generously.
+
+    Base64 token ids, positions (8 bytes a token each) and tier map (a byte per layer and token), a row for each
+    of the `max_chunks` chunks, and HEADER_BASE_BYTES for everything of fixed size.
+    """
+    n = max(0, max_tokens)
+    return (HEADER_BASE_BYTES + 2 * _b64_len(8 * n) + _b64_len(n_layers * n)
+            + CHUNK_ROW_BYTES * max_chunks(n, n_layers))
+
+
+def max_header_containers(max_tokens: int, n_layers: int) -> int:
+    """JSON arrays and objects ('[' and '{' bytes, counted before parsing: a bracket inside a string counts, too)
+    that a legitimate header of up to `max_tokens` tokens can hold: each costs json.loads an allocation and the
+    garbage collector a visit, far more than a byte of base64 does."""
+    return (FIXED_CONTAINERS + max_chunks(max(0, max_tokens), n_layers) + MAX_META_VALUES + MAX_META_CHARS
+            + 6 * MAX_NAME_CHARS)
+
+
+def _b64_len(nbytes: int) -> int:
+    return 4 * -(-nbytes // 3)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import binascii
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -15,8 +14,17 @@ import numpy as np
 from edgedecode.kv.quant import QuantLayout
 from edgedecode.kv.snapshot import KVProducer
 from edgedecode.kv.tiers import QUANTIZED_TIERS, TIER_BITS, Tier
-from edgedecode.kv.wire.errors import KVMalformedError
-from edgedecode.kv.wire.frames import MINOR
+from edgedecode.kv.wire.chunks import chunk_sizes
+from edgedecode.kv.wire.errors import KVMalformedError, KVTooLargeError
+from edgedecode.kv.wire.frames import (
+    MAX_META_CHARS,
+    MAX_META_DEPTH,
+    MAX_META_VALUES,
+    MAX_NAME_CHARS,
+    MINOR,
+    max_chunks,
+    max_sections,
+)
 from edgedecode.model.spec import KVContract, KVLayout
 
 KV_PARTS = ("keys", "values")
@@ -53,6 +61,7 @@ class EDKVHeader:
     def __post_init__(self) -> None:
         self._check_arrays()
         self._check_chunks()
+        self._check_sizes()
 
     @property
     def n_tokens(self) -> int:
@@ -71,6 +80,15 @@ class EDKVHeader:
     @property
     def n_kept(self) -> int:
         return int(self.slots_before[-1])
+
+    @cached_property
+    def chunk_table(self) -> np.ndarray:
+        """int64 [chunks, 5]: the chunk table, (layer_start, layer_stop, token_start, token_stop, raw_nbytes)."""
+        rows = [(c.layer_start, c.layer_stop, c.token_start, c.token_stop, c.raw_nbytes) for c in self.chunks]
+        try:
+            return np.array(rows, np.int64).reshape(len(rows), 5)
+        except OverflowError:
+            raise KVMalformedError("chunks", "a value beyond the int64 range") from None
 
     def slot_range(self, chunk: ChunkSpec) -> slice:
         """The compacted slots that the kept tokens of `chunk` fill."""
@@ -102,17 +120,30 @@ class EDKVHeader:
         n = doc_field(doc, "n_tokens", int)
         if n < 0:
             raise KVMalformedError("n_tokens", f"must be >= 0, got {n}")
+        # every declared count is bounded before anything is built per item (docs/kv-format.md §7)
+        rows = doc_field(doc, "chunks", list)
+        limit = max_chunks(n, contract.n_layers)
+        if len(rows) > limit:
+            raise KVTooLargeError("chunks", f"{len(rows)} chunks declared, at most {limit} for {n} tokens × "
+                                  f"{contract.n_layers} layers")
+        layouts = doc_field(doc, "layouts", dict)
+        if len(layouts) > len(QUANTIZED_TIERS):
+            raise KVMalformedError("layouts", f"{len(layouts)} layouts, there are {len(QUANTIZED_TIERS)} quantized "
+                                   "tiers")
+        meta = doc_field(doc, "meta", dict)
+        check_meta(meta)
         producer = doc_field(doc, "producer", dict)
+        table = _int64_table(rows, "chunks")
         return cls(
             contract=contract,
-            producer=KVProducer(*(doc_field(producer, k, str, "producer.") for k in PRODUCER_FIELDS)),
+            producer=KVProducer(*(_name(producer, k, "producer.") for k in PRODUCER_FIELDS)),
             token_ids=_array(doc, "token_ids", "<i8", n),
             positions=_array(doc, "positions", "<i8", n),
             tiers=_array(doc, "tiers", "u1", contract.n_layers * n).reshape(contract.n_layers, n),
-            layouts=_layouts(doc_field(doc, "layouts", dict)),
-            chunks=tuple(_chunk(i, row) for i, row in enumerate(doc_field(doc, "chunks", list))),
+            layouts=_layouts(layouts),
+            chunks=tuple(ChunkSpec(i, *row) for i, row in enumerate(table.tolist())),
             zstd_level=doc_field(doc, "zstd_level", int),
-            meta=doc_field(doc, "meta", dict),
+            meta=meta,
             minor=minor,
         )
 
@@ -126,21 +157,49 @@ class EDKVHeader:
         check_layouts(self.tiers, self.layouts, self.contract.head_dim)
 
     def _check_chunks(self) -> None:
+        """The chunk table tiles layers × tokens exactly: vectorised, no Python work per chunk or per cell."""
         layers, n = self.contract.n_layers, self.n_tokens
-        covered = np.zeros((layers, n), bool)
-        for c in self.chunks:
-            if not (0 <= c.layer_start < c.layer_stop <= layers and 0 <= c.token_start < c.token_stop <= n
-                    and c.raw_nbytes >= 0):
-                raise KVMalformedError("chunks", f"chunk {c.index} {_rect(c)} (raw {c.raw_nbytes} B) is empty or "
-                                       f"outside {layers} layers × {n} tokens")
-            cells = covered[c.layer_start:c.layer_stop, c.token_start:c.token_stop]
-            if cells.any():
-                raise KVMalformedError("chunks", f"chunk {c.index} {_rect(c)} overlaps an earlier chunk")
-            cells[...] = True
-        if not covered.all():
-            layer, token = np.argwhere(~covered)[0]
+        limit = max_chunks(n, layers)
+        if len(self.chunks) > limit:
+            raise KVTooLargeError("chunks", f"{len(self.chunks)} chunks, at most {limit} for {n} tokens × "
+                                  f"{layers} layers")
+        table = self.chunk_table
+        l0, l1, t0, t1, raw = table.T
+        bad = np.flatnonzero(~((0 <= l0) & (l0 < l1) & (l1 <= layers) & (0 <= t0) & (t0 < t1) & (t1 <= n)
+                               & (raw >= 0)))
+        if bad.size:
+            c = self.chunks[bad[0]]
+            raise KVMalformedError("chunks", f"chunk {c.index} {_rect(c)} (raw {c.raw_nbytes} B) is empty or "
+                                   f"outside {layers} layers × {n} tokens")
+        # how many chunks cover each cell: +1/-1 at the rectangles' corners, then a 2-D prefix sum
+        corners = np.concatenate([l0 * (n + 1) + t0, l1 * (n + 1) + t1, l0 * (n + 1) + t1, l1 * (n + 1) + t0])
+        weights = np.repeat(np.array([1, 1, -1, -1], np.int64), len(table))
+        cover = np.bincount(corners, weights, (layers + 1) * (n + 1)).reshape(layers + 1, n + 1)
+        cover = cover.cumsum(axis=0).cumsum(axis=1)[:layers, :n]
+        if (cover > 1).any():
+            layer, token = np.argwhere(cover > 1)[0]
+            holders = np.flatnonzero((l0 <= layer) & (layer < l1) & (t0 <= token) & (token < t1))
+            c = self.chunks[holders[1]]
+            raise KVMalformedError("chunks", f"chunk {c.index} {_rect(c)} overlaps an earlier chunk (chunk "
+                                   f"{holders[0]}) at layer {layer}, token {token}")
+        if (cover < 1).any():
+            layer, token = np.argwhere(cover < 1)[0]
             raise KVMalformedError("chunks", f"no chunk covers layer {layer}, token {token}; the chunk table must "
                                    "cover every layer × token exactly once")
+
+    def _check_sizes(self) -> None:
+        """Each chunk's raw_nbytes is what its tier map needs, and all chunks' sections stay within the limit."""
+        c = self.contract
+        raw, sections = chunk_sizes(self.tiers, self.layouts, c.n_kv_heads, c.head_dim, self.chunk_table[:, :4])
+        wrong = np.flatnonzero(raw != self.chunk_table[:, 4])
+        if wrong.size:
+            k = int(wrong[0])
+            raise KVMalformedError("chunks", f"chunk {k} declares {self.chunks[k].raw_nbytes} raw bytes, its tier "
+                                   f"map needs {int(raw[k])}")
+        limit = max_sections(self.n_tokens, c.n_layers)
+        if int(sections.sum()) > limit:
+            raise KVTooLargeError("chunks", f"the chunks hold {int(sections.sum())} sections (runs of layers × K/V "
+                                  f"× tiers), at most {limit} for {self.n_tokens} tokens × {c.n_layers} layers")
 
 
 def check_tier_map(tiers: np.ndarray, n_layers: int, n_tokens: int) -> None:
@@ -175,12 +234,25 @@ def check_layouts(tiers: np.ndarray, layouts: dict[Tier, tuple[QuantLayout, Quan
                 raise KVMalformedError(where, str(e)) from None
 
 
-def load_doc(body: bytes | memoryview) -> dict[str, Any]:
-    """The header JSON object; anything else is a KVMalformedError."""
+def load_doc(body: bytes | memoryview, max_containers: int | None = None) -> dict[str, Any]:
+    """The header JSON object; anything else is a KVMalformedError.
+
+    With `max_containers`, a body with more '[' and '{' bytes than that is a KVTooLargeError before it is parsed.
+    Besides syntax, json refuses nesting deeper than the interpreter's recursion limit (RecursionError) and
+    integers beyond Python's int-string limit (ValueError): both are malformed headers, too.
+    """
+    body = bytes(body)
+    if max_containers is not None:
+        containers = body.count(b"[") + body.count(b"{")
+        if containers > max_containers:
+            raise KVTooLargeError("header", f"{containers} JSON arrays and objects ('[', '{{'), at most "
+                                  f"{max_containers}")
     try:
-        doc = json.loads(bytes(body).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise KVMalformedError("header", f"header is not UTF-8 JSON: {e}") from None
+        doc = json.loads(body.decode("utf-8"))
+    except RecursionError:
+        raise KVMalformedError("header", "header JSON is nested too deeply") from None
+    except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, an integer of too many digits
+        raise KVMalformedError("header", f"header is not UTF-8 JSON within limits: {e!s:.200}") from None
     if not isinstance(doc, dict):
         raise KVMalformedError("header", f"header JSON must be an object, got {type(doc).__name__}")
     return doc
@@ -194,15 +266,42 @@ def contract_from_doc(doc: dict[str, Any]) -> KVContract:
     for name, value in dims.items():
         if value < 1:
             raise KVMalformedError(f"contract.{name}", f"must be positive, got {value}")
+    try:
+        rope_theta = float(doc_field(c, "rope_theta", float, "contract."))
+    except OverflowError:  # an integer beyond the float range
+        raise KVMalformedError("contract.rope_theta", "beyond the float range") from None
     return KVContract(
-        architecture=doc_field(c, "architecture", str, "contract."),
-        rope_theta=float(doc_field(c, "rope_theta", float, "contract.")),
-        layout=KVLayout(doc_field(lay, "axes", str, "contract.layout."),
+        architecture=_name(c, "architecture", "contract."),
+        rope_theta=rope_theta,
+        layout=KVLayout(_name(lay, "axes", "contract.layout."),
                         doc_field(lay, "keys_post_rope", bool, "contract.layout."),
-                        doc_field(lay, "rope_order", str, "contract.layout.")),
-        tokenizer_hash=doc_field(c, "tokenizer_hash", str, "contract."),
+                        _name(lay, "rope_order", "contract.layout.")),
+        tokenizer_hash=_name(c, "tokenizer_hash", "contract."),
         **dims,
     )
+
+
+def check_meta(meta: dict[str, Any]) -> None:
+    """Raise KVTooLargeError unless `meta` stays within MAX_META_VALUES values, MAX_META_DEPTH levels of nesting
+    and MAX_META_CHARS characters of keys and strings. Iterative, and stops at the first limit exceeded."""
+    values, chars = 1, 0
+    stack: list[tuple[Any, int]] = [(meta, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, (dict, list, tuple)):  # a writer's meta may hold tuples: JSON arrays
+            if depth >= MAX_META_DEPTH:
+                raise KVTooLargeError("meta", f"nested deeper than {MAX_META_DEPTH} levels")
+            is_dict = isinstance(value, dict)
+            values += len(value) * (2 if is_dict else 1)  # a dict's keys count, too
+            if values > MAX_META_VALUES:
+                raise KVTooLargeError("meta", f"more than {MAX_META_VALUES} values")
+            if is_dict:
+                chars += sum(len(key) for key in value if isinstance(key, str))
+            stack.extend((item, depth + 1) for item in (value.values() if is_dict else value))
+        if chars > MAX_META_CHARS:
+            raise KVTooLargeError("meta", f"more than {MAX_META_CHARS} characters of keys and strings")
 
 
 def doc_field(doc: dict[str, Any], key: str, kind: type, prefix: str = "") -> Any:
@@ -211,15 +310,44 @@ def doc_field(doc: dict[str, Any], key: str, kind: type, prefix: str = "") -> An
         raise KVMalformedError(prefix + key, "missing from the header")
     value = doc[key]
     if isinstance(value, bool) and kind is not bool or not isinstance(value, (int, float) if kind is float else kind):
-        raise KVMalformedError(prefix + key, f"expected {kind.__name__}, got {type(value).__name__} {value!r:.60}")
+        raise KVMalformedError(prefix + key, f"expected {kind.__name__}, got {_describe(value)}")
     return value
+
+
+def _name(doc: dict[str, Any], key: str, prefix: str) -> str:
+    """A string field of the contract or the producer, at most MAX_NAME_CHARS long."""
+    value = doc_field(doc, key, str, prefix)
+    if len(value) > MAX_NAME_CHARS:
+        raise KVTooLargeError(prefix + key, f"{len(value)} characters, at most {MAX_NAME_CHARS}")
+    return value
+
+
+def _describe(value: Any) -> str:
+    """A short description of a JSON value for an error message: never a repr of a whole (deep) container."""
+    if isinstance(value, (list, dict)):
+        return f"{type(value).__name__} of {len(value)}"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"int of {len(str(abs(value)))} digits"  # below json's int-string limit, so str() is allowed
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def _int64_table(rows: list[Any], field: str) -> np.ndarray:
+    """int64 [len(rows), 5] from JSON rows of 5 ints (no bools), each within int64."""
+    for index, row in enumerate(rows):
+        if not (type(row) is list and len(row) == 5 and all(type(v) is int for v in row)):
+            raise KVMalformedError(field, f"row {index} must be 5 ints [layer_start, layer_stop, token_start, "
+                                   f"token_stop, raw_nbytes], got {_describe(row)}")
+    try:
+        return np.array(rows, np.int64).reshape(len(rows), 5)
+    except OverflowError:
+        raise KVMalformedError(field, "a value beyond the int64 range") from None
 
 
 def _array(doc: dict[str, Any], key: str, dtype: str, count: int) -> np.ndarray:
     """A base64 little-endian array field of exactly `count` items."""
     try:
         raw = base64.b64decode(doc_field(doc, key, str), validate=True)
-    except binascii.Error as e:
+    except ValueError as e:  # binascii.Error; or a str with non-ASCII characters
         raise KVMalformedError(key, f"not base64: {e}") from None
     itemsize = np.dtype(dtype).itemsize
     if len(raw) != count * itemsize:
@@ -247,13 +375,6 @@ def _layout(doc: dict[str, Any], where: str) -> QuantLayout:
         return QuantLayout(*fields)
     except ValueError as e:
         raise KVMalformedError(where, str(e)) from None
-
-
-def _chunk(index: int, row: Any) -> ChunkSpec:
-    if not (isinstance(row, list) and len(row) == 5 and all(type(v) is int for v in row)):
-        raise KVMalformedError("chunks", f"row {index} must be 5 ints [layer_start, layer_stop, token_start, "
-                               f"token_stop, raw_nbytes], got {row!r:.80}")
-    return ChunkSpec(index, *row)
 
 
 def _rect(c: ChunkSpec) -> str:

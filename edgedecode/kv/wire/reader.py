@@ -13,7 +13,12 @@ import zstandard
 
 from edgedecode.kv.quant import dequantize_into, widen_fp16_into
 from edgedecode.kv.snapshot import KVSnapshot
-from edgedecode.kv.wire.chunks import ChunkPlan, Section, plan_chunk, section_arrays
+from edgedecode.kv.wire.chunks import (
+    Section,
+    plan_chunk,
+    section_arrays,
+    section_float16,
+)
 from edgedecode.kv.wire.errors import (
     KVChecksumError,
     KVContractError,
@@ -21,13 +26,13 @@ from edgedecode.kv.wire.errors import (
     KVMalformedError,
     KVTooLargeError,
     KVTruncatedError,
+    KVValueError,
     KVVersionError,
 )
 from edgedecode.kv.wire.frames import (
     CHUNK_MAGIC,
     CHUNK_PREFIX,
     DEFAULT_MAX_CHUNK_BYTES,
-    DEFAULT_MAX_HEADER_BYTES,
     HEADER_CRC,
     HEADER_MAGIC,
     HEADER_PREFIX,
@@ -35,6 +40,8 @@ from edgedecode.kv.wire.frames import (
     MAJOR,
     TRAILER,
     TRAILER_MAGIC,
+    max_header_containers,
+    max_header_nbytes,
 )
 from edgedecode.kv.wire.header import (
     ChunkSpec,
@@ -82,10 +89,12 @@ class EDKVReader:
             compacted: the i-th kept token goes to slot i.
         on_chunk: called after each chunk is written, with its ChunkSpec and the slots it filled.
         max_chunk_bytes: limit on a chunk's compressed and raw sizes.
-        max_header_bytes: limit on the header JSON.
+        max_header_bytes: limit on the header JSON; None (the default): what a legitimate header of up to
+            `max_tokens` tokens can need (`frames.max_header_nbytes`).
 
-    Each chunk is checked (CRC-32, bounded zstd decompression, exact size) before anything from it is written.
-    After any error the reader refuses further input.
+    The header's declared counts (chunks, sections, layouts, meta) are bounded before any per-item work. Each
+    chunk is checked (CRC-32, bounded zstd decompression, exact size, finite float16 values) before anything
+    from it is written. After any error the reader refuses further input.
     """
 
     def __init__(
@@ -96,12 +105,13 @@ class EDKVReader:
         target_factory: TargetFactory,
         on_chunk: ChunkCallback | None = None,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        max_header_bytes: int | None = None,
     ) -> None:
         self.expected = expected
         self.max_tokens = max_tokens
         self.max_chunk_bytes = max_chunk_bytes
-        self.max_header_bytes = max_header_bytes
+        self.max_header_bytes = (max_header_nbytes(max_tokens, expected.n_layers) if max_header_bytes is None
+                                 else max_header_bytes)
         self._target_factory = target_factory
         self._on_chunk = on_chunk
         self._stage = _Stage.HEADER_PREFIX
@@ -116,7 +126,6 @@ class EDKVReader:
         self._chunks_done = 0
         self._tokens_ingested = 0
         self._header: EDKVHeader | None = None
-        self._plans: list[ChunkPlan] = []
         self._target: np.ndarray | None = None
         self._scratch = np.empty(0, np.float32)
         self._raw = bytearray()
@@ -201,28 +210,23 @@ class EDKVReader:
         body, (crc,) = item[:-HEADER_CRC.size], HEADER_CRC.unpack(item[-HEADER_CRC.size:])
         if zlib.crc32(body) != crc:
             raise KVChecksumError("header", f"header JSON CRC-32 {zlib.crc32(body):08x} != {crc:08x}")
-        doc = load_doc(body)
+        doc = load_doc(body, max_header_containers(self.max_tokens, self.expected.n_layers))
         mismatches = self.expected.mismatches(contract_from_doc(doc))
         if mismatches:
             raise KVContractError(mismatches)
         n = doc_field(doc, "n_tokens", int)
         if n > self.max_tokens:
             raise KVTooLargeError("n_tokens", f"{n} tokens, the receiver's context holds {self.max_tokens}")
-        header = EDKVHeader.from_doc(doc, self._minor)
-        c = header.contract
-        self._plans = [plan_chunk(header.tiers, header.layouts, c.n_kv_heads, c.head_dim,
-                                  (s.layer_start, s.layer_stop, s.token_start, s.token_stop)) for s in header.chunks]
-        for spec, plan in zip(header.chunks, self._plans):
-            if spec.raw_nbytes != plan.raw_nbytes:
-                raise KVMalformedError("chunks", f"chunk {spec.index} declares {spec.raw_nbytes} raw bytes, "
-                                       f"its tier map needs {plan.raw_nbytes}")
-            if spec.raw_nbytes > self.max_chunk_bytes:
-                raise KVTooLargeError(f"chunk {spec.index}",
-                                      f"{spec.raw_nbytes} raw bytes, limit {self.max_chunk_bytes}")
+        header = EDKVHeader.from_doc(doc, self._minor)  # checks counts, coverage and each chunk's raw_nbytes
+        c, table = header.contract, header.chunk_table
+        over = np.flatnonzero(table[:, 4] > self.max_chunk_bytes)
+        if over.size:
+            raise KVTooLargeError(f"chunk {int(over[0])}",
+                                  f"{int(table[over[0], 4])} raw bytes, limit {self.max_chunk_bytes}")
         self._target = _checked_target(self._target_factory(header), header)
-        widest = max((s.token_stop - s.token_start for s in header.chunks), default=0)
+        widest = int((table[:, 3] - table[:, 2]).max(initial=0))
         self._scratch = np.empty(max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim), np.float32)
-        self._raw = bytearray(max((s.raw_nbytes for s in header.chunks), default=0))
+        self._raw = bytearray(int(table[:, 4].max(initial=0)))
         self._header = header
         self._layers_done = np.zeros(header.n_tokens, np.int64)
         self._expect(_Stage.FRAME, MAGIC_NBYTES)
@@ -238,6 +242,9 @@ class EDKVReader:
 
     def _chunk_prefix(self, item: memoryview) -> None:
         _, index, length, self._chunk_crc = CHUNK_PREFIX.unpack(item)
+        if self._chunks_done == len(self._header.chunks):
+            raise KVMalformedError("chunk index", f"chunk {index} after all {self._chunks_done} chunks of the "
+                                   "table; expected the trailer")
         if index != self._chunks_done:
             raise KVMalformedError("chunk index", f"expected chunk {self._chunks_done} of "
                                    f"{len(self._header.chunks)}, got {index}")
@@ -251,9 +258,15 @@ class EDKVReader:
         if crc != self._chunk_crc:
             raise KVChecksumError(f"chunk {spec.index}", f"CRC-32 {crc:08x} != {self._chunk_crc:08x}")
         raw = self._decompress(item, spec)
-        for section in self._plans[spec.index].sections:
-            self._write(section, section_arrays(raw, section, self._header.contract.n_kv_heads,
-                                                self._header.contract.head_dim))
+        c = self._header.contract
+        plan = plan_chunk(self._header.tiers, self._header.layouts, c.n_kv_heads, c.head_dim,
+                          (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop))
+        if plan.raw_nbytes != spec.raw_nbytes:  # the header's check makes this unreachable
+            raise KVMalformedError(f"chunk {spec.index}", f"{spec.raw_nbytes} raw bytes, the plan {plan.raw_nbytes}")
+        for section in plan.sections:  # every value of the chunk, before anything from it is written
+            self._check_finite(spec, section, section_float16(raw, section, c.n_kv_heads, c.head_dim))
+        for section in plan.sections:
+            self._write(section, section_arrays(raw, section, c.n_kv_heads, c.head_dim))
         self._chunks_done += 1
         done = self._layers_done[spec.token_start:spec.token_stop]
         done += spec.layer_stop - spec.layer_start
@@ -282,6 +295,22 @@ class EDKVReader:
             raise KVMalformedError(f"chunk {spec.index}", f"{'more than ' if extra else ''}{got} raw bytes, "
                                    f"expected {spec.raw_nbytes}")
         return raw
+
+    @staticmethod
+    def _check_finite(spec: ChunkSpec, section: Section, halves: np.ndarray) -> None:
+        """KVValueError if any float16 of `halves` is inf or NaN, i.e. has an all-ones exponent.
+
+        As uint16, +inf/+NaN are 0x7C00..0x7FFF (the int16 maximum's range) and -inf/-NaN 0xFC00..0xFFFF (the uint16
+        maximum's range): two max-reductions over the bits, no copy, no per-element Python work.
+        """
+        bits = halves.view(np.uint16)
+        if not bits.size or (bits.max() < 0xFC00 and bits.view(np.int16).max() < 0x7C00):
+            return
+        what = "FP16 rows" if section.layout is None else "scales/zeros"
+        bad = np.flatnonzero(((bits & 0x7C00) == 0x7C00).reshape(len(bits), -1).any(axis=1))
+        layer = section.layer_start + int(bad[0])
+        raise KVValueError(f"chunk {spec.index}", f"{section.tier.name} {('keys', 'values')[section.kv]} "
+                           f"{what} of layer {layer} hold inf or NaN; nothing of the chunk was written")
 
     def _write(self, section: Section, arrays: list[np.ndarray]) -> None:
         """Decode one section into its compacted slots: slices when they are contiguous, else one scatter.

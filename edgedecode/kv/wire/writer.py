@@ -28,11 +28,14 @@ from edgedecode.kv.wire.frames import (
     MINOR,
     TRAILER,
     TRAILER_MAGIC,
+    max_chunks,
+    max_sections,
 )
 from edgedecode.kv.wire.header import (
     ChunkSpec,
     EDKVHeader,
     check_layouts,
+    check_meta,
     check_tier_map,
 )
 
@@ -57,7 +60,9 @@ def encode_payload(
         snapshot: the KV to send; keys/values ``[layers, kv_heads, n, head_dim]`` (float16 or float32).
         tiers: ``uint8 [n]`` (every layer alike) or ``[layers, n]`` Tier codes; a DROP must hold in all layers.
         layouts: (keys, values) quant layout per quantized tier; only the tiers used are written.
-        chunk_tokens, chunk_layers: chunk size (chunk_layers None: all layers in every chunk).
+        chunk_tokens, chunk_layers: chunk size (chunk_layers None: all layers in every chunk). The reader's limits
+            (docs/kv-format.md §7) bound the chunks and sections: chunk_tokens >= frames.MIN_CHUNK_TOKENS always
+            fits; a finer chunking that does not is a ValueError.
         level: zstd level.
         meta: free-form JSON object stored in the header (policy name, budget, ...).
         workers: threads that quantize and compress chunks at once (numpy and zstd release the GIL);
@@ -103,9 +108,21 @@ def _build_header(
     chunk_layers = c.n_layers if chunk_layers is None else chunk_layers
     if chunk_tokens < 1 or chunk_layers < 1:
         raise ValueError(f"chunk_tokens and chunk_layers must be positive, got {chunk_tokens}, {chunk_layers}")
+    if meta is not None:
+        check_meta(meta)
     used = {tier: layouts[tier] for tier in QUANTIZED_TIERS if (tiers == tier).any()}
+    count = -(-c.n_layers // chunk_layers) * -(-n // chunk_tokens)
+    if count > max_chunks(n, c.n_layers):
+        raise ValueError(f"chunk_tokens {chunk_tokens} and chunk_layers {chunk_layers} make {count} chunks, more "
+                         f"than a reader accepts for {n} tokens × {c.n_layers} layers "
+                         f"({max_chunks(n, c.n_layers)}); use larger chunks")
     rects = chunk_rects(c.n_layers, n, chunk_layers, chunk_tokens)
     plans = [plan_chunk(tiers, used, c.n_kv_heads, c.head_dim, rect) for rect in rects]
+    sections = sum(len(plan.sections) for plan in plans)
+    if sections > max_sections(n, c.n_layers):
+        raise ValueError(f"chunk_tokens {chunk_tokens} and chunk_layers {chunk_layers} make {sections} sections "
+                         f"with this tier map, more than a reader accepts ({max_sections(n, c.n_layers)}); "
+                         "use larger chunks")
     header = EDKVHeader(
         contract=c,
         producer=snapshot.producer,
