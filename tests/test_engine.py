@@ -160,3 +160,19 @@ def test_generation_ends_when_the_context_is_full(smollm2_model, logit_vectors):
     tokens = list(small.generate(ids, SamplingParams(max_tokens=100, stop_token_ids=())))
     assert small.stats.finish_reason == "context"
     assert small.length == 48 and len(tokens) == 48 - len(ids) + 1
+
+
+@pytest.mark.parametrize("prompt", ("prose", "code", "chat"))
+def test_a_resent_prompt_gets_the_same_greedy_answer_from_the_kv_it_kept(prompt, decoder, prefiller, logit_vectors):
+    """A conversation that sends the same prompt again keeps all of it but the last token (whose KV
+    the turn computes); the answer is the same bit for bit, whether the first time prefilled locally
+    or took the KV from the prefill graph — the last prompt token always runs alone."""
+    ids = logit_vectors[f"{prompt}_ids"]
+    prefiller.prefill(ids)
+    for kv in (None, prefiller.export_kv()):
+        first_logits = decoder.prefill(ids, kv).copy()
+        keep = decoder.reusable_prefix(ids)
+        assert keep == len(ids) - 1
+        np.testing.assert_array_equal(decoder.prefill(ids, keep=keep), first_logits)
+        first = list(decoder.generate(ids, GREEDY_32, kv=kv))
+        assert list(decoder.generate(ids, GREEDY_32, keep=decoder.reusable_prefix(ids))) == first

@@ -28,6 +28,38 @@ logger = logging.getLogger(__name__)
 PREFILL_CHUNK_TOKENS = 512
 
 
+# onnxruntime's CPU GroupQueryAttention handles a run's query rows in tiles of this many; a tile of one
+# row (the last row of a run of 1, 129, 257, ... rows) takes a single-row path that rounds differently.
+GQA_ROW_TILE = 128
+
+
+def chunk_sizes(n: int) -> list[int]:
+    """Row counts of the graph runs that process ``n`` tokens in a row: at most PREFILL_CHUNK_TOKENS
+    each, none of them 1 (mod GQA_ROW_TILE) unless ``n`` is 1.
+
+    On onnxruntime's CPU provider a token's KV, queries and logits are bitwise the same in any run
+    (whatever its size and start) except as the lone last row of a run of 1, 129, 257, ... rows:
+    attention then takes another path for that row and rounds differently (measured with
+    onnxruntime 1.31, 1 to 8 threads; tests/test_prefill_reproducible.py). In the fp32 prefill graph
+    that is ~1e-5 in the KV; in the INT4 decode graph (int8 activations) ~0.5 in the logits.
+    Avoiding such runs makes a position's KV independent of how the prompt was split, prefix-cache
+    reuse included.
+    """
+    sizes = []
+    while n > 0:
+        size = min(PREFILL_CHUNK_TOKENS, n)
+        while size > 1 and (size % GQA_ROW_TILE == 1 or n - size == 1):
+            size -= 1
+        sizes.append(size)
+        n -= size
+    return sizes
+
+
+def lone_row_free(n: int) -> bool:
+    """Whether one run of ``n`` rows computes every row as any other run would (see chunk_sizes)."""
+    return n % GQA_ROW_TILE != 1
+
+
 class ContextOverflowError(EdgeDecodeError):
     """The prompt does not fit the context window."""
 
@@ -181,8 +213,7 @@ class Engine:
         if self.next_position + n > self.spec.context_length:
             raise ContextOverflowError(f"position {self.next_position + n} exceeds the model's {self.spec.context_length}")
         self._tokens[start:start + n] = token_ids
-        outputs = [self._run(min(PREFILL_CHUNK_TOKENS, n - offset), all_logits)
-                   for offset in range(0, n, PREFILL_CHUNK_TOKENS)]
+        outputs = [self._run(size, all_logits) for size in chunk_sizes(n)]
         return np.concatenate(outputs) if all_logits else outputs[-1]
 
     def _run(self, n: int, all_logits: bool) -> np.ndarray:
@@ -311,16 +342,28 @@ class Engine:
         self.cache.length = end
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected, reused_tokens=keep)
         resume = int(positions[-1]) + 1 if injected else keep
-        return self.forward(prompt_ids[resume:])
+        if len(prompt_ids) - resume > 1:
+            self.forward(prompt_ids[resume:-1])
+        # The last prompt token runs alone, as every decode step does, so its logits and KV are the same
+        # whatever ran before it: a conversation that resends a prompt it holds all but that token of
+        # gets the same answer (a run's lone last row rounds differently, see chunk_sizes).
+        return self.forward(prompt_ids[-1:])
 
     def prefill_observed(self, prompt_ids: np.ndarray, window: int,
                          kv: KVSnapshot | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Process the prompt (from ``kv`` of a prefix of it if given, as ``prefill``) and return the
-        pre-RoPE queries [layers, w, heads*head_dim] of its last w tokens and their positions.
+        """Process the prompt (from ``kv`` of a prefix of it if given, e.g. from a prefix cache) and
+        return the pre-RoPE queries [layers, w, heads*head_dim] of its last w tokens and their positions.
 
         The last w tokens run as their own pass, which outputs their queries, so the prompt is
         processed once. Needs a graph built with ``emit_queries``; the prefill side scores token
         importance from these queries.
+
+        Reproducible: the KV, queries and logits are bitwise those of the same prompt without ``kv``
+        when ``kv`` was computed this way too (by this graph, prompts from position 0, as a prefix
+        cache holds them). Of ``kv``, the leading positions 0, 1, 2, ... before the window are used;
+        the window always runs (with the token before it for a window of 1, 129, ... tokens); the rest of
+        the prompt in runs that leave no row alone (``chunk_sizes``), reusing one token fewer where
+        only one would be left to run.
         """
         if not self.options.emit_queries:
             raise EdgeDecodeError("this engine's graph was built without emit_queries")
@@ -328,18 +371,30 @@ class Engine:
             raise ValueError(f"window must be in 1..{PREFILL_CHUNK_TOKENS}")
         prompt_ids = self._checked_prompt(prompt_ids)
         w = min(window, len(prompt_ids))
-        head = len(prompt_ids) - w
-        if head:
-            usable = None if kv is None else kv.slots(0, int(np.searchsorted(kv.positions, head)))
-            self.prefill(prompt_ids[:head], usable if usable is not None and usable.n_tokens else None)
-        else:
-            self.reset()
-            self.stats = GenerationStats()
-        start = self.length
-        self._tokens[start:start + w] = prompt_ids[head:]
-        self._run(w, True)
-        self.stats.prompt_tokens = len(prompt_ids)
-        return self._queries[:, 0], self._positions[0, start:start + w].copy()
+        # The last pass: the window, with the token before it where the window would leave a row
+        # alone in its attention tile (a window of 1, 129, ... tokens).
+        observed = w if lone_row_free(w) or w == len(prompt_ids) else w + 1
+        head = len(prompt_ids) - observed
+        injected = 0
+        if kv is not None and head:
+            self.cache.check_injectable(kv, prompt_ids)
+            injected = _leading_run(kv.positions, head)
+            if head - injected == 1 and injected:  # run the last two rows before the window, not one alone
+                injected -= 1
+        self.reset()
+        if injected:
+            self.cache.update(0, kv.keys[:, :, :injected], kv.values[:, :, :injected])
+        self._tokens[:injected] = prompt_ids[:injected]
+        self._positions[0, :injected] = self._ramp[:injected]
+        self._history[:len(prompt_ids)] = prompt_ids
+        self.cache.length = injected
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected)
+        if head > injected:
+            self.forward(prompt_ids[injected:head])
+        self._tokens[head:len(prompt_ids)] = prompt_ids[head:]
+        self._run(observed, True)
+        skip = observed - w
+        return self._queries[:, 0, skip:], self._positions[0, head + skip:len(prompt_ids)].copy()
 
     def export_kv(self) -> KVSnapshot:
         """A copy of the cached KV with its token ids, positions, layout contract and producer."""
@@ -381,3 +436,10 @@ class Engine:
             logits = self._run(1, False)
             stats.decode_steps += 1
         stats.decode_seconds = time.perf_counter() - first_token_at
+
+
+def _leading_run(positions: np.ndarray, limit: int) -> int:
+    """How many of ``positions`` are 0, 1, 2, ... from the start, below ``limit``."""
+    n = int(np.searchsorted(positions, limit))
+    gaps = np.flatnonzero(positions[:n] != np.arange(n))
+    return int(gaps[0]) if len(gaps) else n

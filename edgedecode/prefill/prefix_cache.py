@@ -7,6 +7,10 @@ caching does: a lookup hashes the new prompt block by block and stops at the fir
 holds, so it finds the longest block-aligned prefix shared with any entry (a shared system prompt
 included), in time linear in the prompt. Entries are evicted least recently used once their bytes
 exceed the limit.
+
+A hit saves time, never changes an answer: the prefill engine reuses cached KV so that every
+position's KV, the importance and so the payload are bitwise what an empty cache gives
+(``Engine.prefill_observed``; tests/test_prefill_reproducible.py).
 """
 
 from __future__ import annotations
