@@ -20,8 +20,14 @@ from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import APIRequestError, ResponseShape, parse_request, usage
 from edgedecode.daemon.service import AdmissionError, DecodeService
 from edgedecode.daemon.slots import QueueFullError
-from edgedecode.decode.engine import ContextOverflowError
-from edgedecode.service.http import add_common_routes, error_middleware, json_error, read_json, write_within
+from edgedecode.service.http import (
+    OUTCOME,
+    add_common_routes,
+    error_middleware,
+    json_error,
+    read_json,
+    write_within,
+)
 
 logger = logging.getLogger(__name__)
 SERVICE_KEY = web.AppKey("decode_service", DecodeService)
@@ -30,47 +36,48 @@ SERVICE_KEY = web.AppKey("decode_service", DecodeService)
 def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -> web.Application:
     """The daemon's aiohttp application around a loaded ``service``."""
     settings = config.daemon
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware(settings.auth_token)])
+    endpoints = {"/v1/chat/completions": "chat_completions", "/v1/completions": "completions"}
+
+    def count(request: web.Request, status: str) -> None:
+        if request.path in endpoints:
+            metrics.requests.labels(endpoints[request.path], status).inc()
+
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[error_middleware(settings.auth_token, count)])
     app[SERVICE_KEY] = service
     model_name = service.model.record.name
 
-    async def completions(request: web.Request, kind: str, endpoint: str) -> web.StreamResponse:
+    async def completions(request: web.Request, kind: str) -> web.StreamResponse:
         arrived = time.perf_counter()
         try:
             parsed = parse_request(await read_json(request, settings.client_timeout_s), kind, service.model,
                                    default_max_tokens=settings.max_tokens,
-                                   session_header=request.headers.get("X-Session-Id"))
-            service.check_fits(parsed)
+                                   session_header=request.headers.get("X-Session-Id"),
+                                   max_context=service.max_context,
+                                   allow_special_tokens=settings.allow_special_tokens)
             turn = service.turn(parsed, parsed.user or request.remote or "unknown", arrived)
             await turn.open()
-        except (APIRequestError, ContextOverflowError) as exc:
-            metrics.requests.labels(endpoint, "400").inc()
-            return json_error(400, str(exc), param=getattr(exc, "param", None),
-                              code="context_length_exceeded" if isinstance(exc, ContextOverflowError) else None)
+        except APIRequestError as exc:
+            return json_error(400, str(exc), param=exc.param, code=exc.code)
         except QueueFullError as exc:
-            metrics.requests.labels(endpoint, "429").inc()
             return json_error(429, str(exc), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         except AdmissionError as exc:
-            metrics.requests.labels(endpoint, "503").inc()
             return json_error(503, str(exc), kind="server_error", code="insufficient_memory",
                               headers={"Retry-After": "5"})
         shape = ResponseShape(kind, model_name)
         if parsed.stream:
-            return await _stream(request, turn, shape, parsed.include_usage, endpoint)
+            return await _stream(request, turn, shape, parsed.include_usage)
         try:
             async with aclosing(turn.pieces()) as pieces:
                 text = "".join([piece async for piece in pieces])
         except Exception as exc:
             logger.exception("generation failed")
-            metrics.requests.labels(endpoint, "500").inc()
             return json_error(500, f"generation failed: {exc}", kind="server_error")
-        metrics.requests.labels(endpoint, "200").inc()
         body = shape.whole(text, turn.finish_reason, usage(len(parsed.prompt_ids), turn.completion_tokens))
         body["edgedecode"] = turn.report.to_json()
         return web.json_response(body)
 
-    async def _stream(request: web.Request, turn, shape: ResponseShape, include_usage: bool,
-                      endpoint: str) -> web.StreamResponse:
+    async def _stream(request: web.Request, turn, shape: ResponseShape, include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
@@ -78,7 +85,6 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
             data = f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
             await write_within(response, data, settings.client_timeout_s)
 
-        status = "200"
         try:
             if turn.request.kind == "chat":
                 await send(shape.chunk(first=True))
@@ -91,25 +97,23 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
             if include_usage:
                 await send(shape.usage_chunk(usage(len(turn.request.prompt_ids), turn.completion_tokens)))
         except ConnectionResetError as exc:  # the client went away (or stopped reading); the turn is cancelled
-            status = "499"
+            request[OUTCOME] = "499"
             logger.info("client disconnected: %s", exc)
             return response
         except Exception as exc:
             logger.exception("generation failed")
-            status = "500"
+            request[OUTCOME] = "500"
             await send({"error": {"message": f"generation failed: {exc}", "type": "server_error",
                                   "param": None, "code": None}})
-        finally:
-            metrics.requests.labels(endpoint, status).inc()
         await write_within(response, b"data: [DONE]\n\n", settings.client_timeout_s)
         await response.write_eof()
         return response
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        return await completions(request, "chat", "chat_completions")
+        return await completions(request, "chat")
 
     async def text(request: web.Request) -> web.StreamResponse:
-        return await completions(request, "text", "completions")
+        return await completions(request, "text")
 
     async def models(_: web.Request) -> web.Response:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "edgedecode",

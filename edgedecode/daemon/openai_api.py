@@ -9,13 +9,14 @@ carry ``session_id`` (a conversation whose KV the daemon keeps between turns; th
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from edgedecode.decode.sampler import SamplingError, SamplingParams
+from edgedecode.decode.sampler import SamplingParams
 from edgedecode.errors import RequestError
 from edgedecode.model.loader import LoadedModel
 
@@ -24,7 +25,11 @@ _UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bia
 
 
 class APIRequestError(RequestError):
-    """An invalid completion request."""
+    """An invalid completion request; ``code`` is OpenAI's error code where it has one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message, param)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,14 @@ class CompletionRequest:
 
 
 def parse_request(body: dict, kind: str, model: LoadedModel, *, default_max_tokens: int,
-                  session_header: str | None) -> CompletionRequest:
-    """Validate an OpenAI request body of ``kind`` ("chat" or "text") and tokenize its prompt."""
+                  session_header: str | None, max_context: int | None = None,
+                  allow_special_tokens: bool = False) -> CompletionRequest:
+    """Validate an OpenAI request body of ``kind`` ("chat" or "text") and tokenize its prompt.
+
+    ``max_context`` (default: the model's) bounds prompt + completion: an explicit ``max_tokens``
+    beyond it is refused (context_length_exceeded), the default is cut to fit. Client text spells
+    control tokens only with ``allow_special_tokens``; otherwise ``<|im_start|>`` is plain text.
+    """
     for name in _UNSUPPORTED:
         if body.get(name):
             raise APIRequestError(f"{name} is not supported by this server", name)
@@ -51,20 +62,10 @@ def parse_request(body: dict, kind: str, model: LoadedModel, *, default_max_toke
         raise APIRequestError(f"this server serves {model.record.name!r}, not {body['model']!r}", "model")
     if body.get("n", 1) != 1:
         raise APIRequestError("only n = 1 is supported", "n")
-    prompt_ids = _chat_prompt(body, model) if kind == "chat" else _text_prompt(body, model)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
-    try:
-        params = SamplingParams(
-            max_tokens=_number(max_tokens, "max_tokens", int),
-            temperature=_number(body.get("temperature", 1.0), "temperature", float),
-            top_p=_number(body.get("top_p", 1.0), "top_p", float),
-            top_k=_number(body.get("top_k", 0), "top_k", int),
-            seed=None if body.get("seed") is None else _number(body["seed"], "seed", int),
-        )
-    except SamplingError as exc:
-        raise APIRequestError(str(exc)) from None
-    if params.max_tokens < 1:
-        raise APIRequestError("max_tokens must be >= 1", "max_tokens")
+    prompt_ids = (_chat_prompt(body, model, allow_special_tokens) if kind == "chat"
+                  else _text_prompt(body, model, allow_special_tokens))
+    params = _sampling(body, len(prompt_ids), max_context or model.spec.context_length, default_max_tokens,
+                       model.spec.vocab_size)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIRequestError("stream must be a boolean", "stream")
@@ -80,14 +81,48 @@ def parse_request(body: dict, kind: str, model: LoadedModel, *, default_max_toke
                              _stop(body.get("stop")), session_id, user)
 
 
-def _number(value, name: str, kind: type):
-    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+def _sampling(body: dict, prompt_tokens: int, max_context: int, default_max_tokens: int,
+              vocab_size: int) -> SamplingParams:
+    """The sampling fields, each checked against its range so that nothing fails once generation runs."""
+    room = max_context - prompt_tokens
+    if room < 1:
+        raise APIRequestError(f"the prompt has {prompt_tokens} tokens; this server's context holds {max_context} "
+                              "including at least one generated token", "messages" if "messages" in body
+                              else "prompt", "context_length_exceeded")
+    given = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if body.get(given) is None:
+        max_tokens = min(default_max_tokens, room)
+    else:
+        max_tokens = _number(body[given], given, int, 1, None)
+        if max_tokens > room:
+            raise APIRequestError(f"this server's context holds {max_context} tokens; the prompt has {prompt_tokens} "
+                                  f"and {given} asks for {max_tokens} more (at most {room} fit)", given,
+                                  "context_length_exceeded")
+    top_p = _number(body.get("top_p", 1.0), "top_p", float, 0, 1)
+    if top_p == 0:
+        raise APIRequestError("top_p must be in (0, 1]: 0 would keep no token", "top_p")
+    seed = body.get("seed")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_number(body.get("temperature", 1.0), "temperature", float, 0, None),
+        top_p=top_p,
+        top_k=_number(body.get("top_k", 0), "top_k", int, 0, vocab_size),
+        seed=None if seed is None else _number(seed, "seed", int, 0, 2**64 - 1),
+    )
+
+
+def _number(value, name: str, kind: type, low: float, high: float | None):
+    """``value`` as ``kind`` (int or float), finite and within [low, high] (no upper bound: None)."""
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not numeric or (kind is int and not float(value).is_integer()):
-        raise APIRequestError(f"{name} must be {'an integer' if kind is int else 'a number'}", name)
+        raise APIRequestError(f"{name} must be {'an integer' if kind is int else 'a finite number'}", name)
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise APIRequestError(f"{name} must be {bounds}, not {value}", name)
     return kind(value)
 
 
-def _chat_prompt(body: dict, model: LoadedModel) -> np.ndarray:
+def _chat_prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.ndarray:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIRequestError("messages must be a non-empty list", "messages")
@@ -97,7 +132,7 @@ def _chat_prompt(body: dict, model: LoadedModel) -> np.ndarray:
             raise APIRequestError(f"messages[{i}] needs a role of system, developer, user or assistant", "messages")
         role = "system" if message["role"] == "developer" else message["role"]
         rendered.append({"role": role, "content": _content_text(message.get("content"), i)})
-    return np.asarray(model.tokenizer.encode_chat(rendered), np.int64)
+    return np.asarray(model.tokenizer.encode_chat(rendered, special_in_content=allow_special_tokens), np.int64)
 
 
 def _content_text(content, index: int) -> str:
@@ -110,10 +145,10 @@ def _content_text(content, index: int) -> str:
     raise APIRequestError(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
 
-def _text_prompt(body: dict, model: LoadedModel) -> np.ndarray:
+def _text_prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.ndarray:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return np.asarray(model.tokenizer.encode(prompt), np.int64)
+        return np.asarray(model.tokenizer.encode(prompt, parse_special=allow_special_tokens), np.int64)
     vocab = model.spec.vocab_size
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                                    for t in prompt):

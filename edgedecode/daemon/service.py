@@ -26,7 +26,7 @@ from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest, StopText
 from edgedecode.daemon.slots import Slot, SlotPool
 from edgedecode.daemon.worker import DecodeWorker, Generation
-from edgedecode.decode.engine import ContextOverflowError, Engine
+from edgedecode.decode.engine import Engine
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.wire import EDKVReader
 from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
@@ -118,12 +118,6 @@ class DecodeService:
     def healthy(self) -> bool:
         """The worker thread is alive and not stuck (what the systemd watchdog pings on)."""
         return self.worker.healthy(WORKER_STALL_SECONDS)
-
-    def check_fits(self, request: CompletionRequest) -> None:
-        """Raise ContextOverflowError when the prompt cannot fit a slot with room to generate."""
-        if len(request.prompt_ids) >= self.max_context:
-            raise ContextOverflowError(f"the prompt has {len(request.prompt_ids)} tokens; a slot holds "
-                                       f"{self.max_context} including at least one generated token")
 
     def turn(self, request: CompletionRequest, client: str, arrived: float) -> Turn:
         """A turn for ``request``; ``await turn.open()`` then iterate ``turn.pieces()``."""

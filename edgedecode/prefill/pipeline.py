@@ -13,7 +13,7 @@ import numpy as np
 
 from edgedecode.decode.engine import Engine
 from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
-from edgedecode.kv.policy import TierProfile, policy_tiers
+from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
@@ -65,7 +65,8 @@ class EncodedKV:
 def prefill_and_score(engine: Engine, prompt_ids: np.ndarray, window: int = OBSERVATION_WINDOW,
                       kv: KVSnapshot | None = None) -> ScoredPrefill:
     """Run the prompt through ``engine`` (built with emit_queries), from ``kv`` of a prefix of it if
-    given (e.g. from a prefix cache), and score every token."""
+    given (e.g. from a prefix cache), and score every token. With ``kv`` from this engine the result
+    is bitwise the one without it (see ``Engine.prefill_observed``)."""
     queries, query_positions = engine.prefill_observed(prompt_ids, window, kv)
     snapshot = engine.export_kv()
     per_layer = attention_importance(engine.spec, queries, query_positions, snapshot.keys, snapshot.positions)
@@ -78,6 +79,22 @@ def tier_costs(snapshot: KVSnapshot) -> dict[Tier, float]:
     return {tier: c.n_layers * token_nbytes(tier, c.n_kv_heads, c.head_dim) for tier in Tier}
 
 
+class BudgetTooSmallError(BudgetError):
+    """A budget below the smallest payload possible for the tokens asked (all dropped: header and
+    framing alone); ``minimum`` is that payload's b."""
+
+    def __init__(self, budget: float, minimum: float, n_tokens: int) -> None:
+        super().__init__(f"budget {budget:.3g} is below the smallest EDKV payload for these {n_tokens} tokens "
+                         f"(b {minimum:.4f}: header and framing with every token dropped); ask for at least "
+                         f"{minimum:.4f}")
+        self.minimum = minimum
+
+
+def payload_meta(policy: str, budget: float, extra: dict | None = None) -> dict:
+    """The header meta of a payload encoded under ``policy`` and ``budget`` (plus ``extra``)."""
+    return {"policy": policy, "budget": budget, **(extra or {})}
+
+
 def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ours", *,
                          profile: TierProfile | None = None, pdtrim_head_fraction: float = 0.5,
                          meta: dict | None = None, workers: int = 1) -> EncodedKV:
@@ -86,7 +103,7 @@ def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ou
     snapshot = scored.snapshot
     costs = tier_costs(snapshot)
     fp16_bytes = int(costs[Tier.FP16] * snapshot.n_tokens)
-    meta = {"policy": policy, "budget": budget, **(meta or {})}
+    meta = payload_meta(policy, budget, meta)
 
     def tiers_at(target: float) -> np.ndarray:
         return policy_tiers(policy, target, snapshot.positions, costs, attention=scored.importance,
@@ -97,6 +114,9 @@ def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ou
         raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
         return EncodedKV(list(encode_payload(snapshot, tiers, meta=meta, workers=workers)), tiers, fp16_bytes, raw)
 
+    smallest = smallest_payload(snapshot, meta).b_wire
+    if smallest > budget:
+        raise BudgetTooSmallError(budget, smallest, snapshot.n_tokens)
     best: EncodedKV | None = None
     target = budget
     encoded = encode(tiers_at(target))
@@ -110,8 +130,20 @@ def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ou
         if np.array_equal(tiers, encoded.tiers):  # e.g. everything already FP16: encoding again changes nothing
             break
         encoded = encode(tiers)
-    while best is None:  # every refit overshot (zstd gained less than assumed): shrink until it fits
+    for _ in range(_FIT_ATTEMPTS):  # every refit overshot (zstd gained less than assumed): shrink until it fits
+        if best is not None:
+            return best
         target *= _CLOSE_ENOUGH * budget / encoded.b_wire
         encoded = encode(tiers_at(target))
         best = encoded if encoded.b_wire <= budget else None
-    return best
+    # Still over: as small as the policy goes (every token dropped, which fits; BudgetError without DROP).
+    return best if best is not None else encode(tiers_at(0.0))
+
+
+def smallest_payload(snapshot: KVSnapshot, meta: dict | None = None) -> EncodedKV:
+    """The payload of ``snapshot`` with every token dropped: header, empty chunks and trailer. Its
+    size does not depend on the KV values, so a receiver's request can be sized before any prefill."""
+    tiers = np.full(snapshot.n_tokens, Tier.DROP, np.uint8)
+    costs = tier_costs(snapshot)
+    return EncodedKV(list(encode_payload(snapshot, tiers, meta=meta)), tiers,
+                     int(costs[Tier.FP16] * snapshot.n_tokens), 0)

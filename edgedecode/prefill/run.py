@@ -23,7 +23,8 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
     service = PrefillService(model, device=config.model.device, threads=config.model.threads or None,
                              max_prompt_tokens=settings.max_prompt_tokens,
                              prefix_cache_bytes=settings.prefix_cache_mb << 20,
-                             encode_threads=settings.encode_threads or os.cpu_count() or 1)
+                             encode_threads=settings.encode_threads or os.cpu_count() or 1,
+                             allow_special_tokens=settings.allow_special_tokens)
 
     async def main() -> None:
         async def listening(url: str) -> None:
@@ -36,7 +37,7 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
         watchdog: list[asyncio.Task] = []
         try:
             await serve_until_stopped(create_app(service, config), settings.host, settings.port,
-                                      on_listening=listening)
+                                      header_timeout=settings.header_timeout_s, on_listening=listening)
         finally:
             systemd.notify("STOPPING=1")
             for task in watchdog:

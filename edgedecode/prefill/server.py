@@ -21,8 +21,10 @@ from edgedecode.decode.engine import ContextOverflowError
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.policy import BudgetError
 from edgedecode.kv.tiers import Tier
-from edgedecode.prefill.service import PrefillRequestError, PrefillService
+from edgedecode.prefill.pipeline import BudgetTooSmallError
+from edgedecode.prefill.service import PrefillService
 from edgedecode.service.http import (
+    OUTCOME,
     add_common_routes,
     error_middleware,
     json_error,
@@ -66,15 +68,20 @@ class PrefillMetrics:
 def create_app(service: PrefillService, config: Config) -> web.Application:
     """The prefill server's aiohttp application around a loaded ``service``."""
     settings = config.prefill
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware(settings.auth_token)])
     metrics = PrefillMetrics(service)
+
+    def count(request: web.Request, status: str) -> None:
+        if request.path == "/v1/prefill":
+            metrics.requests.labels(status).inc()
+
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[error_middleware(settings.auth_token, count)])
     app[SERVICE_KEY] = service
     waiting = 0
 
     async def prefill(request: web.Request) -> web.StreamResponse:
         nonlocal waiting
         if waiting >= settings.max_queue:
-            metrics.requests.labels("429").inc()
             return json_error(429, f"{waiting} prefill requests are queued (limit {settings.max_queue}); retry later",
                               kind="rate_limit_error", code="queue_full")
         waiting += 1
@@ -86,18 +93,17 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
             metrics.queue.dec()
 
     async def _prefill(request: web.Request) -> web.StreamResponse:
+        parsed = service.parse(await read_json(request, settings.client_timeout_s))  # RequestError: a 400
         try:
-            parsed = service.parse(await read_json(request, settings.client_timeout_s))
             result = await service.prefill(parsed)
-        except PrefillRequestError as exc:
-            metrics.requests.labels("400").inc()
-            return json_error(400, str(exc), param=exc.param)
-        except (BudgetError, ContextOverflowError) as exc:
-            metrics.requests.labels("422").inc()
+        except BudgetTooSmallError as exc:
+            return json_error(422, str(exc), param="budget", code="budget_too_small")
+        except BudgetError as exc:
+            return json_error(422, str(exc), param="budget", code="unprocessable")
+        except ContextOverflowError as exc:
             return json_error(422, str(exc), code="unprocessable")
         except EdgeDecodeError as exc:
             logger.exception("prefill failed")
-            metrics.requests.labels("500").inc()
             return json_error(500, f"prefill failed: {exc}", kind="server_error")
         encoded = result.encoded
         metrics.seconds.observe(result.seconds)
@@ -121,13 +127,12 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
                 metrics.sent_bytes.inc(len(frame))
         except ConnectionResetError as exc:
             logger.info("client gone mid-payload: %s", exc)
-            metrics.requests.labels("499").inc()
+            request[OUTCOME] = "499"
             if request.transport is not None:
                 request.transport.abort()
             return response
         await response.write_eof()
         metrics.fp16_bytes.inc(encoded.fp16_bytes)
-        metrics.requests.labels("200").inc()
         return response
 
     async def models(_: web.Request) -> web.Response:

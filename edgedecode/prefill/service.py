@@ -18,11 +18,22 @@ from edgedecode.decode.engine import Engine
 from edgedecode.errors import RequestError
 from edgedecode.evaluation.probe import profile_path
 from edgedecode.kv.policy import POLICIES, TierProfile
+from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier, parse_tiers
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
-from edgedecode.prefill.pipeline import EncodedKV, encode_within_budget, prefill_and_score
+from edgedecode.prefill.pipeline import (
+    BudgetTooSmallError,
+    EncodedKV,
+    encode_within_budget,
+    payload_meta,
+    prefill_and_score,
+    smallest_payload,
+)
 from edgedecode.prefill.prefix_cache import PrefixCache
+
+
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 class PrefillRequestError(RequestError):
@@ -39,11 +50,17 @@ class PrefillRequest:
     policy: str
     allowed: tuple[Tier, ...]
 
+    @property
+    def meta(self) -> dict:
+        """What the payload's header meta records of the request beyond policy and budget."""
+        return {"held_tokens": self.held_tokens}
+
     @classmethod
-    def parse(cls, body: dict, model: LoadedModel, max_prompt_tokens: int) -> PrefillRequest:
+    def parse(cls, body: dict, model: LoadedModel, max_prompt_tokens: int,
+              allow_special_tokens: bool = False) -> PrefillRequest:
         """Validate a JSON body: exactly one of ``token_ids``, ``text`` or ``messages``; optional
         ``held_tokens`` (0), ``budget`` (1.0), ``policy`` ("ours"), ``allowed_tiers`` (all) and
-        ``model`` (must be this server's)."""
+        ``model`` (must be this server's). Text spells control tokens only with ``allow_special_tokens``."""
         known = {"model", "token_ids", "text", "messages", "held_tokens", "budget", "policy", "allowed_tiers"}
         unknown = sorted(set(body) - known)
         if unknown:
@@ -51,7 +68,7 @@ class PrefillRequest:
                                       unknown[0])
         if body.get("model") not in (None, model.record.name):
             raise PrefillRequestError(f"this server prefills {model.record.name!r}, not {body['model']!r}", "model")
-        token_ids = _prompt(body, model)
+        token_ids = _prompt(body, model, allow_special_tokens)
         if len(token_ids) < 1:
             raise PrefillRequestError("the prompt is empty", "token_ids")
         if len(token_ids) > max_prompt_tokens:
@@ -62,7 +79,7 @@ class PrefillRequest:
             raise PrefillRequestError(f"held_tokens must be an integer in [0, {len(token_ids)}) for this prompt",
                                       "held_tokens")
         budget = body.get("budget", 1.0)
-        if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:
+        if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:  # NaN too
             raise PrefillRequestError("budget must be a number in (0, 1]: wire bytes / FP16 bytes", "budget")
         policy = body.get("policy", "ours")
         if policy not in POLICIES:
@@ -76,7 +93,7 @@ class PrefillRequest:
         return cls(token_ids, held, float(budget), policy, allowed)
 
 
-def _prompt(body: dict, model: LoadedModel) -> np.ndarray:
+def _prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.ndarray:
     given = [key for key in ("token_ids", "text", "messages") if key in body]
     if len(given) != 1:
         raise PrefillRequestError("give exactly one of token_ids, text or messages", "token_ids")
@@ -90,11 +107,12 @@ def _prompt(body: dict, model: LoadedModel) -> np.ndarray:
     if given[0] == "text":
         if not isinstance(value, str):
             raise PrefillRequestError("text must be a string", "text")
-        return np.asarray(model.tokenizer.encode(value), np.int64)
-    if not isinstance(value, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+        return np.asarray(model.tokenizer.encode(value, parse_special=allow_special_tokens), np.int64)
+    if not isinstance(value, list) or not all(isinstance(m, dict) and m.get("role") in CHAT_ROLES
                                               and isinstance(m.get("content"), str) for m in value):
-        raise PrefillRequestError("messages must be a list of {role, content} objects with string values", "messages")
-    return np.asarray(model.tokenizer.encode_chat(value), np.int64)
+        raise PrefillRequestError(f"messages must be a list of {{role, content}} objects, role one of "
+                                  f"{', '.join(CHAT_ROLES)}, content a string", "messages")
+    return np.asarray(model.tokenizer.encode_chat(value, special_in_content=allow_special_tokens), np.int64)
 
 
 @dataclass(frozen=True)
@@ -112,9 +130,11 @@ class PrefillService:
     and the measured tier profile of the model."""
 
     def __init__(self, model: LoadedModel, *, device: str = "cpu", threads: int | None = None,
-                 max_prompt_tokens: int, prefix_cache_bytes: int, encode_threads: int = 1) -> None:
+                 max_prompt_tokens: int, prefix_cache_bytes: int, encode_threads: int = 1,
+                 allow_special_tokens: bool = False) -> None:
         self.model = model
         self.encode_threads = encode_threads
+        self.allow_special_tokens = allow_special_tokens
         options = GraphOptions("prefill", "float16" if device == "cuda" else "float32")
         self.max_prompt_tokens = min(max_prompt_tokens, model.spec.context_length)
         self.engine = Engine(model, options, max_context=self.max_prompt_tokens + 1, device=device, threads=threads)
@@ -124,24 +144,44 @@ class PrefillService:
 
     def parse(self, body: dict) -> PrefillRequest:
         """A validated request (PrefillRequestError names the field at fault)."""
-        return PrefillRequest.parse(body, self.model, self.max_prompt_tokens)
+        return PrefillRequest.parse(body, self.model, self.max_prompt_tokens, self.allow_special_tokens)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
-        """Run ``request`` on the worker thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, self._prefill, request)
+        """Run ``request`` on the worker thread; a budget that no payload can meet is refused first
+        (BudgetTooSmallError), at once and without waiting for the worker."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.check_budget, request)
+        return await loop.run_in_executor(self._worker, self._prefill, request)
+
+    def check_budget(self, request: PrefillRequest) -> None:
+        """Raise BudgetTooSmallError when ``request.budget`` is below the smallest payload for its
+        tokens (every token dropped), whose size does not depend on the KV values."""
+        contract, n = self.engine.spec.kv_contract, len(request.token_ids)
+        zeros = np.broadcast_to(np.float16(0), (contract.n_layers, contract.n_kv_heads, n - request.held_tokens,
+                                                contract.head_dim))
+        shell = KVSnapshot(contract, request.token_ids[request.held_tokens:], np.arange(request.held_tokens, n),
+                           zeros, zeros, self.engine.producer)
+        meta = payload_meta(request.policy, request.budget, request.meta)
+        smallest = smallest_payload(shell, meta).b_wire
+        if smallest > request.budget:
+            raise BudgetTooSmallError(request.budget, smallest, shell.n_tokens)
 
     def _prefill(self, request: PrefillRequest) -> PrefillResult:
         started = time.perf_counter()
         ids = request.token_ids
-        hit = self.cache.lookup(ids[:-1])  # the last token always runs: it is the one that scores
+        # The engine uses the hit only before the observation window (which always runs) and so that
+        # every position's KV is bitwise what an empty cache would give: the payload does not depend
+        # on what the cache holds.
+        hit = self.cache.lookup(ids)
         scored = prefill_and_score(self.engine, ids, kv=hit.kv if hit else None)
+        reused = self.engine.stats.injected_tokens
         self.cache.store(scored.snapshot)
         profile = TierProfile(tuple(t for t in self.profile.allowed if t in request.allowed),
                               self.profile.distortion, self.profile.source)
         encoded = encode_within_budget(scored.from_position(request.held_tokens), request.budget, request.policy,
-                                       profile=profile, meta={"held_tokens": request.held_tokens},
+                                       profile=profile, meta=request.meta,
                                        workers=self.encode_threads)
-        return PrefillResult(encoded, len(ids), hit.n_tokens if hit else 0, time.perf_counter() - started)
+        return PrefillResult(encoded, len(ids), reused, time.perf_counter() - started)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
