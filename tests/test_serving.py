@@ -502,7 +502,7 @@ def faulty(prefill_server, smollm2_model):
 
 @pytest.fixture(scope="module")
 def daemon_behind_faulty(faulty, workdir):
-    server = ServerProcess(["serve", "--config", _config(workdir, "faulty", breaker_failures=2, breaker_reset_s=2.0),
+    server = ServerProcess(["serve", "--config", _config(workdir, "faulty", breaker_failures=2, breaker_reset_s=30.0),
                             "--prefill-url", faulty.url], workdir / "daemon-faulty.log",
                            env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN})
     yield server
