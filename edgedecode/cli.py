@@ -128,9 +128,9 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text with the INT4 decode graph, streaming it as it comes."""
-    from edgedecode.decode.engine import Engine
-    from edgedecode.decode.sampler import SamplingParams
     from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
+    from edgedecode.runtime.engine import Engine
+    from edgedecode.runtime.sampler import SamplingParams
 
     dtype = "float16" if device == "cuda" else "float32"
     engine_args = dict(max_context=max_context, threads=threads, device=device)
@@ -330,7 +330,7 @@ def info(model: Optional[str] = typer.Option(None, "--model", "-m")) -> None:
 
     from edgedecode.model.graph import GraphOptions
     from edgedecode.model.registry import list_models
-    from edgedecode.model.session import available_devices, installed_onnxruntime
+    from edgedecode.runtime.session import available_devices, installed_onnxruntime
 
     try:
         loaded = _open_model(model)

@@ -48,8 +48,8 @@ def smollm2_model(smollm2_gguf, tmp_path_factory):
 
 
 def _engine(model, kind: str, accuracy_level: int):
-    from edgedecode.decode.engine import Engine
     from edgedecode.model.graph import GraphOptions
+    from edgedecode.runtime.engine import Engine
 
     return Engine(model, GraphOptions(kind, "float32", accuracy_level), max_context=TEST_CONTEXT, threads=TEST_THREADS)
 

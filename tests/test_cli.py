@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from edgedecode.cli import app
-from edgedecode.decode.sampler import SamplingParams
+from edgedecode.runtime.sampler import SamplingParams
 
 runner = CliRunner()
 

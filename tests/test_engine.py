@@ -7,11 +7,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from edgedecode.decode.engine import ContextOverflowError
-from edgedecode.decode.kvcache import KVInjectionError
-from edgedecode.decode.sampler import SamplingParams
 from edgedecode.model.registry import UnknownModelError
 from edgedecode.model.spec import KVLayout
+from edgedecode.runtime.engine import ContextOverflowError
+from edgedecode.runtime.kvcache import KVInjectionError
+from edgedecode.runtime.sampler import SamplingParams
 
 GREEDY_32 = SamplingParams(max_tokens=32)
 NEAR_TIE = 0.5
@@ -152,8 +152,8 @@ def test_max_tokens_runs_the_graph_only_for_tokens_still_needed(decoder, logit_v
 
 
 def test_generation_ends_when_the_context_is_full(smollm2_model, logit_vectors):
-    from edgedecode.decode.engine import Engine
     from edgedecode.model.graph import GraphOptions
+    from edgedecode.runtime.engine import Engine
 
     small = Engine(smollm2_model, GraphOptions(), max_context=48, threads=2)
     ids = logit_vectors["prose_ids"]

@@ -15,14 +15,14 @@ from pydoc_data.topics import topics
 import numpy as np
 import pytest
 
-from edgedecode.decode.engine import Engine
-from edgedecode.decode.kvcache import DeviceRows, KVCache
-from edgedecode.decode.sampler import SamplingParams
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import encode_payload
 from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions, GraphOptionsError
-from edgedecode.model.session import available_devices
 from edgedecode.model.weights import BlockQuantized
+from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.kvcache import DeviceRows, KVCache
+from edgedecode.runtime.sampler import SamplingParams
+from edgedecode.runtime.session import available_devices
 
 NEAR_TIE = 0.5
 LONG_PROMPT_TOKENS = 1500

@@ -50,7 +50,7 @@ def test_exact_int4_graph_matches_numpy_reference(prompt, exact_decoder, quantiz
 
 
 def test_chunked_prompt_equals_single_pass(exact_decoder, logit_vectors, monkeypatch):
-    import edgedecode.decode.engine as engine_module
+    import edgedecode.runtime.engine as engine_module
 
     ids = logit_vectors["chat_ids"]
     exact_decoder.reset()

@@ -10,8 +10,8 @@ from edgedecode.kv.importance import attention_importance, position_importance
 
 @pytest.fixture(scope="module")
 def observer(smollm2_model):
-    from edgedecode.decode.engine import Engine
     from edgedecode.model.graph import GraphOptions
+    from edgedecode.runtime.engine import Engine
 
     return Engine(smollm2_model, GraphOptions("prefill"), max_context=256, threads=2)
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgedecode.decode.kvcache import KVInjectionError
-from edgedecode.decode.sampler import SamplingParams
 from edgedecode.kv.policy import POLICIES
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import (
@@ -17,14 +15,16 @@ from edgedecode.kv.wire import (
     encode_payload,
 )
 from edgedecode.prefill.pipeline import encode_within_budget, prefill_and_score
+from edgedecode.runtime.kvcache import KVInjectionError
+from edgedecode.runtime.sampler import SamplingParams
 
 GREEDY_8 = SamplingParams(max_tokens=8, stop_token_ids=())
 
 
 @pytest.fixture(scope="module")
 def scorer(smollm2_model):
-    from edgedecode.decode.engine import Engine
     from edgedecode.model.graph import GraphOptions
+    from edgedecode.runtime.engine import Engine
 
     return Engine(smollm2_model, GraphOptions("prefill"), max_context=1024, threads=2)
 
@@ -155,7 +155,7 @@ def _stream_after(engine, prompt, payload: bytes, keep: int):
 
 
 def test_engines_sharing_a_session_keep_separate_kv(smollm2_model, exact_decoder, long_prompt):
-    from edgedecode.decode.engine import Engine
+    from edgedecode.runtime.engine import Engine
 
     sibling = Engine(smollm2_model, exact_decoder.options, max_context=1024, threads=2, share=exact_decoder)
     assert sibling.session is exact_decoder.session

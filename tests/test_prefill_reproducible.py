@@ -14,12 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgedecode.decode.engine import GQA_ROW_TILE, PREFILL_CHUNK_TOKENS, chunk_sizes
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.kv.importance import OBSERVATION_WINDOW
 from edgedecode.prefill.pipeline import prefill_and_score
 from edgedecode.prefill.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
 from edgedecode.prefill.service import PrefillService
+from edgedecode.runtime.engine import GQA_ROW_TILE, PREFILL_CHUNK_TOKENS, chunk_sizes
 
 CACHE_BYTES = 256 << 20
 BUDGET = 0.3  # mixed tiers: the tier map depends on every token's importance

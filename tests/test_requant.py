@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgedecode.decode.engine import Engine
 from edgedecode.model.graph import GraphOptions, GraphOptionsError, build_graph
 from edgedecode.model.loader import graph_key
 from edgedecode.model.reference import reference_forward
@@ -18,6 +17,7 @@ from edgedecode.model.requant import (
     requantize_layers,
 )
 from edgedecode.model.weights import BlockQuantized, load_tensors, quantize_asymmetric
+from edgedecode.runtime.engine import Engine
 
 
 @pytest.fixture(scope="module")

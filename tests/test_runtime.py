@@ -6,10 +6,10 @@ import importlib.metadata
 
 import pytest
 
-from edgedecode.model import session
 from edgedecode.model.graph import GraphOptions, GraphOptionsError
 from edgedecode.model.loader import graph_key
-from edgedecode.model.session import (
+from edgedecode.runtime import session
+from edgedecode.runtime.session import (
     RuntimeSetupError,
     available_devices,
     create_session,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgedecode.decode.sampler import Sampler, SamplingError, SamplingParams
+from edgedecode.runtime.sampler import Sampler, SamplingError, SamplingParams
 
 logit_rows = st.lists(st.floats(-20, 20, allow_nan=False), min_size=2, max_size=64).map(
     lambda xs: np.array(xs, np.float32))
@@ -61,7 +61,7 @@ def test_invalid_parameters_are_refused(kwargs):
 
 
 def test_greedy_over_float16_picks_what_float32_argmax_picks():
-    from edgedecode.decode.sampler import greedy
+    from edgedecode.runtime.sampler import greedy
 
     rng = np.random.default_rng(3)
     for _ in range(50):

@@ -33,10 +33,10 @@ from pydoc_data.topics import topics
 
 import numpy as np
 
-from edgedecode.decode.engine import Engine
-from edgedecode.decode.sampler import SamplingParams
 from edgedecode.model.graph import DEVICE_Q4_1, Q4_1_MODES, GraphOptions
 from edgedecode.model.loader import load_model
+from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.sampler import SamplingParams
 
 DECODE_STEPS = 64
 INGEST_TOKENS = 4096  # the KV payload whose ingest --device cuda times

@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import onnxruntime as ort
 
-from edgedecode.decode.engine import Engine
-from edgedecode.decode.sampler import SamplingParams
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
+from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.sampler import SamplingParams
 
 model = load_model()
 def make(q4_1="correction", threads=2, config=None):

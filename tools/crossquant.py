@@ -39,8 +39,6 @@ from pydoc_data.topics import topics
 import numpy as np
 from crossquant_plot import plot  # tools/, beside this script
 
-from edgedecode.decode.engine import Engine
-from edgedecode.decode.sampler import Sampler, SamplingParams
 from edgedecode.evaluation.probe import profile_path
 from edgedecode.evaluation.scoring import kl_per_token, log_softmax
 from edgedecode.evaluation.transfer import through_wire
@@ -51,6 +49,8 @@ from edgedecode.model.loader import LoadedModel, load_model
 from edgedecode.model.spec import KVContract
 from edgedecode.model.tokenizer import Tokenizer
 from edgedecode.prefill.pipeline import ScoredPrefill, prefill_and_score
+from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.sampler import Sampler, SamplingParams
 
 logger = logging.getLogger("crossquant")
 

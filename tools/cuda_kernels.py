@@ -17,9 +17,9 @@ import json
 import numpy as np
 from torch.profiler import ProfilerActivity, profile
 
-from edgedecode.decode.engine import Engine
 from edgedecode.model.graph import DEVICE_Q4_1, Q4_1_MODES, GraphOptions
 from edgedecode.model.loader import load_model
+from edgedecode.runtime.engine import Engine
 
 
 def trace(engine: Engine, past: int, steps: int) -> dict:

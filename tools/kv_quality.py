@@ -30,7 +30,6 @@ from pathlib import Path
 
 import numpy as np
 
-from edgedecode.decode.engine import Engine
 from edgedecode.evaluation.niah import answer, needle_trials
 from edgedecode.evaluation.probe import profile_path
 from edgedecode.evaluation.scoring import mean_kl, score_continuation, top1_agreement
@@ -41,6 +40,7 @@ from edgedecode.kv.policy import POLICIES, TierProfile
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.prefill.pipeline import prefill_and_score
+from edgedecode.runtime.engine import Engine
 
 BUDGETS = (1.0, 0.5, 0.3, 0.2, 0.15, 0.1)
 PDTRIM_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.9)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from bench_decode import prompt_tokens
 
-from edgedecode.decode.engine import Engine
-from edgedecode.decode.sampler import SamplingParams
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
+from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.sampler import SamplingParams
 
 
 def op_times_per_step(trace_path: Path, steps: int) -> dict[str, float]:

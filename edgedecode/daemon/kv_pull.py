@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 
-from edgedecode.decode.kvcache import KVInjectionError
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader, KVFormatError, KVTooLargeError, KVTruncatedError
+from edgedecode.runtime.kvcache import KVInjectionError
 
 FEED_BYTES = 1 << 20  # hand the ingest thread at least this much at a time (fewer thread hops)
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgedecode.decode.sampler import SamplingParams
 from edgedecode.errors import RequestError
 from edgedecode.model.loader import LoadedModel
+from edgedecode.runtime.sampler import SamplingParams
 
 MAX_STOP_STRINGS = 4
 _UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "response_format")

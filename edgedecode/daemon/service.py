@@ -26,11 +26,11 @@ from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest, StopText
 from edgedecode.daemon.slots import Slot, SlotPool
 from edgedecode.daemon.worker import DecodeWorker, Generation
-from edgedecode.decode.engine import Engine
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.wire import EDKVReader
 from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
 from edgedecode.model.loader import LoadedModel
+from edgedecode.runtime.engine import Engine
 
 logger = logging.getLogger(__name__)
 WORKER_STALL_SECONDS = 60.0  # a step taking longer than this marks the daemon unhealthy (watchdog)

@@ -16,8 +16,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from edgedecode.decode.engine import Engine
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.runtime.engine import Engine
 
 
 class QueueFullError(EdgeDecodeError):

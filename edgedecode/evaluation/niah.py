@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgedecode.decode.engine import Engine
-from edgedecode.decode.sampler import SamplingParams
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.model.tokenizer import Tokenizer
+from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.sampler import SamplingParams
 
 NEEDLE = "\nThe secret code is {code}.\n"
 QUESTION = "\n\nWhat is the secret code? Reply with the four digits."

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 
-from edgedecode.decode.engine import Engine
 from edgedecode.evaluation.niah import answer, needle_trials
 from edgedecode.evaluation.scoring import mean_kl, score_continuation
 from edgedecode.evaluation.stats import mean_interval, wilson_interval
@@ -28,6 +27,7 @@ from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.model.registry import model_dir
 from edgedecode.prefill.pipeline import prefill_and_score
+from edgedecode.runtime.engine import Engine
 
 PROFILE_FILE = "tier_profile.json"
 

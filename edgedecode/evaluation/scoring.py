@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgedecode.decode.engine import Engine
 from edgedecode.kv.snapshot import KVSnapshot
+from edgedecode.runtime.engine import Engine
 
 
 @dataclass(frozen=True)

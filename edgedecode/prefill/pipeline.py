@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgedecode.decode.engine import Engine
 from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
 from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import encode_payload
+from edgedecode.runtime.engine import Engine
 
 _FIT_ATTEMPTS = 6
 _CLOSE_ENOUGH = 0.99  # stop refitting once the payload uses this share of the budget

@@ -17,12 +17,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from edgedecode.config import Config
-from edgedecode.decode.engine import ContextOverflowError
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.policy import BudgetError
 from edgedecode.kv.tiers import Tier
 from edgedecode.prefill.pipeline import BudgetTooSmallError
 from edgedecode.prefill.service import PrefillService
+from edgedecode.runtime.engine import ContextOverflowError
 from edgedecode.service.http import (
     OUTCOME,
     add_common_routes,

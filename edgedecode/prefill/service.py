@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgedecode.decode.engine import Engine
 from edgedecode.errors import RequestError
 from edgedecode.evaluation.probe import profile_path
 from edgedecode.kv.policy import POLICIES, TierProfile
@@ -31,7 +30,7 @@ from edgedecode.prefill.pipeline import (
     smallest_payload,
 )
 from edgedecode.prefill.prefix_cache import PrefixCache
-
+from edgedecode.runtime.engine import Engine
 
 CHAT_ROLES = ("system", "user", "assistant")
 

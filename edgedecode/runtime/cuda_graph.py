@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgedecode.decode.kvcache import KVCache
-from edgedecode.model.session import graph_run_options, import_onnxruntime
+from edgedecode.runtime.kvcache import KVCache
+from edgedecode.runtime.session import graph_run_options, import_onnxruntime
 
 CAPTURED_GRAPH_ID = 1  # 0 is onnxruntime's default id; -1 means "not captured"
 UNCAPTURED_GRAPH_ID = -1

@@ -14,8 +14,8 @@ import numpy as np
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.model.onnx_builder import INT64, GraphBuilder, onnx_dtype
-from edgedecode.model.session import create_session, import_onnxruntime
 from edgedecode.model.spec import ModelSpec
+from edgedecode.runtime.session import create_session, import_onnxruntime
 
 
 class KVInjectionError(EdgeDecodeError):

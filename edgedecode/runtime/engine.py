@@ -14,15 +14,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgedecode.decode.cuda_graph import CAPTURED_GRAPH_ID, UNCAPTURED_GRAPH_ID, CudaGraphStep
-from edgedecode.decode.kvcache import KVCache, KVInjectionError
-from edgedecode.decode.sampler import Sampler, SamplingParams
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.wire import EDKVHeader, EDKVReader
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
-from edgedecode.model.session import create_session, graph_run_options
+from edgedecode.runtime.cuda_graph import CAPTURED_GRAPH_ID, UNCAPTURED_GRAPH_ID, CudaGraphStep
+from edgedecode.runtime.kvcache import KVCache, KVInjectionError
+from edgedecode.runtime.sampler import Sampler, SamplingParams
+from edgedecode.runtime.session import create_session, graph_run_options
 
 logger = logging.getLogger(__name__)
 PREFILL_CHUNK_TOKENS = 512

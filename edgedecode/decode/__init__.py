@@ -1,1 +1,0 @@
-"""Decode layer: KV buffers, sampling and the token-by-token engine."""
