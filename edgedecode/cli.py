@@ -146,10 +146,8 @@ def generate(
         decoder = Engine(loaded, decode_options, **engine_args)
         kv, encoded = None, None
         if handoff:
-            from edgedecode.evaluation.probe import profile_path
-            from edgedecode.evaluation.transfer import through_wire
-            from edgedecode.kv.policy import TierProfile
-            from edgedecode.prefill.pipeline import prefill_and_score
+            from edgedecode.kv.policy import TierProfile, profile_path
+            from edgedecode.prefill.pipeline import prefill_and_score, through_wire
 
             prefiller = Engine(loaded, prefill_options, **engine_args)
             started = time.perf_counter()
@@ -214,7 +212,8 @@ def probe(
 ) -> None:
     """Measure which KV tiers the model tolerates (perplexity + needle trials, with intervals) and save the
     verdict beside the model, where the tier allocator reads it."""
-    from edgedecode.evaluation.probe import ProbeSettings, profile_path, run_probe
+    from edgedecode.evaluation.probe import ProbeSettings, run_probe
+    from edgedecode.kv.policy import profile_path
     from edgedecode.model.graph import GraphOptions
 
     depths = 5

@@ -64,8 +64,7 @@ def test_handoff_at_a_budget_sends_fewer_bytes_in_lower_tiers(model):
 
 
 def test_probe_saves_a_verdict_the_allocator_reads(model):
-    from edgedecode.evaluation.probe import profile_path
-    from edgedecode.kv.policy import TierProfile
+    from edgedecode.kv.policy import TierProfile, profile_path
     from edgedecode.kv.tiers import Tier
 
     path = profile_path(model)

@@ -39,16 +39,14 @@ from pydoc_data.topics import topics
 import numpy as np
 from crossquant_plot import plot  # tools/, beside this script
 
-from edgedecode.evaluation.probe import profile_path
 from edgedecode.evaluation.scoring import kl_per_token, log_softmax
-from edgedecode.evaluation.transfer import through_wire
-from edgedecode.kv.policy import TierProfile
+from edgedecode.kv.policy import TierProfile, profile_path
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel, load_model
 from edgedecode.model.spec import KVContract
 from edgedecode.model.tokenizer import Tokenizer
-from edgedecode.prefill.pipeline import ScoredPrefill, prefill_and_score
+from edgedecode.prefill.pipeline import ScoredPrefill, prefill_and_score, through_wire
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import Sampler, SamplingParams
 

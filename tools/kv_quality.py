@@ -31,15 +31,13 @@ from pathlib import Path
 import numpy as np
 
 from edgedecode.evaluation.niah import answer, needle_trials
-from edgedecode.evaluation.probe import profile_path
 from edgedecode.evaluation.scoring import mean_kl, score_continuation, top1_agreement
 from edgedecode.evaluation.stats import mean_interval, wilson_interval
 from edgedecode.evaluation.texts import pydoc_corpus, read_text_file, token_windows
-from edgedecode.evaluation.transfer import through_wire
-from edgedecode.kv.policy import POLICIES, TierProfile
+from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
-from edgedecode.prefill.pipeline import prefill_and_score
+from edgedecode.prefill.pipeline import prefill_and_score, through_wire
 from edgedecode.runtime.engine import Engine
 
 BUDGETS = (1.0, 0.5, 0.3, 0.2, 0.15, 0.1)

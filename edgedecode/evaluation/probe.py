@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -25,11 +24,8 @@ from edgedecode.kv.policy import TierProfile, pinned_mask
 from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
-from edgedecode.model.registry import model_dir
 from edgedecode.prefill.pipeline import prefill_and_score
 from edgedecode.runtime.engine import Engine
-
-PROFILE_FILE = "tier_profile.json"
 
 
 @dataclass(frozen=True)
@@ -54,11 +50,6 @@ class TierVerdict:
     needle_trials: int
     tolerated: bool
     reason: str
-
-
-def profile_path(model: LoadedModel) -> Path:
-    """Where the probe's verdict for this model is saved (and where the allocator looks)."""
-    return model_dir(model.record.name) / PROFILE_FILE
 
 
 def run_probe(model: LoadedModel, settings: ProbeSettings = ProbeSettings(), progress=print) -> tuple[TierProfile, list[TierVerdict]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgedecode.model.reference import apply_rope
+from edgedecode.model.rope import apply_rope
 from edgedecode.model.spec import ModelSpec
 
 OBSERVATION_WINDOW = 32

@@ -21,13 +21,19 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.importance import position_importance
 from edgedecode.kv.tiers import Tier
+from edgedecode.model.registry import model_dir
 
+if TYPE_CHECKING:
+    from edgedecode.model.loader import LoadedModel
+
+PROFILE_FILE = "tier_profile.json"
 POLICIES = ("ours", "uniform-int8", "uniform-int4", "position", "pdtrim")
 SINK_TOKENS = 4
 RECENT_TOKENS = 64
@@ -68,6 +74,11 @@ class TierProfile:
     def load(cls, path: Path) -> TierProfile:
         """The saved probe verdict at ``path``, or the defaults when there is none."""
         return cls.from_json(path.read_text()) if path.exists() else cls()
+
+
+def profile_path(model: LoadedModel) -> Path:
+    """Where the probe's verdict for this model is saved (and where the allocator looks)."""
+    return model_dir(model.record.name) / PROFILE_FILE
 
 
 def pinned_mask(positions: np.ndarray, *, sinks: int = SINK_TOKENS, recent: int = RECENT_TOKENS) -> np.ndarray:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgedecode.model.rope import apply_rope
 from edgedecode.model.spec import ModelSpec
 from edgedecode.model.weights import BlockQuantized, ModelTensors
 
@@ -28,16 +29,6 @@ def _dense(weight) -> np.ndarray:
 
 def _rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
-
-
-def apply_rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """Rotate-half RoPE on x [heads, S, head_dim]."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-np.arange(0, x.shape[-1], 2, dtype=np.float64) / x.shape[-1])
-    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]
-    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def reference_forward(spec: ModelSpec, tensors: ModelTensors, token_ids: list[int],

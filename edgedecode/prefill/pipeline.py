@@ -16,7 +16,8 @@ from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
-from edgedecode.kv.wire import encode_payload
+from edgedecode.kv.wire import decode_snapshot, encode_payload
+from edgedecode.model.spec import KVContract
 from edgedecode.runtime.engine import Engine
 
 _FIT_ATTEMPTS = 6
@@ -138,6 +139,13 @@ def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ou
         best = encoded if encoded.b_wire <= budget else None
     # Still over: as small as the policy goes (every token dropped, which fits; BudgetError without DROP).
     return best if best is not None else encode(tiers_at(0.0))
+
+
+def through_wire(scored: ScoredPrefill, budget: float, policy: str, receiver: KVContract, *,
+                 profile: TierProfile | None = None, pdtrim_head_fraction: float = 0.5) -> tuple[KVSnapshot, EncodedKV]:
+    """What a decoder with contract ``receiver`` gets for this prefill at ``budget`` under ``policy``."""
+    encoded = encode_within_budget(scored, budget, policy, profile=profile, pdtrim_head_fraction=pdtrim_head_fraction)
+    return decode_snapshot(b"".join(encoded.frames), receiver), encoded
 
 
 def smallest_payload(snapshot: KVSnapshot, meta: dict | None = None) -> EncodedKV:

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.errors import RequestError
-from edgedecode.evaluation.probe import profile_path
-from edgedecode.kv.policy import POLICIES, TierProfile
+from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier, parse_tiers
 from edgedecode.model.graph import GraphOptions
