@@ -248,7 +248,7 @@ def _load_config(config_path: Optional[Path], section: str, **flags):
 
 def _announce(server: str) -> Callable[[str], None]:
     """What a server prints once it listens; servers also log their own progress (INFO) from then on."""
-    from edgedecode.service.http import LISTENING_LINE
+    from edgedecode.serving.http import LISTENING_LINE
 
     logging.getLogger("edgedecode").setLevel(min(logging.INFO, logging.getLogger().level))
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from aiohttp import web
 
-from edgedecode.service.header_deadline import start_site
+from edgedecode.serving.header_deadline import start_site
 
 TIMEOUT = 0.5  # the server's header timeout in these tests
 REQUEST = b"GET /hello HTTP/1.1\r\nHost: test\r\nUser-Agent: drip\r\nAccept: */*\r\n\r\n"
@@ -126,7 +126,7 @@ def _response(sock: socket.socket, wait: float = 5.0) -> bytes:
 
 
 def test_dripped_headers_are_cut_after_the_timeout(port: int, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="edgedecode.service.header_deadline")
+    caplog.set_level(logging.INFO, logger="edgedecode.serving.header_deadline")
     sock = _connect(port)
     started = time.monotonic()
     received, closed_at = b"", None

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from serving_helpers import ThreadedApp
 
-from edgedecode.service.http import OUTCOME, error_middleware, read_json
-from edgedecode.service.json_body import MAX_DEPTH, BodyError, parse_json_object
+from edgedecode.serving.http import OUTCOME, error_middleware, read_json
+from edgedecode.serving.json_body import MAX_DEPTH, BodyError, parse_json_object
 
 
 @pytest.mark.parametrize("body, param, message", [

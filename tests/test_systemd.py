@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from edgedecode.service import systemd
-from edgedecode.service.systemd import notify, run_watchdog, watchdog_interval
+from edgedecode.serving import systemd
+from edgedecode.serving.systemd import notify, run_watchdog, watchdog_interval
 
 UNITS_DIR = Path(__file__).resolve().parents[1] / "systemd"
 UNITS = ("edgedecode.service", "edgedecode-prefill.service")

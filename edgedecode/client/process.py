@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.service.http import LISTENING
+from edgedecode.serving.http import LISTENING
 
 START_TIMEOUT_SECONDS = 900  # a first start may fetch the model and build its graphs
 

@@ -20,7 +20,7 @@ from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import APIRequestError, ResponseShape, parse_request, usage
 from edgedecode.daemon.service import AdmissionError, DecodeService
 from edgedecode.daemon.slots import QueueFullError
-from edgedecode.service.http import (
+from edgedecode.serving.http import (
     OUTCOME,
     add_common_routes,
     error_middleware,

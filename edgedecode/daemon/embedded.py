@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.service.http import LISTENING
+from edgedecode.serving.http import LISTENING
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from edgedecode.daemon.kv_pull import KVPullError
 from edgedecode.kv.tiers import Tier
-from edgedecode.service.http import process_gauges
+from edgedecode.serving.http import process_gauges
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

@@ -14,8 +14,8 @@ from edgedecode.daemon.embedded import EmbeddedPrefill
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.service import DecodeService
 from edgedecode.model.loader import LoadedModel
-from edgedecode.service import systemd
-from edgedecode.service.http import serve_until_stopped
+from edgedecode.serving import systemd
+from edgedecode.serving.http import serve_until_stopped
 
 logger = logging.getLogger(__name__)
 

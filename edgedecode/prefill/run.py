@@ -11,8 +11,8 @@ from edgedecode.config import Config
 from edgedecode.model.loader import LoadedModel
 from edgedecode.prefill.server import create_app
 from edgedecode.prefill.service import PrefillService
-from edgedecode.service import systemd
-from edgedecode.service.http import serve_until_stopped
+from edgedecode.serving import systemd
+from edgedecode.serving.http import serve_until_stopped
 
 logger = logging.getLogger(__name__)
 

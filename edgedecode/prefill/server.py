@@ -23,7 +23,7 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.prefill.pipeline import BudgetTooSmallError
 from edgedecode.prefill.service import PrefillService
 from edgedecode.runtime.engine import ContextOverflowError
-from edgedecode.service.http import (
+from edgedecode.serving.http import (
     OUTCOME,
     add_common_routes,
     error_middleware,

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from edgedecode.errors import RequestError
-from edgedecode.service.header_deadline import start_site
-from edgedecode.service.json_body import parse_json_object
+from edgedecode.serving.header_deadline import start_site
+from edgedecode.serving.json_body import parse_json_object
 
 logger = logging.getLogger(__name__)
 UNAUTHENTICATED_PATHS = frozenset({"/healthz"})  # liveness only: says nothing about the model or the data
