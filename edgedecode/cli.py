@@ -81,14 +81,15 @@ def build(
         4, help="MatMulNBits accuracy level of the decode graph: 4 int8 activations (fast), 0 exact fp32 (slow, for checks)."),
 ) -> None:
     """Build (or find in the cache) the ONNX graphs of a model."""
-    from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
+    from edgedecode.model.graph import GraphOptions
 
     try:
         loaded = _open_model(model)
         kinds = ["decode", "prefill"] if kind == "all" else [kind]
+        device = {"float32": "cpu", "float16": "cuda"}.get(dtype)
         for k in kinds:
-            q4_1 = DEVICE_Q4_1["cuda" if dtype == "float16" and k == "decode" else "cpu"]
-            options = GraphOptions(k, dtype, accuracy_level if k == "decode" else 0, q4_1=q4_1)
+            # an unknown dtype: GraphOptions refuses it (GraphOptionsError naming the choices)
+            options = GraphOptions.for_device(k, device, accuracy_level) if device else GraphOptions(k, dtype)
             _ensure_graph(loaded, options)
             path = loaded.graph(options)
             typer.echo(f"{k}: {path} ({path.stat().st_size} bytes)")
@@ -128,19 +129,18 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
     """Generate text with the INT4 decode graph, streaming it as it comes."""
-    from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
+    from edgedecode.model.graph import GraphOptions
     from edgedecode.runtime.engine import Engine
     from edgedecode.runtime.sampler import SamplingParams
 
-    dtype = "float16" if device == "cuda" else "float32"
     engine_args = dict(max_context=max_context, threads=threads, device=device)
     handoff_seconds = 0.0
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         loaded = _open_model(model)
         prompt_ids = _prompt_ids(loaded.tokenizer, prompt, chat, system)
-        decode_options = GraphOptions("decode", dtype, accuracy_level, q4_1=DEVICE_Q4_1.get(device, "correction"))
-        prefill_options = GraphOptions("prefill", dtype)
+        decode_options = GraphOptions.for_device("decode", device, accuracy_level)
+        prefill_options = GraphOptions.for_device("prefill", device)
         for options in (decode_options, prefill_options) if handoff else (decode_options,):
             _ensure_graph(loaded, options)
         decoder = Engine(loaded, decode_options, **engine_args)
@@ -272,7 +272,7 @@ def prefill_server(
     try:
         settings = _load_config(config, "prefill", host=host, port=port)
         loaded = _open_model(settings.model.name)
-        _ensure_graph(loaded, GraphOptions("prefill", "float16" if settings.model.device == "cuda" else "float32"))
+        _ensure_graph(loaded, GraphOptions.for_device("prefill", settings.model.device))
         run_prefill_server(loaded, settings, _announce("prefill-server"))
     except EdgeDecodeError as exc:
         _fail(exc)
@@ -289,14 +289,12 @@ def serve(
 ) -> None:
     """Run the decode daemon: OpenAI-compatible API, KV pulled from the prefill server, INT4 decoding."""
     from edgedecode.daemon.run import run_daemon
-    from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
+    from edgedecode.model.graph import GraphOptions
 
     try:
         settings = _load_config(config, "daemon", host=host, port=port, prefill_url=prefill_url)
         loaded = _open_model(settings.model.name)
-        device = settings.model.device
-        _ensure_graph(loaded, GraphOptions("decode", "float16" if device == "cuda" else "float32", 4,
-                                           q4_1=DEVICE_Q4_1[device]))
+        _ensure_graph(loaded, GraphOptions.for_device("decode", settings.model.device))
         run_daemon(loaded, settings, config, _announce("serve"))
     except EdgeDecodeError as exc:
         _fail(exc)

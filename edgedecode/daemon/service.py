@@ -28,7 +28,7 @@ from edgedecode.daemon.slots import Slot, SlotPool
 from edgedecode.daemon.worker import DecodeWorker, Generation
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.wire import EDKVReader
-from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions
+from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import Engine
 
@@ -85,8 +85,7 @@ class DecodeService:
         self.prefill_url = prefill_url  # the prefill server now (None while it is down)
         self._prefill_token = prefill_token
         d, m = config.daemon, config.model
-        options = GraphOptions("decode", "float16" if m.device == "cuda" else "float32", 4,
-                               q4_1=DEVICE_Q4_1[m.device])
+        options = GraphOptions.for_device("decode", m.device)
         threads = m.threads or None
         first = Engine(model, options, max_context=d.max_context, device=m.device, threads=threads)
         engines = [first] + [Engine(model, options, max_context=d.max_context, device=m.device, threads=threads,

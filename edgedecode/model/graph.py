@@ -80,6 +80,16 @@ class GraphOptions:
     # How the decode graph applies the blocks' offsets (Q4_1's m): one of Q4_1_MODES.
     q4_1: str = "correction"
 
+    @classmethod
+    def for_device(cls, kind: str, device: str, accuracy_level: int = 4) -> GraphOptions:
+        """The ``kind`` graph as it ships for ``device``: float16 on CUDA, float32 elsewhere; the decode
+        graph at ``accuracy_level`` with the device's Q4_1 form (DEVICE_Q4_1; "correction" for others).
+        The prefill graph has no MatMulNBits, so it takes neither."""
+        dtype = "float16" if device == "cuda" else "float32"
+        if kind == "decode":
+            return cls(kind, dtype, accuracy_level, q4_1=DEVICE_Q4_1.get(device, "correction"))
+        return cls(kind, dtype)
+
     def __post_init__(self) -> None:
         if self.kind not in GRAPH_KINDS:
             raise GraphOptionsError(f"graph kind must be one of {GRAPH_KINDS}, not {self.kind!r}")

@@ -133,7 +133,7 @@ class PrefillService:
         self.model = model
         self.encode_threads = encode_threads
         self.allow_special_tokens = allow_special_tokens
-        options = GraphOptions("prefill", "float16" if device == "cuda" else "float32")
+        options = GraphOptions.for_device("prefill", device)
         self.max_prompt_tokens = min(max_prompt_tokens, model.spec.context_length)
         self.engine = Engine(model, options, max_context=self.max_prompt_tokens + 1, device=device, threads=threads)
         self.cache = PrefixCache(prefix_cache_bytes)
