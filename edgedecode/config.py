@@ -98,8 +98,12 @@ class Config:
 _SECTION_TYPES = {"model": ModelConfig, "daemon": DaemonConfig, "prefill": PrefillConfig}
 
 
-def load_config(path: Path | None = None, *, env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+def load_config(
+    path: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
     """The configuration from ``path`` (default: /etc/edgedecode/edgedecode.toml when it exists),
     then ``EDGEDECODE_<SECTION>_<KEY>`` variables of ``env`` (default: the process environment),
     then ``overrides`` (command-line flags; None values are ignored), validated.
@@ -119,12 +123,13 @@ def load_config(path: Path | None = None, *, env: Mapping[str, str] | None = Non
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
-        section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
         if section in _SECTION_TYPES and key:
             values[section][key] = (raw, f"environment variable {name}")
     for section, items in (overrides or {}).items():
-        values[section].update({key: (value, f"option --{key.replace('_', '-')}")
-                                for key, value in items.items() if value is not None})
+        values[section].update(
+            {key: (value, f"option --{key.replace('_', '-')}") for key, value in items.items() if value is not None}
+        )
     sections = {section: _build(_SECTION_TYPES[section], section, items) for section, items in values.items()}
     config = Config(**sections, source=source)
     _validate(config)
@@ -142,8 +147,10 @@ def _read_toml(path: Path) -> dict[str, dict[str, Any]]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     for section, items in document.items():
         if section not in _SECTION_TYPES:
-            raise ConfigError(f"{path}: unknown section [{section}]{_suggest(section, _SECTION_TYPES)}; "
-                              f"sections are {', '.join(f'[{s}]' for s in _SECTION_TYPES)}")
+            raise ConfigError(
+                f"{path}: unknown section [{section}]{_suggest(section, _SECTION_TYPES)}; "
+                f"sections are {', '.join(f'[{s}]' for s in _SECTION_TYPES)}"
+            )
         if not isinstance(items, dict):
             raise ConfigError(f"{path}: {section} must be a [{section}] table")
     return document
@@ -198,8 +205,10 @@ def _validate(config: Config) -> None:
         if not 0 <= server.port <= 65535:
             problems.append(f"{section}.port must be in 0..65535 (0: any free port)")
         if not is_loopback(server.host) and not server.auth_token:
-            problems.append(f"{section}.host is {server.host!r}, not loopback: set {section}.auth_token "
-                            f"(or {ENV_PREFIX}{section.upper()}_AUTH_TOKEN) so clients must authenticate")
+            problems.append(
+                f"{section}.host is {server.host!r}, not loopback: set {section}.auth_token "
+                f"(or {ENV_PREFIX}{section.upper()}_AUTH_TOKEN) so clients must authenticate"
+            )
         if server.max_body_bytes < 1024:
             problems.append(f"{section}.max_body_bytes must be >= 1024")
         if server.max_queue < 1:
@@ -233,8 +242,10 @@ def _validate(config: Config) -> None:
     if p.encode_threads < 0:
         problems.append("prefill.encode_threads must be >= 0 (0: one per CPU)")
     if d.max_payload_bytes < 1024 or d.memory_reserve_mb < 0 or p.prefix_cache_mb < 0 or p.max_prompt_tokens < 2:
-        problems.append("daemon.max_payload_bytes >= 1024, daemon.memory_reserve_mb >= 0, "
-                        "prefill.prefix_cache_mb >= 0 and prefill.max_prompt_tokens >= 2 are required")
+        problems.append(
+            "daemon.max_payload_bytes >= 1024, daemon.memory_reserve_mb >= 0, "
+            "prefill.prefix_cache_mb >= 0 and prefill.max_prompt_tokens >= 2 are required"
+        )
     if problems:
         raise ConfigError(f"invalid configuration ({config.source}): " + "; ".join(problems))
 
@@ -247,4 +258,3 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-

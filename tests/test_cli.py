@@ -55,8 +55,9 @@ def test_chat_handoff_injects_the_prefill_graphs_kv(model):
 
 
 def test_handoff_at_a_budget_sends_fewer_bytes_in_lower_tiers(model):
-    result = invoke("generate", "Name a river in Paris.", "--chat", "--handoff", "--budget", "0.3", "-n", "4",
-                    "--threads", "2")
+    result = invoke(
+        "generate", "Name a river in Paris.", "--chat", "--handoff", "--budget", "0.3", "-n", "4", "--threads", "2"
+    )
     assert result.exit_code == 0, result.output
     assert "KV over EDKV" in result.stderr and "INT4" in result.stderr
     b_wire = float(result.stderr.split("b_wire ")[1].split()[0])
@@ -69,8 +70,21 @@ def test_probe_saves_a_verdict_the_allocator_reads(model):
 
     path = profile_path(model)
     try:
-        result = invoke("probe", "--contexts", "2", "--context-tokens", "160", "--continuation", "24",
-                        "--niah-trials", "5", "--niah-tokens", "150", "--threads", "2")
+        result = invoke(
+            "probe",
+            "--contexts",
+            "2",
+            "--context-tokens",
+            "160",
+            "--continuation",
+            "24",
+            "--niah-trials",
+            "5",
+            "--niah-tokens",
+            "150",
+            "--threads",
+            "2",
+        )
         assert result.exit_code == 0, result.output
         profile = TierProfile.load(path)
         assert profile.source.startswith("edgedecode probe")
@@ -83,11 +97,15 @@ def test_probe_saves_a_verdict_the_allocator_reads(model):
 
 
 def test_prompt_from_stdin_with_a_system_message(model):
-    result = runner.invoke(app, ["generate", "-", "--chat", "--system", "Answer in French.", "-n", "4", "--json",
-                                 "--max-context", "256"], input="Hello there")
+    result = runner.invoke(
+        app,
+        ["generate", "-", "--chat", "--system", "Answer in French.", "-n", "4", "--json", "--max-context", "256"],
+        input="Hello there",
+    )
     assert result.exit_code == 0, result.output
-    expected = model.tokenizer.encode_chat([{"role": "system", "content": "Answer in French."},
-                                           {"role": "user", "content": "Hello there"}])
+    expected = model.tokenizer.encode_chat(
+        [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello there"}]
+    )
     assert json.loads(result.stdout)["prompt_token_ids"] == expected
 
 

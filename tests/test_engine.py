@@ -43,8 +43,10 @@ def test_handoff_from_prefill_graph_matches_local_prefill(prompt, decoder, prefi
     handed_logits = decoder.prefill(context, kv=kv).copy()
     local_margin = local_logits[local[split]] - local_logits[handed[split]]
     handed_margin = handed_logits[handed[split]] - handed_logits[local[split]]
-    print(f"{prompt}: diverge at token {split}: local picks {local[split]} by {local_margin:.3f}, "
-          f"handoff picks {handed[split]} by {handed_margin:.3f}")
+    print(
+        f"{prompt}: diverge at token {split}: local picks {local[split]} by {local_margin:.3f}, "
+        f"handoff picks {handed[split]} by {handed_margin:.3f}"
+    )
     assert 0 <= local_margin < NEAR_TIE and 0 <= handed_margin < NEAR_TIE
 
 
@@ -91,8 +93,14 @@ def test_dropped_tokens_compact_with_true_positions(exact_decoder, smollm2_model
     tensors = load_tensors(smollm2_reader, spec, dense=False)
     reference = reference_forward(spec, tensors, ids.tolist(), blocked=blocked)
     kept = np.setdiff1d(np.arange(resume), dropped)
-    kv = KVSnapshot(spec.kv_contract, ids[kept], kept, reference.keys[:, :, kept], reference.values[:, :, kept],
-                    KVProducer("numpy-reference", "-", "float32"))
+    kv = KVSnapshot(
+        spec.kv_contract,
+        ids[kept],
+        kept,
+        reference.keys[:, :, kept],
+        reference.values[:, :, kept],
+        KVProducer("numpy-reference", "-", "float32"),
+    )
 
     logits = exact_decoder.prefill(ids, kv=kv)
 
@@ -127,17 +135,31 @@ def chat_kv(prefiller, logit_vectors):
     [
         (lambda kv: dataclasses.replace(kv, keys=kv.keys[:, :2]), "keys have shape"),
         (lambda kv: dataclasses.replace(kv, values=kv.values[:-1]), "values have shape"),
-        (lambda kv: dataclasses.replace(kv, contract=dataclasses.replace(
-            kv.contract, layout=KVLayout(rope_order="interleaved"))), "layout"),
+        (
+            lambda kv: dataclasses.replace(
+                kv, contract=dataclasses.replace(kv.contract, layout=KVLayout(rope_order="interleaved"))
+            ),
+            "layout",
+        ),
         (lambda kv: dataclasses.replace(kv, contract=dataclasses.replace(kv.contract, n_layers=24)), "n_layers"),
-        (lambda kv: dataclasses.replace(kv, contract=dataclasses.replace(kv.contract, tokenizer_hash="0" * 64)),
-         "tokenizer_hash"),
+        (
+            lambda kv: dataclasses.replace(kv, contract=dataclasses.replace(kv.contract, tokenizer_hash="0" * 64)),
+            "tokenizer_hash",
+        ),
         (lambda kv: dataclasses.replace(kv, positions=kv.positions + 3), "positions"),
         (lambda kv: dataclasses.replace(kv, token_ids=kv.token_ids[::-1].copy()), "prompt's tokens"),
         (lambda kv: dataclasses.replace(kv, positions=kv.positions[::-1].copy()), "strictly increasing"),
     ],
-    ids=["head-count", "layer-count", "layout", "contract-layers", "tokenizer", "positions", "other-prompt",
-         "unordered"],
+    ids=[
+        "head-count",
+        "layer-count",
+        "layout",
+        "contract-layers",
+        "tokenizer",
+        "positions",
+        "other-prompt",
+        "unordered",
+    ],
 )
 def test_mismatched_kv_is_refused_by_name(change, message, decoder, chat_kv, logit_vectors):
     with pytest.raises(KVInjectionError, match=message):

@@ -50,8 +50,9 @@ def cuda_plain_decoder(smollm2_model):
 @pytest.fixture(scope="module")
 def cuda_correction_decoder(smollm2_model):
     """The fp16 graph with the exact Q4_1 correction (blocksum(x) @ C) instead of float zero points."""
-    return Engine(smollm2_model, GraphOptions("decode", "float16", 4, q4_1="correction"), max_context=2048,
-                  device="cuda")
+    return Engine(
+        smollm2_model, GraphOptions("decode", "float16", 4, q4_1="correction"), max_context=2048, device="cuda"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +106,8 @@ def test_device_rows_write_only_the_given_slots(source):
         if source == "float32 copy":
             keys, values = keys.transpose(0, 2, 1, 3).copy().transpose(0, 2, 1, 3), values.copy()
         rows.write(start, keys, values)
-        expected[:, 0, 0, :, start:start + n] = keys
-        expected[:, 1, 0, :, start:start + n] = values
+        expected[:, 0, 0, :, start : start + n] = keys
+        expected[:, 1, 0, :, start : start + n] = values
         np.testing.assert_array_equal(cache.host, expected)
 
 
@@ -118,8 +119,9 @@ def test_decode_step_is_captured_as_a_cuda_graph(cuda_decoder, cuda_plain_decode
 
 @on_cuda
 @pytest.mark.parametrize("prompt", ("chat", "long"))
-def test_graph_step_logits_track_the_plain_cuda_step(prompt, cuda_decoder, cuda_plain_decoder, logit_vectors,
-                                                     long_prompt):
+def test_graph_step_logits_track_the_plain_cuda_step(
+    prompt, cuda_decoder, cuda_plain_decoder, logit_vectors, long_prompt
+):
     ids = _prompt(prompt, logit_vectors, long_prompt)
     graph, plain = _step_logits(cuda_decoder, ids), _step_logits(cuda_plain_decoder, ids)
     print(f"{prompt}: CUDA graph step vs plain step, max |logit diff| {np.abs(graph - plain).max():.4f}")
@@ -131,8 +133,9 @@ def test_graph_step_logits_track_the_plain_cuda_step(prompt, cuda_decoder, cuda_
 
 @on_cuda
 @pytest.mark.parametrize("prompt", ("chat", "long"))
-def test_graph_greedy_tokens_equal_plain_cuda_runs(prompt, cuda_decoder, cuda_plain_decoder, logit_vectors,
-                                                   long_prompt):
+def test_graph_greedy_tokens_equal_plain_cuda_runs(
+    prompt, cuda_decoder, cuda_plain_decoder, logit_vectors, long_prompt
+):
     ids = _prompt(prompt, logit_vectors, long_prompt)
     _assert_greedy_agrees_up_to_a_near_tie(cuda_decoder, cuda_plain_decoder, ids, prompt)
     assert cuda_decoder.stats.decode_steps == cuda_plain_decoder.stats.decode_steps == 63
@@ -153,8 +156,7 @@ def test_injected_kv_lands_on_the_device_exactly(cuda_decoder, long_prompt):
 
 
 @on_cuda
-def test_streamed_compacted_kv_steps_alike_with_and_without_cuda_graphs(cuda_decoder, cuda_plain_decoder,
-                                                                         long_prompt):
+def test_streamed_compacted_kv_steps_alike_with_and_without_cuda_graphs(cuda_decoder, cuda_plain_decoder, long_prompt):
     cuda_plain_decoder.prefill(long_prompt)
     kv = cuda_plain_decoder.export_kv()
     tiers = np.full(kv.n_tokens, Tier.FP16, np.uint8)
@@ -172,8 +174,10 @@ def test_streamed_compacted_kv_steps_alike_with_and_without_cuda_graphs(cuda_dec
             logits.append(engine.forward(np.array([tokens[i]])).astype(np.float32))
         runs.append(np.stack(logits))
     plain, graph = runs
-    print(f"compacted KV ({engine.length} slots): graph vs plain steps, "
-          f"max |logit diff| {np.abs(graph - plain).max():.4f}")
+    print(
+        f"compacted KV ({engine.length} slots): graph vs plain steps, "
+        f"max |logit diff| {np.abs(graph - plain).max():.4f}"
+    )
     np.testing.assert_allclose(graph, plain, atol=0.25)
 
 
@@ -229,8 +233,10 @@ def test_cuda_handoff_matches_local_prefill_up_to_a_near_tie(cuda_decoder, cuda_
     context = np.concatenate([ids, local[:split]])
     local_logits = cuda_decoder.prefill(context).astype(np.float32)
     handed_logits = cuda_decoder.prefill(context, kv=kv).astype(np.float32)
-    print(f"diverge at {split}: margins {local_logits[local[split]] - local_logits[handed[split]]:.3f} / "
-          f"{handed_logits[handed[split]] - handed_logits[local[split]]:.3f}")
+    print(
+        f"diverge at {split}: margins {local_logits[local[split]] - local_logits[handed[split]]:.3f} / "
+        f"{handed_logits[handed[split]] - handed_logits[local[split]]:.3f}"
+    )
     assert local_logits[local[split]] - local_logits[handed[split]] < NEAR_TIE
     assert handed_logits[handed[split]] - handed_logits[local[split]] < NEAR_TIE
 
@@ -264,14 +270,16 @@ def test_q4_1_forms_compute_what_the_correction_graph_does(q4_1, smollm2_model, 
     ids = logit_vectors["chat_ids"]
     engine = Engine(smollm2_model, GraphOptions("decode", "float32", 0, q4_1=q4_1), max_context=64, threads=2)
     exact_decoder.reset()
-    np.testing.assert_allclose(engine.forward(ids, all_logits=True), exact_decoder.forward(ids, all_logits=True),
-                               atol=2e-3)
+    np.testing.assert_allclose(
+        engine.forward(ids, all_logits=True), exact_decoder.forward(ids, all_logits=True), atol=2e-3
+    )
 
 
 @on_cuda
 @pytest.mark.parametrize("prompt", ("chat", "long"))
-def test_zero_point_graph_tracks_the_correction_graph(prompt, cuda_decoder, cuda_correction_decoder,
-                                                      logit_vectors, long_prompt):
+def test_zero_point_graph_tracks_the_correction_graph(
+    prompt, cuda_decoder, cuda_correction_decoder, logit_vectors, long_prompt
+):
     ids = _prompt(prompt, logit_vectors, long_prompt)
     shipped, corrected = _step_logits(cuda_decoder, ids), _step_logits(cuda_correction_decoder, ids)
     print(f"{prompt}: zero-point vs correction step, max |logit diff| {np.abs(shipped - corrected).max():.4f}")
@@ -280,8 +288,9 @@ def test_zero_point_graph_tracks_the_correction_graph(prompt, cuda_decoder, cuda
 
 
 @on_cuda
-def test_engines_sharing_a_cuda_session_each_replay_their_own_graph(smollm2_model, cuda_decoder, logit_vectors,
-                                                                     long_prompt):
+def test_engines_sharing_a_cuda_session_each_replay_their_own_graph(
+    smollm2_model, cuda_decoder, logit_vectors, long_prompt
+):
     """The daemon's KV slots on CUDA: one session, one captured graph per engine, steps interleaved."""
     sibling = Engine(smollm2_model, CUDA_DECODE, max_context=2048, device="cuda", share=cuda_decoder)
     assert sibling.cuda_graph and sibling.session is cuda_decoder.session

@@ -26,8 +26,10 @@ def test_prefill_graph_argmax_equals_llama_cpp_at_scored_positions(prompt, prefi
     ours_at_theirs = np.take_along_axis(logits, top5_ids.astype(np.int64), axis=1)
     diff = np.abs(ours_at_theirs - top5_logits)
     last_diff = float(np.abs(logits[-1] - logit_vectors[f"{prompt}_last_logits"]).max())
-    print(f"{prompt}: |logit diff| vs llama.cpp over its top-5 at all positions: max {diff.max():.3f}, "
-          f"mean {diff.mean():.3f}; full last row max {last_diff:.3f}; {len(scored)} scored positions")
+    print(
+        f"{prompt}: |logit diff| vs llama.cpp over its top-5 at all positions: max {diff.max():.3f}, "
+        f"mean {diff.mean():.3f}; full last row max {last_diff:.3f}; {len(scored)} scored positions"
+    )
     np.testing.assert_array_equal(logits[scored].argmax(-1), top5_ids[scored, 0])
     # llama.cpp multiplies with int8-quantized activations, so an fp32 forward differs from it by about
     # as much as llama.cpp's own kernels differ from each other (max ~1.0, mean 0.1-0.3; see
@@ -36,7 +38,9 @@ def test_prefill_graph_argmax_equals_llama_cpp_at_scored_positions(prompt, prefi
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_exact_int4_graph_matches_numpy_reference(prompt, exact_decoder, quantized_tensors, smollm2_model, logit_vectors):
+def test_exact_int4_graph_matches_numpy_reference(
+    prompt, exact_decoder, quantized_tensors, smollm2_model, logit_vectors
+):
     ids = logit_vectors[f"{prompt}_ids"]
     reference = reference_forward(smollm2_model.spec, quantized_tensors, ids.tolist())
     exact_decoder.reset()

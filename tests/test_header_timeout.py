@@ -61,7 +61,8 @@ class _Server:
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             self.runner, site = self.loop.run_until_complete(
-                start_site(_app(), "127.0.0.1", 0, header_timeout=TIMEOUT, access_log=None))
+                start_site(_app(), "127.0.0.1", 0, header_timeout=TIMEOUT, access_log=None)
+            )
             self.port = site.port
             started.set()
             self.loop.run_forever()
@@ -113,8 +114,9 @@ def _response(sock: socket.socket, wait: float = 5.0) -> bytes:
     while True:
         head, sep, body = data.partition(b"\r\n\r\n")
         if sep:
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length:"))
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+            )
             if len(body) >= length:
                 return data
         left = deadline - time.monotonic()
@@ -231,7 +233,7 @@ def test_many_dripping_connections_are_cut_and_others_served(port: int) -> None:
         while open_ and time.monotonic() - started < 6 * TIMEOUT:
             for sock in list(open_):
                 try:
-                    sock.send(REQUEST[position:position + 1])
+                    sock.send(REQUEST[position : position + 1])
                 except OSError:
                     open_.discard(sock)
             position += 1

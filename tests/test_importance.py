@@ -38,7 +38,7 @@ def test_observed_queries_and_scores_match_the_reference(observer, smollm2_model
     np.testing.assert_allclose(ours.sum(axis=1), spec.n_heads * 8, rtol=1e-4)
     # Causality: the first window query sees nothing after itself.
     first = attention_importance(spec, queries[:, :1], positions[:1], after.keys, after.positions)
-    assert np.all(first[:, positions[0] + 1:] == 0)
+    assert np.all(first[:, positions[0] + 1 :] == 0)
 
 
 def test_position_prior_ranks_sinks_then_recency():

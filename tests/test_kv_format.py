@@ -64,8 +64,14 @@ def snapshot(n: int, head_dim: int = 16, seed: int = 0) -> KVSnapshot:
     keys[..., 1] *= 10  # a key outlier channel
     values = rng.standard_normal((LAYERS, HEADS, n, head_dim)).astype(np.float32)
     positions = np.cumsum(rng.integers(1, 4, n)) + 5  # true positions need not start at 0 or be dense
-    return KVSnapshot(contract(head_dim), rng.integers(0, 50000, n), positions, keys, values,
-                      KVProducer("test-model", "ab" * 32, "float32"))
+    return KVSnapshot(
+        contract(head_dim),
+        rng.integers(0, 50000, n),
+        positions,
+        keys,
+        values,
+        KVProducer("test-model", "ab" * 32, "float32"),
+    )
 
 
 def encode(snap: KVSnapshot, tiers: np.ndarray, **kwargs) -> bytes:
@@ -73,8 +79,15 @@ def encode(snap: KVSnapshot, tiers: np.ndarray, **kwargs) -> bytes:
     return b"".join(encode_payload(snap, tiers, **kwargs))
 
 
-def read(payload: bytes, expected: KVContract, n_slots: int, fill: float = np.nan, dtype=np.float32,
-         slices: list[int] | None = None, **kwargs) -> tuple[EDKVReader, np.ndarray]:
+def read(
+    payload: bytes,
+    expected: KVContract,
+    n_slots: int,
+    fill: float = np.nan,
+    dtype=np.float32,
+    slices: list[int] | None = None,
+    **kwargs,
+) -> tuple[EDKVReader, np.ndarray]:
     """Feed `payload` (whole, or cut at `slices`) into a reader whose destination is pre-filled with `fill`."""
     c = expected
     target = np.full((c.n_layers, 2, c.n_kv_heads, n_slots, c.head_dim), fill, dtype)
@@ -91,16 +104,16 @@ def split_frames(payload: bytes) -> tuple[bytes, list[bytes], bytes]:
     _, _, _, length = HEADER_PREFIX.unpack_from(payload)
     pos = HEADER_PREFIX.size + length + HEADER_CRC.size
     header, chunks = payload[:pos], []
-    while payload[pos:pos + 4] != TRAILER_MAGIC:
+    while payload[pos : pos + 4] != TRAILER_MAGIC:
         _, _, size, _ = CHUNK_PREFIX.unpack_from(payload, pos)
-        chunks.append(payload[pos:pos + CHUNK_PREFIX.size + size])
+        chunks.append(payload[pos : pos + CHUNK_PREFIX.size + size])
         pos += CHUNK_PREFIX.size + size
     return header, chunks, payload[pos:]
 
 
 def join_frames(header: bytes, chunks: list[bytes]) -> bytes:
     """Frames plus a trailer with the right count and digest (over the header and the chunk prefixes)."""
-    sealed = header + b"".join(chunk[:CHUNK_PREFIX.size] for chunk in chunks)
+    sealed = header + b"".join(chunk[: CHUNK_PREFIX.size] for chunk in chunks)
     return header + b"".join(chunks) + TRAILER.pack(TRAILER_MAGIC, len(chunks), hashlib.sha256(sealed).digest())
 
 
@@ -114,7 +127,7 @@ def with_header(payload: bytes, body: bytes, major: int = 1, minor: int = 0) -> 
 def rewrite_header(payload: bytes, change: Callable[[dict], None], major: int = 1, minor: int = 0) -> bytes:
     """The payload with its header JSON edited by `change` (see `with_header`)."""
     header, _, _ = split_frames(payload)
-    doc = json.loads(header[HEADER_PREFIX.size:-HEADER_CRC.size])
+    doc = json.loads(header[HEADER_PREFIX.size : -HEADER_CRC.size])
     change(doc)
     return with_header(payload, json.dumps(doc).encode(), major, minor)
 
@@ -131,7 +144,7 @@ def stored_params(payload: bytes, header: EDKVHeader) -> tuple[np.ndarray, np.nd
     scale = np.full((c.n_layers, 2, c.n_kv_heads, header.n_tokens, c.head_dim), np.nan, np.float32)
     zero = scale.copy()
     for spec, frame in zip(header.chunks, split_frames(payload)[1]):
-        raw = bytearray(zstandard.ZstdDecompressor().decompress(frame[CHUNK_PREFIX.size:]))
+        raw = bytearray(zstandard.ZstdDecompressor().decompress(frame[CHUNK_PREFIX.size :]))
         rect = (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop)
         for section in plan_chunk(header.tiers, header.layouts, c.n_kv_heads, c.head_dim, rect).sections:
             layout = section.layout
@@ -145,7 +158,7 @@ def stored_params(payload: bytes, header: EDKVHeader) -> tuple[np.ndarray, np.nd
                     p = np.repeat(p, layout.group, -1)
                 else:
                     p = p[..., np.arange(m) // layout.group, :]
-                out[section.layer_start:section.layer_stop, section.kv][:, :, section.tokens] = p
+                out[section.layer_start : section.layer_stop, section.kv][:, :, section.tokens] = p
     return scale, zero
 
 
@@ -163,8 +176,9 @@ def tier_maps(draw, n: int) -> np.ndarray:
 
 @settings(max_examples=40, deadline=None)
 @given(st.data(), st.integers(0, 70), st.sampled_from([8, 16, 32, 64]), st.integers(1, 40), st.integers(1, 3))
-def test_round_trip_is_exact_for_fp16_and_within_the_bound_for_quantized_tiers(data, n, head_dim, chunk_tokens,
-                                                                               chunk_layers) -> None:
+def test_round_trip_is_exact_for_fp16_and_within_the_bound_for_quantized_tiers(
+    data, n, head_dim, chunk_tokens, chunk_layers
+) -> None:
     snap = snapshot(n, head_dim, seed=n)
     tiers = data.draw(tier_maps(n))
     payload = encode(snap, tiers, chunk_tokens=chunk_tokens, chunk_layers=chunk_layers)
@@ -223,7 +237,7 @@ def test_dropped_tokens_are_compacted_and_free_slots_untouched() -> None:
     fp16_kept = tiers[kept] == Tier.FP16
     expected = snap.keys[:, :, kept].astype(np.float16).astype(np.float32)
     np.testing.assert_array_equal(target[:, 0, :, : len(kept)][:, :, fp16_kept], expected[:, :, fp16_kept])
-    assert np.isnan(target[:, :, :, len(kept):]).all()
+    assert np.isnan(target[:, :, :, len(kept) :]).all()
     assert not np.isnan(target[:, :, :, : len(kept)]).any()
     out = decode_snapshot(payload, snap.contract)
     np.testing.assert_array_equal(out.positions, snap.positions[kept])
@@ -260,10 +274,22 @@ def test_progress_and_the_per_chunk_callback_follow_each_chunk() -> None:
     tiers[3] = Tier.DROP
     payload = encode(snap, tiers, chunk_tokens=10, chunk_layers=2)
     seen = []
-    reader, _ = read(payload, snap.contract, 30, on_chunk=lambda spec, slots: seen.append(
-        (spec.index, spec.layer_start, spec.layer_stop, slots.start, slots.stop)))
-    assert seen == [(0, 0, 2, 0, 9), (1, 0, 2, 9, 19), (2, 0, 2, 19, 29),
-                    (3, 2, 3, 0, 9), (4, 2, 3, 9, 19), (5, 2, 3, 19, 29)]
+    reader, _ = read(
+        payload,
+        snap.contract,
+        30,
+        on_chunk=lambda spec, slots: seen.append(
+            (spec.index, spec.layer_start, spec.layer_stop, slots.start, slots.stop)
+        ),
+    )
+    assert seen == [
+        (0, 0, 2, 0, 9),
+        (1, 0, 2, 9, 19),
+        (2, 0, 2, 19, 29),
+        (3, 2, 3, 0, 9),
+        (4, 2, 3, 9, 19),
+        (5, 2, 3, 19, 29),
+    ]
     assert reader.progress.chunks_done == reader.progress.chunks_total == 6
     assert reader.progress.tokens_ingested == 29
     assert reader.progress.bytes_in == len(payload)
@@ -280,15 +306,18 @@ def test_meta_producer_and_layouts_travel_in_the_header() -> None:
     assert header.minor == 0
 
 
-@pytest.mark.parametrize("field, change", [
-    ("n_layers", {"n_layers": LAYERS + 1}),
-    ("n_kv_heads", {"n_kv_heads": HEADS + 1}),
-    ("head_dim", {"head_dim": 32}),
-    ("layout", {"layout": KVLayout(keys_post_rope=False)}),
-    ("tokenizer_hash", {"tokenizer_hash": "other-tokenizer"}),
-    ("architecture", {"architecture": "qwen2"}),
-    ("rope_theta", {"rope_theta": 500000.0}),
-])
+@pytest.mark.parametrize(
+    "field, change",
+    [
+        ("n_layers", {"n_layers": LAYERS + 1}),
+        ("n_kv_heads", {"n_kv_heads": HEADS + 1}),
+        ("head_dim", {"head_dim": 32}),
+        ("layout", {"layout": KVLayout(keys_post_rope=False)}),
+        ("tokenizer_hash", {"tokenizer_hash": "other-tokenizer"}),
+        ("architecture", {"architecture": "qwen2"}),
+        ("rope_theta", {"rope_theta": 500000.0}),
+    ],
+)
 def test_a_contract_mismatch_names_the_field_and_nothing_is_allocated(field, change) -> None:
     snap = snapshot(8)
     payload = encode(snap, np.full(8, Tier.FP16, np.uint8))
@@ -340,7 +369,7 @@ def assert_written_only_before(payload: bytes, expected: KVContract, k: int, cor
     with pytest.raises(KVFormatError):
         reader.feed(corrupt)
     for spec in header.chunks:
-        region = target[spec.layer_start:spec.layer_stop, :, :, header.slot_range(spec)]
+        region = target[spec.layer_start : spec.layer_stop, :, :, header.slot_range(spec)]
         assert np.isnan(region).all() == (spec.index >= k), f"chunk {spec.index}"
     with pytest.raises(KVFormatError) as err:
         reader.feed(b"more")
@@ -351,9 +380,11 @@ def test_zstd_damage_behind_a_valid_crc_is_malformed_and_writes_nothing() -> Non
     snap = snapshot(30)
     payload = encode(snap, np.full(30, Tier.INT4, np.uint8), chunk_tokens=10, chunk_layers=2)
     header, chunks, _ = split_frames(payload)
-    body = chunks[1][CHUNK_PREFIX.size:]
-    for compressed in (body[: len(body) // 2],  # a cut zstd frame
-                       zstandard.ZstdCompressor().compress(b"\0" * 100)):  # a frame of the wrong raw size
+    body = chunks[1][CHUNK_PREFIX.size :]
+    for compressed in (
+        body[: len(body) // 2],  # a cut zstd frame
+        zstandard.ZstdCompressor().compress(b"\0" * 100),
+    ):  # a frame of the wrong raw size
         corrupt = join_frames(header, [chunks[0], rechunk(chunks[1], compressed), *chunks[2:]])
         with pytest.raises(KVMalformedError) as err:
             read(corrupt, snap.contract, 30)
@@ -365,7 +396,7 @@ def test_wrong_raw_size_without_a_declared_content_size_is_malformed() -> None:
     snap = snapshot(10)
     payload = encode(snap, np.full(10, Tier.INT8, np.uint8))
     header, chunks, _ = split_frames(payload)
-    raw = zstandard.ZstdDecompressor().decompress(chunks[0][CHUNK_PREFIX.size:])
+    raw = zstandard.ZstdDecompressor().decompress(chunks[0][CHUNK_PREFIX.size :])
     for size in (len(raw) - 1, len(raw) + 1):
         data = (raw + b"\0")[:size]
         compressed = zstandard.ZstdCompressor(write_content_size=False).compress(data)
@@ -374,13 +405,16 @@ def test_wrong_raw_size_without_a_declared_content_size_is_malformed() -> None:
         assert err.value.field == "chunk 0"
 
 
-@pytest.mark.parametrize("cut, field", [
-    (lambda p, h, c: p[: len(h) - 3], "header"),
-    (lambda p, h, c: p[: len(h) + len(c[0]) + len(c[1]) // 2], "chunk 1"),
-    (lambda p, h, c: p[: len(h) + len(c[0])], "chunk 1"),
-    (lambda p, h, c: p[: -TRAILER.size], "trailer"),
-    (lambda p, h, c: p[: -5], "trailer"),
-])
+@pytest.mark.parametrize(
+    "cut, field",
+    [
+        (lambda p, h, c: p[: len(h) - 3], "header"),
+        (lambda p, h, c: p[: len(h) + len(c[0]) + len(c[1]) // 2], "chunk 1"),
+        (lambda p, h, c: p[: len(h) + len(c[0])], "chunk 1"),
+        (lambda p, h, c: p[: -TRAILER.size], "trailer"),
+        (lambda p, h, c: p[:-5], "trailer"),
+    ],
+)
 def test_a_cut_stream_is_a_truncated_error_naming_what_was_cut(cut, field) -> None:
     snap = snapshot(20)
     payload = encode(snap, np.full(20, Tier.INT4, np.uint8), chunk_tokens=8)

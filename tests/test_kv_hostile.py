@@ -3,6 +3,7 @@ KVFormatError, fast, and writes nothing of a refused chunk (docs/kv-format.md §
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -51,7 +52,7 @@ SENTINEL = 12345.0
 
 def header_doc(payload: bytes) -> dict:
     header, _, _ = split_frames(payload)
-    return json.loads(header[HEADER_PREFIX.size:-HEADER_CRC.size])
+    return json.loads(header[HEADER_PREFIX.size : -HEADER_CRC.size])
 
 
 def with_header_text(payload: bytes, change, placeholder: str, text: str) -> bytes:
@@ -106,7 +107,7 @@ def test_a_header_too_large_for_the_receivers_context_is_refused_at_its_prefix()
     padded = rewrite_header(payload, lambda doc: doc.update(future="x" * limit))  # a legal field, too much of it
     reader = EDKVReader(snap.contract, max_tokens=16, target_factory=lambda h: pytest.fail("no target"))
     with pytest.raises(KVTooLargeError) as err:
-        reader.feed(padded[:HEADER_PREFIX.size])  # refused before any of the JSON is buffered
+        reader.feed(padded[: HEADER_PREFIX.size])  # refused before any of the JSON is buffered
     assert err.value.field == "header" and str(limit) in str(err.value)
     # a larger context allows a larger header; an explicit limit still overrides the derived one
     assert max_header_nbytes(4096, 30) > max_header_nbytes(16, 30)
@@ -163,32 +164,41 @@ def test_too_many_sections_are_refused_at_the_header() -> None:
     snap = snapshot(n)
     tiers = mixed_rows(n)
     c = snap.contract
-    layouts = {tier: (QuantLayout("channel", 4, bits), QuantLayout("token", 16, bits))
-               for tier, bits in ((Tier.INT8, 8), (Tier.INT4, 4), (Tier.INT2, 2))}
+    layouts = {
+        tier: (QuantLayout("channel", 4, bits), QuantLayout("token", 16, bits))
+        for tier, bits in ((Tier.INT8, 8), (Tier.INT4, 4), (Tier.INT2, 2))
+    }
     payload = encode(snap, tiers, chunk_tokens=64, layouts=layouts)
     rects = np.array([[0, LAYERS, t, t + 4] for t in range(0, n, 4)], np.int64)  # 256 chunks: within the count
     raw, sections = chunk_sizes(tiers, layouts, c.n_kv_heads, c.head_dim, rects)
     assert len(rects) <= max_chunks(n, LAYERS) and sections.sum() > max_sections(n, LAYERS)
     rows = np.column_stack([rects, raw]).tolist()
-    err = expect_refusal(rewrite_header(payload, lambda doc: doc.update(chunks=rows)), KVTooLargeError, "chunks",
-                         n_slots=n)
+    err = expect_refusal(
+        rewrite_header(payload, lambda doc: doc.update(chunks=rows)), KVTooLargeError, "chunks", n_slots=n
+    )
     assert "sections" in str(err)
     with pytest.raises(ValueError, match="sections"):
         encode(snap, tiers, chunk_tokens=4, layouts=layouts)
 
 
-@pytest.mark.parametrize("field, change, error", [
-    ("meta", lambda doc: doc.update(meta={"a": [[[[[[[[[[1]]]]]]]]]]}), KVTooLargeError),
-    ("meta", lambda doc: doc.update(meta={f"k{i}": i for i in range(1000)}), KVTooLargeError),
-    ("meta", lambda doc: doc.update(meta={"policy": "x" * 10_000}), KVTooLargeError),
-    ("producer.model", lambda doc: doc["producer"].update(model="m" * 5000), KVTooLargeError),
-    ("contract.architecture", lambda doc: doc["contract"].update(architecture="a" * 5000), KVTooLargeError),
-    ("layouts", lambda doc: doc["layouts"].update({name: doc["layouts"]["int4"] for name in ("INT4", "Int4", "iNT4")}),
-     KVMalformedError),
-    ("chunks", lambda doc: doc["chunks"][0].__setitem__(4, 2**70), KVMalformedError),
-    ("chunks", lambda doc: doc["chunks"][0].__setitem__(4, True), KVMalformedError),
-    ("positions", lambda doc: doc.update(positions="é" * 12), KVMalformedError),  # non-ASCII base64: ValueError
-])
+@pytest.mark.parametrize(
+    "field, change, error",
+    [
+        ("meta", lambda doc: doc.update(meta={"a": [[[[[[[[[[1]]]]]]]]]]}), KVTooLargeError),
+        ("meta", lambda doc: doc.update(meta={f"k{i}": i for i in range(1000)}), KVTooLargeError),
+        ("meta", lambda doc: doc.update(meta={"policy": "x" * 10_000}), KVTooLargeError),
+        ("producer.model", lambda doc: doc["producer"].update(model="m" * 5000), KVTooLargeError),
+        ("contract.architecture", lambda doc: doc["contract"].update(architecture="a" * 5000), KVTooLargeError),
+        (
+            "layouts",
+            lambda doc: doc["layouts"].update({name: doc["layouts"]["int4"] for name in ("INT4", "Int4", "iNT4")}),
+            KVMalformedError,
+        ),
+        ("chunks", lambda doc: doc["chunks"][0].__setitem__(4, 2**70), KVMalformedError),
+        ("chunks", lambda doc: doc["chunks"][0].__setitem__(4, True), KVMalformedError),
+        ("positions", lambda doc: doc.update(positions="é" * 12), KVMalformedError),  # non-ASCII base64: ValueError
+    ],
+)
 def test_declared_counts_sizes_and_odd_values_are_typed_errors(field, change, error) -> None:
     snap = snapshot(8)
     payload = encode(snap, np.full(8, Tier.INT4, np.uint8), meta={"a": [[[[[[[1]]]]]]]})  # nesting 8 is fine
@@ -203,8 +213,9 @@ def test_a_chunk_frame_beyond_the_table_is_malformed_not_an_index_error() -> Non
         payload = encode(snap, np.full(n, Tier.INT4, np.uint8), chunk_tokens=4)
         header, chunks, _ = split_frames(payload)
         extra = CHUNK_PREFIX.pack(b"EDKC", len(chunks), 9, 0) + b"\0" * 9
-        reader = EDKVReader(snap.contract, max_tokens=64,
-                            target_factory=lambda h: np.zeros((LAYERS, 2, HEADS, 12, 16), np.float32))
+        reader = EDKVReader(
+            snap.contract, max_tokens=64, target_factory=lambda h: np.zeros((LAYERS, 2, HEADS, 12, 16), np.float32)
+        )
         with pytest.raises(KVMalformedError) as err:
             reader.feed(join_frames(header, [*chunks, extra]))
         assert err.value.field == "chunk index"
@@ -218,13 +229,17 @@ def test_vectorised_chunk_sizes_match_the_chunk_plans(data, n, head_dim) -> None
     tiers[:, tiers[0] == Tier.DROP] = Tier.DROP
     if data.draw(st.booleans()):
         tiers[:] = tiers[0]
-    layouts = {Tier.INT8: (QuantLayout("token", head_dim, 8), QuantLayout("channel", 3, 8)),
-               Tier.INT4: (QuantLayout("channel", data.draw(st.sampled_from([1, 4, 10**30])), 4),
-                           QuantLayout("token", 8, 4)),
-               Tier.INT2: (QuantLayout("channel", 4, 2), QuantLayout("token", 4, 2))}
-    rects = [(l0, l0 + data.draw(st.integers(1, LAYERS - l0)), t0, t0 + data.draw(st.integers(1, n - t0)))
-             for l0, t0 in data.draw(st.lists(st.tuples(st.integers(0, LAYERS - 1), st.integers(0, n - 1)),
-                                              min_size=1, max_size=8))]
+    layouts = {
+        Tier.INT8: (QuantLayout("token", head_dim, 8), QuantLayout("channel", 3, 8)),
+        Tier.INT4: (QuantLayout("channel", data.draw(st.sampled_from([1, 4, 10**30])), 4), QuantLayout("token", 8, 4)),
+        Tier.INT2: (QuantLayout("channel", 4, 2), QuantLayout("token", 4, 2)),
+    }
+    rects = [
+        (l0, l0 + data.draw(st.integers(1, LAYERS - l0)), t0, t0 + data.draw(st.integers(1, n - t0)))
+        for l0, t0 in data.draw(
+            st.lists(st.tuples(st.integers(0, LAYERS - 1), st.integers(0, n - 1)), min_size=1, max_size=8)
+        )
+    ]
     raw, sections = chunk_sizes(tiers, layouts, HEADS, head_dim, np.array(rects, np.int64))
     plans = [plan_chunk(tiers, layouts, HEADS, head_dim, rect) for rect in rects]
     assert raw.tolist() == [plan.raw_nbytes for plan in plans]
@@ -242,9 +257,10 @@ def poisoned(payload: bytes, k: int, tier: Tier, part: int, value: float) -> byt
     reader, _ = read(payload, contract(), doc["n_tokens"])
     h = reader.finish()
     spec = h.chunks[k]
-    raw = bytearray(zstandard.ZstdDecompressor().decompress(chunks[k][CHUNK_PREFIX.size:]))
-    plan = plan_chunk(h.tiers, h.layouts, HEADS, 16, (spec.layer_start, spec.layer_stop, spec.token_start,
-                                                       spec.token_stop))
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(chunks[k][CHUNK_PREFIX.size :]))
+    plan = plan_chunk(
+        h.tiers, h.layouts, HEADS, 16, (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop)
+    )
     section = [s for s in plan.sections if s.tier is tier][-1]  # written last of its tier: nothing before it may be
     array = section_arrays(raw, section, HEADS, 16)[part]
     array[-1, -1, -1, -1] = value
@@ -252,14 +268,17 @@ def poisoned(payload: bytes, k: int, tier: Tier, part: int, value: float) -> byt
     return join_frames(header, chunks)
 
 
-@pytest.mark.parametrize("tier, part, value, dtype", [
-    (Tier.FP16, 0, np.nan, np.float32),  # NaN in an FP16 row
-    (Tier.FP16, 0, -np.inf, np.float16),
-    (Tier.INT4, 1, np.inf, np.float32),  # inf in an INT4 scale
-    (Tier.INT4, 2, -np.inf, np.float16),  # -inf in an INT4 zero
-    (Tier.INT8, 1, np.nan, np.float32),  # NaN in an INT8 scale
-    (Tier.INT2, 2, np.nan, np.float32),
-])
+@pytest.mark.parametrize(
+    "tier, part, value, dtype",
+    [
+        (Tier.FP16, 0, np.nan, np.float32),  # NaN in an FP16 row
+        (Tier.FP16, 0, -np.inf, np.float16),
+        (Tier.INT4, 1, np.inf, np.float32),  # inf in an INT4 scale
+        (Tier.INT4, 2, -np.inf, np.float16),  # -inf in an INT4 zero
+        (Tier.INT8, 1, np.nan, np.float32),  # NaN in an INT8 scale
+        (Tier.INT2, 2, np.nan, np.float32),
+    ],
+)
 def test_non_finite_values_are_refused_before_anything_of_their_chunk_is_written(tier, part, value, dtype) -> None:
     n = 30
     snap = snapshot(n)
@@ -274,7 +293,7 @@ def test_non_finite_values_are_refused_before_anything_of_their_chunk_is_written
     assert isinstance(err.value, KVMalformedError)
     assert err.value.field == "chunk 1" and tier.name in str(err.value)
     for spec in header.chunks:  # chunk 0 was written, chunk 1 (refused) and the rest untouched
-        region = target[spec.layer_start:spec.layer_stop, :, :, header.slot_range(spec)]
+        region = target[spec.layer_start : spec.layer_stop, :, :, header.slot_range(spec)]
         assert (region == SENTINEL).all() == (spec.index >= 1), spec.index
     assert np.isfinite(target).all()
 
@@ -284,10 +303,12 @@ def test_finite_extremes_and_random_float16_bits_never_raise_untyped() -> None:
     snap = snapshot(n)
     payload = encode(snap, np.full(n, Tier.FP16, np.uint8), chunk_tokens=16)
     header, chunks, _ = split_frames(payload)
-    raw_len = len(zstandard.ZstdDecompressor().decompress(chunks[0][CHUNK_PREFIX.size:]))
+    raw_len = len(zstandard.ZstdDecompressor().decompress(chunks[0][CHUNK_PREFIX.size :]))
     extremes = np.array([65504, -65504, 2**-24, -(2**-24), 0, -0.0], np.float16)
-    for raw in (np.resize(extremes, raw_len // 2).tobytes(),
-                np.random.default_rng(0).integers(0, 256, raw_len, np.uint8).tobytes()):
+    for raw in (
+        np.resize(extremes, raw_len // 2).tobytes(),
+        np.random.default_rng(0).integers(0, 256, raw_len, np.uint8).tobytes(),
+    ):
         sealed = join_frames(header, [rechunk(chunks[0], zstandard.ZstdCompressor().compress(raw))])
         target = np.full((LAYERS, 2, HEADS, n, 16), SENTINEL, np.float32)
         reader = EDKVReader(snap.contract, max_tokens=n, target_factory=lambda h, target=target: target)
@@ -303,10 +324,19 @@ def test_finite_extremes_and_random_float16_bits_never_raise_untyped() -> None:
 # 5. anything a peer can put in a header field ends in a KVFormatError
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.sampled_from([2**63, -(2**63) - 1, 10**300])
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8) | st.just("AAAA"),
-    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(
-        st.sampled_from(["int4", "int8", "keys", "values", "axis", "group", "bits", "x"]), inner, max_size=4),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.sampled_from([2**63, -(2**63) - 1, 10**300])
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+    | st.just("AAAA"),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.dictionaries(
+            st.sampled_from(["int4", "int8", "keys", "values", "axis", "group", "bits", "x"]), inner, max_size=4
+        )
+    ),
     max_leaves=12,
 )
 
@@ -324,10 +354,17 @@ def test_any_value_in_any_header_field_is_accepted_or_a_typed_error(data) -> Non
     n = 12
     snap = snapshot(n)
     tiers = np.array([Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT2, Tier.DROP, Tier.INT4] * 2, np.uint8)
-    payload = encode(snap, tiers, chunk_tokens=4, layouts={**DEFAULT_LAYOUTS, Tier.INT8: (
-        QuantLayout("token", 16, 8), QuantLayout("token", 16, 8)), Tier.INT4: (QuantLayout("channel", 4, 4),
-                                                                                QuantLayout("token", 16, 4)),
-        Tier.INT2: (QuantLayout("channel", 4, 2), QuantLayout("token", 16, 2))})
+    payload = encode(
+        snap,
+        tiers,
+        chunk_tokens=4,
+        layouts={
+            **DEFAULT_LAYOUTS,
+            Tier.INT8: (QuantLayout("token", 16, 8), QuantLayout("token", 16, 8)),
+            Tier.INT4: (QuantLayout("channel", 4, 4), QuantLayout("token", 16, 4)),
+            Tier.INT2: (QuantLayout("channel", 4, 2), QuantLayout("token", 16, 2)),
+        },
+    )
     doc = header_doc(payload)
     path = data.draw(st.sampled_from(list(field_paths(doc))[1:]))
     node = doc
@@ -338,7 +375,5 @@ def test_any_value_in_any_header_field_is_accepted_or_a_typed_error(data) -> Non
     else:
         node[path[-1]] = data.draw(json_values)
     body = json.dumps(doc).encode("utf-8", "surrogatepass")
-    try:
+    with contextlib.suppress(KVFormatError):
         read(with_header(payload, body), snap.contract, n)
-    except KVFormatError:
-        pass

@@ -112,7 +112,7 @@ def test_a_short_prompt_too_big_for_its_budget_keeps_its_newest_tokens(n):
     budget = int4_share * (n - 2) / n  # room for all but two tokens at INT4
     tiers = policy_tiers("ours", budget, positions, COSTS, attention=attention)
     dropped = np.flatnonzero(tiers == Tier.DROP)
-    assert len(dropped) == 2 and np.all(tiers[-min(4, n - 2):] != Tier.DROP)
+    assert len(dropped) == 2 and np.all(tiers[-min(4, n - 2) :] != Tier.DROP)
     if n > 8:
         assert list(dropped) == [4, 5]  # the oldest of the recent window after the four sinks
 

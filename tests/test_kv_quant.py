@@ -29,8 +29,9 @@ def per_value(params: np.ndarray, layout: QuantLayout, m: int) -> np.ndarray:
     return p[..., np.arange(m) // layout.group, :]
 
 
-def assert_within_bound(x: np.ndarray, x_hat: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
-                        layout: QuantLayout) -> None:
+def assert_within_bound(
+    x: np.ndarray, x_hat: np.ndarray, scales: np.ndarray, zeros: np.ndarray, layout: QuantLayout
+) -> None:
     """|x − x̂| ≤ scale/2 + 2^-22·(|x| + |zero| + scale), element by element, with the params actually stored."""
     m = x.shape[-2]
     s, z = per_value(scales, layout, m), per_value(zeros, layout, m)
@@ -41,8 +42,9 @@ def assert_within_bound(x: np.ndarray, x_hat: np.ndarray, scales: np.ndarray, ze
     assert (err <= bound).all(), f"error {err[worst]} > bound {bound[worst]} at {worst}"
 
 
-layouts = st.builds(QuantLayout, st.sampled_from(["token", "channel"]), st.sampled_from([1, 4, 8, 32, 64]),
-                    st.sampled_from([2, 4, 8]))
+layouts = st.builds(
+    QuantLayout, st.sampled_from(["token", "channel"]), st.sampled_from([1, 4, 8, 32, 64]), st.sampled_from([2, 4, 8])
+)
 
 
 @st.composite
@@ -96,10 +98,10 @@ def test_dequantize_into_views_float16_and_scratch_agree(block, pad) -> None:
     expected = np.empty(x.shape, np.float32)
     dequantize_into(*parts, layout, expected)
     big = np.full((*x.shape[:-2], x.shape[-2] + 2 * pad, x.shape[-1]), np.nan, np.float32)
-    view = big[..., pad:pad + x.shape[-2], :]
+    view = big[..., pad : pad + x.shape[-2], :]
     dequantize_into(*parts, layout, view, np.empty(x.size + 7, np.float32))
     np.testing.assert_array_equal(view, expected)
-    assert np.isnan(big[..., :pad, :]).all() and np.isnan(big[..., pad + x.shape[-2]:, :]).all()
+    assert np.isnan(big[..., :pad, :]).all() and np.isnan(big[..., pad + x.shape[-2] :, :]).all()
     half = np.empty(x.shape, np.float16)
     with np.errstate(over="ignore"):  # x̂ within scale/2 of ±65504 rounds to ±inf in float16, as a cast would
         dequantize_into(*parts, layout, half)
@@ -139,7 +141,7 @@ def test_constant_input_gets_a_tiny_positive_scale() -> None:
 def test_values_a_float16_param_cannot_represent_are_refused(bad) -> None:
     x = np.zeros((1, 3, 8), np.float32)
     x[0, 1, 2] = bad
-    with pytest.raises(ValueError, match="non-finite|float16 range"):
+    with pytest.raises(ValueError, match=r"non-finite|float16 range"):
         quantize(x, QuantLayout("token", 8, 4))
 
 

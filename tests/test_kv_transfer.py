@@ -44,7 +44,7 @@ def scored(scorer, long_prompt):
 def _stream(engine, prompt, payload: bytes, piece: int = 7777):
     reader = engine.open_kv_stream(prompt)
     for start in range(0, len(payload), piece):
-        reader.feed(payload[start:start + piece])
+        reader.feed(payload[start : start + piece])
     return engine.prefill_streamed(prompt, reader)
 
 
@@ -60,7 +60,9 @@ def test_every_policy_fits_the_wire_budget(scored, budget):
     assert (ours.tier_counts()["DROP"] > 0) == (all_int4 > budget * ours.fp16_bytes)  # DROP only when required
 
 
-def test_streamed_ingest_equals_snapshot_injection_and_fp16_is_lossless(exact_decoder, scored, long_prompt, smollm2_model):
+def test_streamed_ingest_equals_snapshot_injection_and_fp16_is_lossless(
+    exact_decoder, scored, long_prompt, smollm2_model
+):
     contract = smollm2_model.spec.kv_contract
     payload = b"".join(encode_within_budget(scored, 1.0).frames)
     received = decode_snapshot(payload, contract)
@@ -81,7 +83,9 @@ def test_dropped_tokens_arrive_compacted_with_their_positions(exact_decoder, sco
     logits = _stream(exact_decoder, long_prompt, b"".join(encoded.frames), piece=1 << 20)
     last_kept = int(np.flatnonzero(kept)[-1])
     assert exact_decoder.next_position == len(long_prompt)
-    assert exact_decoder.length == int(kept[:len(long_prompt) - 1].sum()) + (len(long_prompt) - min(last_kept + 1, len(long_prompt) - 1))
+    assert exact_decoder.length == int(kept[: len(long_prompt) - 1].sum()) + (
+        len(long_prompt) - min(last_kept + 1, len(long_prompt) - 1)
+    )
     assert np.isfinite(logits).all()
 
 
@@ -109,6 +113,7 @@ def test_a_corrupt_or_cut_stream_fails_typed_and_the_engine_keeps_serving(decode
 
 
 # --- conversations: keeping the KV of an earlier turn ---------------------------------------------
+
 
 def test_a_next_turn_keeps_the_held_prefix_and_matches_a_fresh_prefill(exact_decoder, long_prompt):
     first = long_prompt[:200]

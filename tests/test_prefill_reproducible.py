@@ -28,8 +28,7 @@ W, BLOCK = OBSERVATION_WINDOW, DEFAULT_BLOCK_TOKENS
 
 @pytest.fixture(scope="module")
 def service(smollm2_model):
-    built = PrefillService(smollm2_model, threads=2, max_prompt_tokens=2047,
-                           prefix_cache_bytes=CACHE_BYTES)
+    built = PrefillService(smollm2_model, threads=2, max_prompt_tokens=2047, prefix_cache_bytes=CACHE_BYTES)
     yield built
     built.close()
 
@@ -74,32 +73,40 @@ def test_only_a_row_alone_in_its_attention_tile_gets_other_kv(service, texts):
         engine.reset()
         start = 0
         for size in sizes:
-            engine._tokens[start:start + size] = ids[start:start + size]
+            engine._tokens[start : start + size] = ids[start : start + size]
             engine._run(size, False)
             start += size
         return engine.export_kv()
 
     whole = kv([300])
-    for sizes, lone in [([2, 3, 64, 17, 100, 114], []), ([40, 2, 2, 128, 128], []),
-                        ([300 - 2 * 40 - 1] + [2] * 40 + [1], [299]), ([40, 2, 129, 129], [170, 299]),
-                        ([43, 257], [299])]:
+    for sizes, lone in [
+        ([2, 3, 64, 17, 100, 114], []),
+        ([40, 2, 2, 128, 128], []),
+        ([300 - 2 * 40 - 1] + [2] * 40 + [1], [299]),
+        ([40, 2, 129, 129], [170, 299]),
+        ([43, 257], [299]),
+    ]:
         split = kv(sizes)
-        differ = np.flatnonzero((split.keys != whole.keys).any(axis=(0, 1, 3))
-                                | (split.values != whole.values).any(axis=(0, 1, 3)))
+        differ = np.flatnonzero(
+            (split.keys != whole.keys).any(axis=(0, 1, 3)) | (split.values != whole.values).any(axis=(0, 1, 3))
+        )
         first = differ[0] if len(differ) else None
         assert first == (lone[0] if lone else None), sizes  # and every position after it differs too
 
 
-@pytest.mark.parametrize("reused", [
-    1,  # from the first token: runs of 512 + 55 rows where the cold path runs 512 + 56
-    BLOCK,
-    600 - W - PREFILL_CHUNK_TOKENS - 1,  # leaves 513 rows before the window
-    600 - W - 2 * GQA_ROW_TILE - 1,  # leaves 257 rows: 255 + 2 run
-    600 - W - 1,  # ends one row before the window: two rows run, not one
-    600 - W,  # ends where the window starts
-    600 - W + 5,  # ends inside the window, which always runs
-    599,  # the whole prompt but its last token
-])
+@pytest.mark.parametrize(
+    "reused",
+    [
+        1,  # from the first token: runs of 512 + 55 rows where the cold path runs 512 + 56
+        BLOCK,
+        600 - W - PREFILL_CHUNK_TOKENS - 1,  # leaves 513 rows before the window
+        600 - W - 2 * GQA_ROW_TILE - 1,  # leaves 257 rows: 255 + 2 run
+        600 - W - 1,  # ends one row before the window: two rows run, not one
+        600 - W,  # ends where the window starts
+        600 - W + 5,  # ends inside the window, which always runs
+        599,  # the whole prompt but its last token
+    ],
+)
 def test_kv_and_importance_do_not_depend_on_the_reused_prefix(service, texts, reused):
     engine, ids = service.engine, texts[1][:600]
     cold = prefill_and_score(engine, ids)
@@ -112,7 +119,7 @@ def test_kv_and_importance_do_not_depend_on_the_reused_prefix(service, texts, re
 
 
 def test_the_same_prompt_twice_gives_the_same_payload_bytes(service, texts):
-    ids = texts[0][:10 * BLOCK + 20]  # a full hit covers the token before the window and part of the window
+    ids = texts[0][: 10 * BLOCK + 20]  # a full hit covers the token before the window and part of the window
     service.cache = PrefixCache(CACHE_BYTES)
     first, reused_first = _payload(service, ids)
     second, reused_second = _payload(service, ids)
@@ -125,7 +132,7 @@ def test_the_same_prompt_twice_gives_the_same_payload_bytes(service, texts):
 def test_a_shared_prefix_from_another_prompt_gives_the_payload_of_an_empty_cache(service, texts):
     a, other = texts[0], texts[2]
     # B shares 300 tokens (4 blocks reused) with A, then 513 rows run before its window
-    b = np.concatenate([a[:300], other[:4 * BLOCK + PREFILL_CHUNK_TOKENS + 1 + W - 300]])
+    b = np.concatenate([a[:300], other[: 4 * BLOCK + PREFILL_CHUNK_TOKENS + 1 + W - 300]])
     expected = _cold(service, b)
     _payload(service, a)
     got, reused = _payload(service, b)
@@ -133,14 +140,16 @@ def test_a_shared_prefix_from_another_prompt_gives_the_payload_of_an_empty_cache
     assert got == expected
 
 
-@pytest.mark.parametrize("shared, length", [
-    (3 * BLOCK + 8, 3 * BLOCK + 1 + W),  # the hit ends one token before B's window
-    (4 * BLOCK + 4, 4 * BLOCK + 14),  # the hit ends inside B's window
-])
-def test_a_shared_prefix_ending_at_or_in_the_window_gives_the_payload_of_an_empty_cache(service, texts, shared,
-                                                                                         length):
+@pytest.mark.parametrize(
+    "shared, length",
+    [
+        (3 * BLOCK + 8, 3 * BLOCK + 1 + W),  # the hit ends one token before B's window
+        (4 * BLOCK + 4, 4 * BLOCK + 14),  # the hit ends inside B's window
+    ],
+)
+def test_a_shared_prefix_ending_at_or_in_the_window_gives_the_payload_of_an_empty_cache(service, texts, shared, length):
     a, other = texts[1], texts[2]
-    b = np.concatenate([a[:shared], other[:length - shared]])
+    b = np.concatenate([a[:shared], other[: length - shared]])
     expected = _cold(service, b)
     _payload(service, a)
     got, reused = _payload(service, b)

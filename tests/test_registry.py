@@ -170,8 +170,13 @@ def test_register_non_gguf(home, tmp_path):
 def _write_gguf(path: Path, arch: str = "llama", kind: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
     """A tiny GGUF with the metadata ModelSpec needs and one embedding tensor of type ``kind``."""
     writer = GGUFWriter(path, arch)
-    for key, value in {"block_count": 1, "embedding_length": 32, "feed_forward_length": 64,
-                       "attention.head_count": 1, "context_length": 128}.items():
+    for key, value in {
+        "block_count": 1,
+        "embedding_length": 32,
+        "feed_forward_length": 64,
+        "attention.head_count": 1,
+        "context_length": 128,
+    }.items():
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_tokenizer_model("gpt2")

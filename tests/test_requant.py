@@ -26,8 +26,13 @@ def native_tensors(smollm2_reader, smollm2_model):
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 6), cols=st.integers(1, 300), bits=st.sampled_from([2, 4, 8]),
-       block_size=st.sampled_from([16, 32, 64, 128]), seed=st.integers(0, 2**32 - 1))
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 300),
+    bits=st.sampled_from([2, 4, 8]),
+    block_size=st.sampled_from([16, 32, 64, 128]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_requantized_weight_is_within_half_a_step_of_the_original(rows, cols, bits, block_size, seed):
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     q = requantize(w, WeightFormat(bits, block_size))
@@ -61,7 +66,8 @@ def test_packed_codes_follow_matmulnbits_order(bits):
 
 @pytest.mark.parametrize("weights", ["q4b128", "q2b32"])
 def test_requantized_decode_graph_equals_numpy_forward_of_the_requantized_weights(
-        weights, smollm2_model, native_tensors):
+    weights, smollm2_model, native_tensors
+):
     """q4b128 has a short last block on every 576-wide input (576 = 4.5 x 128); q2b32 packs 4 codes a byte."""
     ids = smollm2_model.tokenizer.encode("The river runs to the sea, and the sea is never full.")
     engine = Engine(smollm2_model, GraphOptions("decode", "float32", 0, weights=weights), max_context=64, threads=2)
@@ -69,8 +75,10 @@ def test_requantized_decode_graph_equals_numpy_forward_of_the_requantized_weight
     tensors = requantize_layers(native_tensors, parse_weight_format(weights))
     reference = reference_forward(smollm2_model.spec, tensors, ids)
     native = reference_forward(smollm2_model.spec, native_tensors, ids)
-    print(f"{weights}: max |logit diff| vs numpy {np.abs(logits - reference.logits).max():.2e}; "
-          f"vs native weights {np.abs(logits - native.logits).max():.2f}")
+    print(
+        f"{weights}: max |logit diff| vs numpy {np.abs(logits - reference.logits).max():.2e}; "
+        f"vs native weights {np.abs(logits - native.logits).max():.2f}"
+    )
     np.testing.assert_allclose(logits, reference.logits, atol=1e-2)
     assert np.abs(reference.logits - native.logits).max() > 0.5  # the weights really changed
 
@@ -96,10 +104,16 @@ def test_weight_format_is_part_of_the_cache_key_and_file_name(smollm2_model):
     assert "native" not in smollm2_model.graph_path(native).name
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"weights": "q3b32"}, "bits must be one of"), ({"weights": "q4b48"}, "power of two"),
-    ({"weights": "q4b8"}, "power of two >= 16"), ({"weights": "int4"}, "q<bits>b<block_size>"),
-    ({"kind": "prefill", "weights": "q4b32"}, "decode graph only")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"weights": "q3b32"}, "bits must be one of"),
+        ({"weights": "q4b48"}, "power of two"),
+        ({"weights": "q4b8"}, "power of two >= 16"),
+        ({"weights": "int4"}, "q<bits>b<block_size>"),
+        ({"kind": "prefill", "weights": "q4b32"}, "decode graph only"),
+    ],
+)
 def test_invalid_weight_formats_are_refused(kwargs, message):
     with pytest.raises(GraphOptionsError, match=message):
         GraphOptions(**kwargs)

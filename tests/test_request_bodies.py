@@ -15,22 +15,28 @@ from edgedecode.serving.http import OUTCOME, error_middleware, read_json
 from edgedecode.serving.json_body import MAX_DEPTH, BodyError, parse_json_object
 
 
-@pytest.mark.parametrize("body, param, message", [
-    (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested deeper"),
-    (b'{"messages": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}", "messages" + "[0]" * (MAX_DEPTH - 1),
-     "nested more than"),
-    (b'{"seed": ' + b"9" * 5000 + b"}", "seed", "an integer of 5000 digits"),
-    (b'{"max_tokens": -' + b"9" * 21 + b"}", "max_tokens", "an integer of 21 digits"),
-    (b'{"max_tokens": 1e400}', "max_tokens", "beyond the range of a float"),
-    (b'{"temperature": NaN}', "temperature", "NaN is not a JSON number"),
-    (b'{"top_p": -Infinity}', "top_p", "-Infinity is not a JSON number"),
-    (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content", "lone UTF-16 surrogate"),
-    (b'{"\\udfff": 1}', "\udfff", "lone UTF-16 surrogate"),
-    (b'{"stop": ["ok", "\\udbff"]}', "stop[1]", "lone UTF-16 surrogate"),
-    (b"[1, 2]", None, "must be a JSON object"),
-    (b'{"a": 1,}', None, "not valid JSON"),
-    (b"\xff\xfe{}", None, "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        (b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "nested deeper"),
+        (
+            b'{"messages": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}",
+            "messages" + "[0]" * (MAX_DEPTH - 1),
+            "nested more than",
+        ),
+        (b'{"seed": ' + b"9" * 5000 + b"}", "seed", "an integer of 5000 digits"),
+        (b'{"max_tokens": -' + b"9" * 21 + b"}", "max_tokens", "an integer of 21 digits"),
+        (b'{"max_tokens": 1e400}', "max_tokens", "beyond the range of a float"),
+        (b'{"temperature": NaN}', "temperature", "NaN is not a JSON number"),
+        (b'{"top_p": -Infinity}', "top_p", "-Infinity is not a JSON number"),
+        (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content", "lone UTF-16 surrogate"),
+        (b'{"\\udfff": 1}', "\udfff", "lone UTF-16 surrogate"),
+        (b'{"stop": ["ok", "\\udbff"]}', "stop[1]", "lone UTF-16 surrogate"),
+        (b"[1, 2]", None, "must be a JSON object"),
+        (b'{"a": 1,}', None, "not valid JSON"),
+        (b"\xff\xfe{}", None, "not valid JSON"),
+    ],
+)
 def test_hostile_bodies_are_refused_naming_the_field(body, param, message):
     with pytest.raises(BodyError, match=message) as caught:
         parse_json_object(body)
@@ -38,9 +44,15 @@ def test_hostile_bodies_are_refused_naming_the_field(body, param, message):
 
 
 def test_plain_bodies_parse_unchanged():
-    body = {"messages": [{"role": "user", "content": "Grüße 👋 <|im_start|>"}], "seed": 2**64 - 1,
-            "temperature": 0.7, "stop": None, "stream": True, "token_ids": list(range(5000)),
-            "nested": [[[{"deep": [1.5e300]}]]]}
+    body = {
+        "messages": [{"role": "user", "content": "Grüße 👋 <|im_start|>"}],
+        "seed": 2**64 - 1,
+        "temperature": 0.7,
+        "stop": None,
+        "stream": True,
+        "token_ids": list(range(5000)),
+        "nested": [[[{"deep": [1.5e300]}]]],
+    }
     assert parse_json_object(json.dumps(body).encode()) == body
 
 
@@ -86,13 +98,17 @@ def test_every_response_is_counted_once_and_errors_are_json():
         url = app.server.url
         assert _call(url + "/echo", b'{"a": 1}') == (200, '{"a": 1}')
         status, error = _call(url + "/echo", b'{"temperature": NaN}')
-        assert (status, error["error"]["param"], error["error"]["type"]) == (400, "temperature",
-                                                                             "invalid_request_error")
+        assert (status, error["error"]["param"], error["error"]["type"]) == (
+            400,
+            "temperature",
+            "invalid_request_error",
+        )
         status, error = _call(url + "/bug")
         assert status == 500 and "ZeroDivisionError" in error["error"]["message"]
         assert _call(url + "/stream")[0] == 200
         assert _call(url + "/nowhere")[0] == 404
-        assert sorted(app.counted) == sorted([("/echo", "200"), ("/echo", "400"), ("/bug", "500"),
-                                              ("/stream", "500"), ("/nowhere", "404")])
+        assert sorted(app.counted) == sorted(
+            [("/echo", "200"), ("/echo", "400"), ("/bug", "500"), ("/stream", "500"), ("/nowhere", "404")]
+        )
     finally:
         app.server.stop()

@@ -57,8 +57,10 @@ def test_a_built_graph_is_reused_not_rebuilt(smollm2_model):
     assert path.name.startswith("decode-float32-acc4-")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(kind="encode"), "graph kind"), (dict(dtype="int8"), "dtype"), (dict(accuracy_level=7), "accuracy_level")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(kind="encode"), "graph kind"), (dict(dtype="int8"), "dtype"), (dict(accuracy_level=7), "accuracy_level")],
+)
 def test_invalid_graph_options_are_refused(kwargs, message):
     with pytest.raises(GraphOptionsError, match=message):
         GraphOptions(**kwargs)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from edgedecode.runtime.sampler import Sampler, SamplingError, SamplingParams
 
 logit_rows = st.lists(st.floats(-20, 20, allow_nan=False), min_size=2, max_size=64).map(
-    lambda xs: np.array(xs, np.float32))
+    lambda xs: np.array(xs, np.float32)
+)
 
 
 @given(logit_rows)
@@ -54,7 +55,9 @@ def test_same_seed_same_sequence():
     assert len(set(picks)) > 5
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=-1)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=-1)]
+)
 def test_invalid_parameters_are_refused(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)

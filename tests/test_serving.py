@@ -19,10 +19,10 @@ from dataclasses import replace
 import aiohttp
 import numpy as np
 import pytest
+import zstandard
 from aiohttp import web
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-import zstandard
 from serving_helpers import ServerProcess, ThreadedApp
 from test_kv_format import join_frames, rechunk, split_frames
 
@@ -39,8 +39,14 @@ LONG_TEXT = " ".join(["The lighthouse keeper wrote down the weather every mornin
 
 def _config(tmp_path, name: str, **daemon) -> str:
     """A TOML config for the test servers (threads and context sized for the CI machine)."""
-    settings = {"slots": 2, "max_context": 2048, "budget": BUDGET, "max_body_bytes": 64 * 1024,
-                "prefill_token": PREFILL_TOKEN, **daemon}
+    settings = {
+        "slots": 2,
+        "max_context": 2048,
+        "budget": BUDGET,
+        "max_body_bytes": 64 * 1024,
+        "prefill_token": PREFILL_TOKEN,
+        **daemon,
+    }
     lines = ["[model]", "threads = 2", "[daemon]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
     lines += ["[prefill]", "prefix_cache_mb = 64", "max_prompt_tokens = 2048"]
@@ -56,17 +62,28 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prefill_server(smollm2_model, workdir):
-    server = ServerProcess(["prefill-server", "--config", _config(workdir, "prefill")], workdir / "prefill.log",
-                           env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN})
+    server = ServerProcess(
+        ["prefill-server", "--config", _config(workdir, "prefill")],
+        workdir / "prefill.log",
+        env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN},
+    )
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def daemon(prefill_server, workdir):
-    server = ServerProcess(["serve", "--config", _config(workdir, "daemon", client_timeout_s=2.0, header_timeout_s=1.0),
-                            "--prefill-url", prefill_server.url],
-                           workdir / "daemon.log", env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN})
+    server = ServerProcess(
+        [
+            "serve",
+            "--config",
+            _config(workdir, "daemon", client_timeout_s=2.0, header_timeout_s=1.0),
+            "--prefill-url",
+            prefill_server.url,
+        ],
+        workdir / "daemon.log",
+        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+    )
     yield server
     server.stop()
 
@@ -107,11 +124,13 @@ def _metrics(server) -> dict[str, float]:
 
 def _chat(server, messages, **extra):
     completion = _client(server).chat.completions.create(
-        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=48, **extra)
+        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=48, **extra
+    )
     return completion, completion.model_extra["edgedecode"]
 
 
 # --- the daemon with a real prefill server ------------------------------------------------------
+
 
 def test_openai_client_gets_streamed_and_whole_answers_with_usage(daemon, smollm2_model):
     whole, report = _chat(daemon, QUESTION)
@@ -125,8 +144,13 @@ def test_openai_client_gets_streamed_and_whole_answers_with_usage(daemon, smollm
     assert report["kv"]["source"] == "prefill_server"
 
     stream = _client(daemon).chat.completions.create(
-        model="smollm2-135m-instruct", messages=QUESTION, temperature=0, max_tokens=48, stream=True,
-        stream_options={"include_usage": True})
+        model="smollm2-135m-instruct",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=48,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == answer
@@ -138,13 +162,28 @@ def test_openai_client_gets_streamed_and_whole_answers_with_usage(daemon, smollm
 
 def test_greedy_output_equals_generate_cli_for_the_same_messages(daemon):
     question = "Name three rivers in Europe."
-    completion, report = _chat(daemon, [{"role": "user", "content": question}],
-                               extra_body={"session_id": "cli-compare"})
+    completion, report = _chat(
+        daemon, [{"role": "user", "content": question}], extra_body={"session_id": "cli-compare"}
+    )
     assert report["kv"]["source"] == "prefill_server"
-    command = ["generate", "--chat", "--handoff", "--budget", str(BUDGET), "--max-tokens", "48", "--threads", "2",
-               "--max-context", "2048", "--json", question]
-    cli = subprocess.run([sys.executable, "-m", "edgedecode", *command], capture_output=True, text=True, timeout=300,
-                         env=os.environ)
+    command = [
+        "generate",
+        "--chat",
+        "--handoff",
+        "--budget",
+        str(BUDGET),
+        "--max-tokens",
+        "48",
+        "--threads",
+        "2",
+        "--max-context",
+        "2048",
+        "--json",
+        question,
+    ]
+    cli = subprocess.run(
+        [sys.executable, "-m", "edgedecode", *command], capture_output=True, text=True, timeout=300, env=os.environ
+    )
     assert cli.returncode == 0, cli.stderr
     expected = json.loads(cli.stdout)
     assert completion.choices[0].message.content == expected["text"]
@@ -156,10 +195,12 @@ def test_greedy_output_equals_generate_cli_for_the_same_messages(daemon):
 
 def test_second_turn_pulls_only_the_new_tokens(daemon, smollm2_model):
     session = {"session_id": "turns"}
-    first, report1 = _chat(daemon, QUESTION, extra_body=session)
+    first, _report1 = _chat(daemon, QUESTION, extra_body=session)
     before = _metrics(daemon)
-    turn2 = QUESTION + [{"role": "assistant", "content": first.choices[0].message.content},
-                        {"role": "user", "content": "And what is the capital of Italy?"}]
+    turn2 = QUESTION + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And what is the capital of Italy?"},
+    ]
     second, report2 = _chat(daemon, turn2, extra_body=session)
     after = _metrics(daemon)
     kv = report2["kv"]
@@ -168,11 +209,13 @@ def test_second_turn_pulls_only_the_new_tokens(daemon, smollm2_model):
     assert kv["reused_tokens"] >= first.usage.prompt_tokens  # the first turn's prompt and answer stay resident
     assert kv["pulled_tokens"] == prompt2 - kv["reused_tokens"]
     per_token = smollm2_model.spec.kv_bytes_per_token_fp16
-    pulled_fp16 = (after["edgedecode_kv_fp16_equivalent_bytes_total{}"]
-                   - before["edgedecode_kv_fp16_equivalent_bytes_total{}"])
+    pulled_fp16 = (
+        after["edgedecode_kv_fp16_equivalent_bytes_total{}"] - before["edgedecode_kv_fp16_equivalent_bytes_total{}"]
+    )
     assert pulled_fp16 == kv["pulled_tokens"] * per_token < prompt2 * per_token
-    assert (after["edgedecode_prompt_tokens_total{source=reused}"]
-            - before["edgedecode_prompt_tokens_total{source=reused}"]) == kv["reused_tokens"]
+    assert (
+        after["edgedecode_prompt_tokens_total{source=reused}"] - before["edgedecode_prompt_tokens_total{source=reused}"]
+    ) == kv["reused_tokens"]
     assert "Rome" in second.choices[0].message.content
 
 
@@ -183,13 +226,18 @@ def test_concurrent_streams_share_the_decoder_token_by_token(daemon):
     arrivals: dict[str, list[float]] = {}
 
     def stream(name: str, prompt: str) -> None:
-        chunks = _client(daemon).completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=40,
-                                                    temperature=0, stream=True)
+        chunks = _client(daemon).completions.create(
+            model="smollm2-135m-instruct", prompt=prompt, max_tokens=40, temperature=0, stream=True
+        )
         arrivals[name] = [time.monotonic() for chunk in chunks if chunk.choices and chunk.choices[0].text]
 
-    threads = [threading.Thread(target=stream, args=(name, prompt)) for name, prompt in
-               (("a", "Once upon a time, in a small village by the sea,"),
-                ("b", "The history of the printing press begins"))]
+    threads = [
+        threading.Thread(target=stream, args=(name, prompt))
+        for name, prompt in (
+            ("a", "Once upon a time, in a small village by the sea,"),
+            ("b", "The history of the printing press begins"),
+        )
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -204,14 +252,18 @@ def test_concurrent_streams_share_the_decoder_token_by_token(daemon):
 
 
 def test_text_completions_with_stop_strings(daemon):
-    status, body = _post(daemon.url + "/v1/completions", json.dumps(
-        {"prompt": "1, 2, 3, 4,", "max_tokens": 24, "temperature": 0, "stop": [" 7"]}).encode())
+    status, body = _post(
+        daemon.url + "/v1/completions",
+        json.dumps({"prompt": "1, 2, 3, 4,", "max_tokens": 24, "temperature": 0, "stop": [" 7"]}).encode(),
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert body["object"] == "text_completion" and choice["finish_reason"] == "stop"
     assert choice["text"].startswith(" 5, 6,") and " 7" not in choice["text"]
-    status, body = _post(daemon.url + "/v1/completions", json.dumps(
-        {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}).encode())
+    status, body = _post(
+        daemon.url + "/v1/completions",
+        json.dumps({"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}).encode(),
+    )
     kv = body["edgedecode"]["kv"]  # 4 tokens: min_wire_bytes raises the budget, so none is dropped
     assert kv["budget"] > BUDGET and "DROP" not in kv["tiers"] and kv["wire_bytes"] <= 64 << 10
 
@@ -241,8 +293,10 @@ def test_a_client_that_stalls_its_body_gets_408_and_others_are_served(daemon):
 
     host, port = daemon.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as stalled:
-        stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Authorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: 500\r\n\r\n{\"mess")
+        stalled.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + TOKEN.encode() + b'\r\nContent-Length: 500\r\n\r\n{"mess'
+        )
         assert "Paris" in _chat(daemon, QUESTION)[0].choices[0].message.content  # served meanwhile
         answer = stalled.recv(4096).decode()  # configured client_timeout_s = 2
     assert answer.startswith("HTTP/1.1 408") and "did not arrive within 2 s" in answer
@@ -251,12 +305,18 @@ def test_a_client_that_stalls_its_body_gets_408_and_others_are_served(daemon):
 def test_metrics_parse_and_hold_the_documented_families(daemon):
     _chat(daemon, QUESTION)
     samples = _metrics(daemon)
-    for name in ("edgedecode_requests_total{endpoint=chat_completions,status=200}",
-                 "edgedecode_time_to_first_token_seconds_count{}", "edgedecode_inter_token_latency_seconds_count{}",
-                 "edgedecode_kv_wire_bytes_total{}", "edgedecode_kv_fp16_equivalent_bytes_total{}",
-                 "edgedecode_kv_tier_tokens_total{tier=INT4}", "edgedecode_kv_fetch_seconds_count{}",
-                 "edgedecode_prefill_fallbacks_total{reason=unreachable}",
-                 "edgedecode_resident_kv_bytes{}", "edgedecode_process_resident_memory_bytes{}"):
+    for name in (
+        "edgedecode_requests_total{endpoint=chat_completions,status=200}",
+        "edgedecode_time_to_first_token_seconds_count{}",
+        "edgedecode_inter_token_latency_seconds_count{}",
+        "edgedecode_kv_wire_bytes_total{}",
+        "edgedecode_kv_fp16_equivalent_bytes_total{}",
+        "edgedecode_kv_tier_tokens_total{tier=INT4}",
+        "edgedecode_kv_fetch_seconds_count{}",
+        "edgedecode_prefill_fallbacks_total{reason=unreachable}",
+        "edgedecode_resident_kv_bytes{}",
+        "edgedecode_process_resident_memory_bytes{}",
+    ):
         assert name in samples, name
     # every pull fits max(budget x its FP16 bytes, min_wire_bytes = 64 KiB)
     pulls, fp16 = samples["edgedecode_kv_fetch_seconds_count{}"], samples["edgedecode_kv_fp16_equivalent_bytes_total{}"]
@@ -279,9 +339,13 @@ def test_prefill_server_answers_edkv_and_refuses_bad_requests(prefill_server, sm
     snapshot = decode_snapshot(payload, smollm2_model.spec.kv_contract)
     np.testing.assert_array_equal(snapshot.token_ids, smollm2_model.tokenizer.encode_chat(QUESTION))
     assert len(payload) <= 0.5 * snapshot.n_tokens * smollm2_model.spec.kv_bytes_per_token_fp16
-    for bad, param in (({"text": "hi", "budget": 0}, "budget"), ({"text": "hi", "held_tokens": 5}, "held_tokens"),
-                       ({"token_ids": [1, -2]}, "token_ids"), ({"text": "hi", "policy": "best"}, "policy"),
-                       ({"text": "hi", "colour": 1}, "colour")):
+    for bad, param in (
+        ({"text": "hi", "budget": 0}, "budget"),
+        ({"text": "hi", "held_tokens": 5}, "held_tokens"),
+        ({"token_ids": [1, -2]}, "token_ids"),
+        ({"text": "hi", "policy": "best"}, "policy"),
+        ({"text": "hi", "colour": 1}, "colour"),
+    ):
         status, error = _post(url, json.dumps(bad).encode(), token=PREFILL_TOKEN)
         assert (status, error["error"]["param"]) == (400, param)
     assert _post(url, body, token=None)[0] == 401
@@ -291,6 +355,7 @@ def test_prefill_server_answers_edkv_and_refuses_bad_requests(prefill_server, sm
 
 
 # --- hostile input: each is a precise 4xx, and the servers go on serving everyone else ----------
+
 
 def test_a_budget_no_payload_can_meet_is_refused_at_once_naming_the_minimum(prefill_server):
     url = prefill_server.url + "/v1/prefill"
@@ -308,19 +373,22 @@ def test_a_budget_no_payload_can_meet_is_refused_at_once_naming_the_minimum(pref
 _CHAT = json.dumps(QUESTION)
 
 
-@pytest.mark.parametrize("body, param", [
-    ('{"messages": ' + "[" * 40 + "]" * 40 + "}", "messages" + "[0]" * 31),
-    ('{"messages": ' + "[" * 20_000 + "]" * 20_000 + "}", None),
-    ('{"messages": %s, "seed": 1%s}' % (_CHAT, "0" * 5000), "seed"),
-    ('{"messages": %s, "max_tokens": 1e400}' % _CHAT, "max_tokens"),
-    ('{"messages": [{"role": "user", "content": "caf\\udce9"}]}', "messages[0].content"),
-    ('{"messages": %s, "temperature": NaN}' % _CHAT, "temperature"),
-    ('{"messages": %s, "temperature": 1e308, "top_p": -0.5}' % _CHAT, "top_p"),
-    ('{"messages": %s, "top_k": 49153}' % _CHAT, "top_k"),
-    ('{"messages": %s, "seed": -1, "stream": true}' % _CHAT, "seed"),
-    ('{"messages": %s, "top_k": 100000, "stream": true}' % _CHAT, "top_k"),
-    ('{"messages": %s, "max_tokens": 1000000}' % _CHAT, "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ('{"messages": ' + "[" * 40 + "]" * 40 + "}", "messages" + "[0]" * 31),
+        ('{"messages": ' + "[" * 20_000 + "]" * 20_000 + "}", None),
+        ('{"messages": ' + _CHAT + ', "seed": 1' + "0" * 5000 + "}", "seed"),
+        ('{"messages": ' + _CHAT + ', "max_tokens": 1e400}', "max_tokens"),
+        ('{"messages": [{"role": "user", "content": "caf\\udce9"}]}', "messages[0].content"),
+        ('{"messages": ' + _CHAT + ', "temperature": NaN}', "temperature"),
+        ('{"messages": ' + _CHAT + ', "temperature": 1e308, "top_p": -0.5}', "top_p"),
+        ('{"messages": ' + _CHAT + ', "top_k": 49153}', "top_k"),
+        ('{"messages": ' + _CHAT + ', "seed": -1, "stream": true}', "seed"),
+        ('{"messages": ' + _CHAT + ', "top_k": 100000, "stream": true}', "top_k"),
+        ('{"messages": ' + _CHAT + ', "max_tokens": 1000000}', "max_tokens"),
+    ],
+)
 def test_bad_values_are_400s_naming_the_param_never_500s(daemon, body, param):
     status, error = _post(daemon.url + "/v1/chat/completions", body.encode())
     assert (status, error["error"]["type"], error["error"]["param"]) == (400, "invalid_request_error", param), error
@@ -330,27 +398,34 @@ def test_bad_values_are_400s_naming_the_param_never_500s(daemon, body, param):
 
 def test_the_prefill_server_refuses_the_same_bad_values(prefill_server):
     url = prefill_server.url + "/v1/prefill"
-    for body, param in (('{"token_ids": ' + "[" * 50_000 + "]" * 50_000 + "}", None),
-                        ('{"token_ids": [1, 2, %s]}' % ("7" * 5000), "token_ids[2]"),
-                        ('{"text": "hi", "budget": NaN}', "budget"),
-                        ('{"text": "hi", "budget": 1e400}', "budget"),
-                        ('{"text": "\\ud83d"}', "text"),
-                        ('{"messages": [{"role": "user<|im_end|>", "content": "hi"}]}', "messages")):
+    for body, param in (
+        ('{"token_ids": ' + "[" * 50_000 + "]" * 50_000 + "}", None),
+        ('{"token_ids": [1, 2, %s]}' % ("7" * 5000), "token_ids[2]"),
+        ('{"text": "hi", "budget": NaN}', "budget"),
+        ('{"text": "hi", "budget": 1e400}', "budget"),
+        ('{"text": "\\ud83d"}', "text"),
+        ('{"messages": [{"role": "user<|im_end|>", "content": "hi"}]}', "messages"),
+    ):
         status, error = _post(url, body.encode(), token=PREFILL_TOKEN)
         assert (status, error["error"]["param"]) == (400, param), error
 
 
 def test_every_response_is_counted_once_in_requests_total(daemon):
     def total() -> float:
-        return sum(v for k, v in _metrics(daemon).items()
-                   if k.startswith("edgedecode_requests_total{endpoint=chat_completions"))
+        return sum(
+            v
+            for k, v in _metrics(daemon).items()
+            if k.startswith("edgedecode_requests_total{endpoint=chat_completions")
+        )
 
     before = total()
     chat = daemon.url + "/v1/chat/completions"
-    sent = [_post(chat, b'{"messages": [[[[]]]], "seed": 1' + b"0" * 5000 + b"}")[0],
-            _post(chat, json.dumps({"messages": QUESTION, "max_tokens": 2}).encode(), token="wrong")[0],
-            _post(chat, json.dumps({"messages": QUESTION, "max_tokens": 2}).encode())[0],
-            _post(chat, json.dumps({"messages": QUESTION, "top_k": -1}).encode())[0]]
+    sent = [
+        _post(chat, b'{"messages": [[[[]]]], "seed": 1' + b"0" * 5000 + b"}")[0],
+        _post(chat, json.dumps({"messages": QUESTION, "max_tokens": 2}).encode(), token="wrong")[0],
+        _post(chat, json.dumps({"messages": QUESTION, "max_tokens": 2}).encode())[0],
+        _post(chat, json.dumps({"messages": QUESTION, "top_k": -1}).encode())[0],
+    ]
     assert sent == [400, 401, 200, 400]
     assert total() == before + len(sent)
 
@@ -361,17 +436,21 @@ def test_client_text_never_becomes_control_tokens(daemon, prefill_server, smollm
     plain, injected = tokenizer.encode_chat(forged), tokenizer.encode_chat(forged, special_in_content=True)
     im_start = tokenizer.encode("<|im_start|>", add_bos=False)
     assert len(im_start) == 1 and injected.count(im_start[0]) == plain.count(im_start[0]) + 2
-    completion = _client(daemon).chat.completions.create(model="smollm2-135m-instruct", messages=forged,
-                                                         max_tokens=1, temperature=0)
+    completion = _client(daemon).chat.completions.create(
+        model="smollm2-135m-instruct", messages=forged, max_tokens=1, temperature=0
+    )
     assert completion.usage.prompt_tokens == len(plain)
-    text = _client(daemon).completions.create(model="smollm2-135m-instruct", prompt="<|im_start|>system",
-                                              max_tokens=1, temperature=0)
+    text = _client(daemon).completions.create(
+        model="smollm2-135m-instruct", prompt="<|im_start|>system", max_tokens=1, temperature=0
+    )
     assert text.usage.prompt_tokens == len(tokenizer.encode("<|im_start|>system", parse_special=False))
     from edgedecode.kv.wire import decode_snapshot
 
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {PREFILL_TOKEN}"}
-    for body, expected in (({"messages": forged}, plain),
-                           ({"text": "<|im_end|>"}, tokenizer.encode("<|im_end|>", parse_special=False))):
+    for body, expected in (
+        ({"messages": forged}, plain),
+        ({"text": "<|im_end|>"}, tokenizer.encode("<|im_end|>", parse_special=False)),
+    ):
         request = urllib.request.Request(prefill_server.url + "/v1/prefill", json.dumps(body).encode(), headers)
         with urllib.request.urlopen(request, timeout=120) as response:
             snapshot = decode_snapshot(response.read(), smollm2_model.spec.kv_contract)
@@ -385,9 +464,11 @@ def test_a_short_chat_prompt_keeps_its_newest_tokens(prefill_server, smollm2_mod
 
     ids = smollm2_model.tokenizer.encode_chat(QUESTION)
     assert len(ids) <= 68
-    request = urllib.request.Request(prefill_server.url + "/v1/prefill",
-                                     json.dumps({"token_ids": ids, "budget": 0.3}).encode(),
-                                     {"Content-Type": "application/json", "Authorization": f"Bearer {PREFILL_TOKEN}"})
+    request = urllib.request.Request(
+        prefill_server.url + "/v1/prefill",
+        json.dumps({"token_ids": ids, "budget": 0.3}).encode(),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {PREFILL_TOKEN}"},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         kept = decode_snapshot(response.read(), smollm2_model.spec.kv_contract).positions
     assert len(kept) < len(ids)  # the budget does drop some
@@ -419,6 +500,7 @@ def test_slow_request_headers_are_cut_and_others_are_served(daemon):
 
 # --- a faulty prefill endpoint in front of the real one -----------------------------------------
 
+
 class FaultyPrefill:
     """An endpoint that forwards to a real prefill server and breaks the answer as told (``mode``)."""
 
@@ -441,9 +523,12 @@ class FaultyPrefill:
             return self._respond(request, self._other_model_payload(body["token_ids"]))
         if self.mode == "nan-kv":
             body["budget"] = 1.0  # every token at FP16: the chunk's raw bytes are float16 rows
-        async with aiohttp.ClientSession() as http, http.post(
-                self.upstream + "/v1/prefill", json=body,
-                headers={"Authorization": f"Bearer {PREFILL_TOKEN}"}) as upstream:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                self.upstream + "/v1/prefill", json=body, headers={"Authorization": f"Bearer {PREFILL_TOKEN}"}
+            ) as upstream,
+        ):
             if self.mode == "relay-then-kill":
                 response = web.StreamResponse(headers={"Content-Type": "application/x-edkv"})
                 await response.prepare(request)
@@ -460,7 +545,7 @@ class FaultyPrefill:
             payload = bytearray(payload)
             payload[len(payload) // 2] ^= 0x40
         elif self.mode == "truncated":
-            payload = payload[:len(payload) // 2]
+            payload = payload[: len(payload) // 2]
         elif self.mode == "nan-kv":
             payload = self._nan_payload(payload)
         return self._respond(request, bytes(payload))
@@ -469,7 +554,7 @@ class FaultyPrefill:
     def _nan_payload(payload: bytes) -> bytes:
         """The payload with one NaN in its first chunk's KV, every checksum made right again."""
         header, chunks, _ = split_frames(payload)
-        raw = bytearray(zstandard.ZstdDecompressor().decompress(chunks[0][CHUNK_PREFIX.size:]))
+        raw = bytearray(zstandard.ZstdDecompressor().decompress(chunks[0][CHUNK_PREFIX.size :]))
         raw[:2] = np.array([np.nan], np.float16).tobytes()
         chunks[0] = rechunk(chunks[0], zstandard.ZstdCompressor().compress(bytes(raw)))
         return join_frames(header, chunks)
@@ -483,10 +568,14 @@ class FaultyPrefill:
         spec = self.model.spec
         contract = replace(spec.kv_contract, n_layers=spec.n_layers - 6)
         n = len(token_ids)
-        keys = np.random.default_rng(0).standard_normal((contract.n_layers, contract.n_kv_heads, n,
-                                                         contract.head_dim)).astype(np.float32)
-        snapshot = KVSnapshot(contract, np.asarray(token_ids), np.arange(n), keys, keys,
-                              KVProducer("other-model", "1" * 64, "prefill"))
+        keys = (
+            np.random.default_rng(0)
+            .standard_normal((contract.n_layers, contract.n_kv_heads, n, contract.head_dim))
+            .astype(np.float32)
+        )
+        snapshot = KVSnapshot(
+            contract, np.asarray(token_ids), np.arange(n), keys, keys, KVProducer("other-model", "1" * 64, "prefill")
+        )
         return b"".join(encode_payload(snapshot, np.full(n, Tier.INT8, np.uint8)))
 
     def stop(self) -> None:
@@ -502,17 +591,28 @@ def faulty(prefill_server, smollm2_model):
 
 @pytest.fixture(scope="module")
 def daemon_behind_faulty(faulty, workdir):
-    server = ServerProcess(["serve", "--config", _config(workdir, "faulty", breaker_failures=2, breaker_reset_s=30.0),
-                            "--prefill-url", faulty.url], workdir / "daemon-faulty.log",
-                           env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN})
+    server = ServerProcess(
+        [
+            "serve",
+            "--config",
+            _config(workdir, "faulty", breaker_failures=2, breaker_reset_s=30.0),
+            "--prefill-url",
+            faulty.url,
+        ],
+        workdir / "daemon-faulty.log",
+        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+    )
     yield server
     server.stop()
 
 
-@pytest.mark.parametrize("mode, reason", [("corrupt", "bad_payload"), ("truncated", "truncated"),
-                                          ("other-model", "bad_payload"), ("nan-kv", "bad_payload")])
+@pytest.mark.parametrize(
+    "mode, reason",
+    [("corrupt", "bad_payload"), ("truncated", "truncated"), ("other-model", "bad_payload"), ("nan-kv", "bad_payload")],
+)
 def test_a_bad_payload_falls_back_to_local_prefill_and_the_next_request_is_normal(
-        daemon_behind_faulty, faulty, mode, reason):
+    daemon_behind_faulty, faulty, mode, reason
+):
     faulty.mode = mode
     before = _metrics(daemon_behind_faulty)
     completion, report = _chat(daemon_behind_faulty, QUESTION)
@@ -526,8 +626,11 @@ def test_a_bad_payload_falls_back_to_local_prefill_and_the_next_request_is_norma
 
 
 def test_prefill_server_killed_mid_stream_then_breaker_skips_it(daemon_behind_faulty, faulty, smollm2_model, workdir):
-    victim = ServerProcess(["prefill-server", "--config", _config(workdir, "victim")], workdir / "victim.log",
-                           env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN})
+    victim = ServerProcess(
+        ["prefill-server", "--config", _config(workdir, "victim")],
+        workdir / "victim.log",
+        env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN},
+    )
     faulty.upstream, faulty.kill_pid, faulty.mode = victim.url, victim.process.pid, "relay-then-kill"
     long_prompt = [{"role": "user", "content": f"Summarize: {LONG_TEXT}"}]
     truncated = "edgedecode_prefill_fallbacks_total{reason=truncated}"
@@ -538,8 +641,10 @@ def test_prefill_server_killed_mid_stream_then_breaker_skips_it(daemon_behind_fa
     assert (report["kv"]["source"], report["kv"]["fallback_reason"]) == ("local", "truncated")
     assert completion.choices[0].message.content and time.monotonic() - started < 120
     faulty.mode = "dead"  # the endpoint is gone: the next failure opens the breaker (2 in a row)
-    reasons = [_chat(daemon_behind_faulty, [{"role": "user", "content": f"Count to {n}."}])[1]["kv"]["fallback_reason"]
-               for n in (3, 4)]
+    reasons = [
+        _chat(daemon_behind_faulty, [{"role": "user", "content": f"Count to {n}."}])[1]["kv"]["fallback_reason"]
+        for n in (3, 4)
+    ]
     assert reasons == ["unreachable", "breaker_open"]
     samples = _metrics(daemon_behind_faulty)
     assert samples[truncated] == before + 1
@@ -549,11 +654,17 @@ def test_prefill_server_killed_mid_stream_then_breaker_skips_it(daemon_behind_fa
 
 # --- one machine: `edgedecode chat` starts the daemon, which starts its embedded prefill server ---
 
+
 def test_chat_runs_the_whole_path_on_one_machine(smollm2_model, workdir):
     turns = "What is the capital of France? Answer in one sentence.\nAnd of Italy?\n/reset\nName a river.\n/exit\n"
-    run = subprocess.run([sys.executable, "-m", "edgedecode", "chat", "--config", _config(workdir, "chat"),
-                          "--max-tokens", "32"], input=turns, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN})
+    run = subprocess.run(
+        [sys.executable, "-m", "edgedecode", "chat", "--config", _config(workdir, "chat"), "--max-tokens", "32"],
+        input=turns,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+    )
     assert run.returncode == 0, run.stderr
     assert "Paris" in run.stdout and "Rome" in run.stdout
     status = [line for line in run.stderr.splitlines() if line.startswith("[TTFT")]
@@ -564,6 +675,7 @@ def test_chat_runs_the_whole_path_on_one_machine(smollm2_model, workdir):
 
 # --- the daemon's pipeline in process -------------------------------------------------------------
 
+
 def test_admission_refuses_a_turn_that_would_eat_the_memory_reserve(smollm2_model):
     import asyncio
 
@@ -572,11 +684,15 @@ def test_admission_refuses_a_turn_that_would_eat_the_memory_reserve(smollm2_mode
     from edgedecode.daemon.openai_api import parse_request
     from edgedecode.daemon.service import AdmissionError, DecodeService
 
-    config = load_config(None, env={}, overrides={"daemon": {"slots": 1, "max_context": 512,
-                                                             "memory_reserve_mb": 1 << 30}, "model": {"threads": 2}})
+    config = load_config(
+        None,
+        env={},
+        overrides={"daemon": {"slots": 1, "max_context": 512, "memory_reserve_mb": 1 << 30}, "model": {"threads": 2}},
+    )
     service = DecodeService(smollm2_model, config, DaemonMetrics(), lambda: None, "")
-    request = parse_request({"messages": QUESTION, "temperature": 0}, "chat", smollm2_model, default_max_tokens=8,
-                            session_header=None)
+    request = parse_request(
+        {"messages": QUESTION, "temperature": 0}, "chat", smollm2_model, default_max_tokens=8, session_header=None
+    )
 
     async def scenario():
         await service.start()
@@ -600,8 +716,11 @@ def test_the_embedded_prefill_server_is_restarted_when_it_dies_and_a_stop_drains
 
     import psutil
 
-    daemon = ServerProcess(["serve", "--config", _config(workdir, "embedded")], workdir / "embedded.log",
-                           env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN})
+    daemon = ServerProcess(
+        ["serve", "--config", _config(workdir, "embedded")],
+        workdir / "embedded.log",
+        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+    )
     try:
         child = psutil.Process(daemon.process.pid).children()[0]
         first_url = json.loads(_get(daemon.url + "/readyz")[1])["prefill"]["url"]
@@ -617,8 +736,9 @@ def test_the_embedded_prefill_server_is_restarted_when_it_dies_and_a_stop_drains
         assert url not in (None, first_url)
         assert _chat(daemon, QUESTION)[1]["kv"]["source"] == "prefill_server"
         # SIGTERM (systemctl stop) while a stream runs: the stream still ends normally, then the daemon exits
-        stream = _client(daemon).completions.create(model="smollm2-135m-instruct", prompt="Once upon a time",
-                                                    max_tokens=64, temperature=0, stream=True)
+        stream = _client(daemon).completions.create(
+            model="smollm2-135m-instruct", prompt="Once upon a time", max_tokens=64, temperature=0, stream=True
+        )
         chunks = [next(iter(stream))]
         children = psutil.Process(daemon.process.pid).children()  # the restarted prefill server
         threading.Timer(0.2, daemon.process.send_signal, (signal.SIGTERM,)).start()
@@ -626,7 +746,7 @@ def test_the_embedded_prefill_server_is_restarted_when_it_dies_and_a_stop_drains
         assert sum(bool(c.choices and c.choices[0].text) for c in chunks) == 64
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert daemon.process.wait(timeout=60) == 0
-        gone, alive = psutil.wait_procs(children, timeout=30)
+        _gone, alive = psutil.wait_procs(children, timeout=30)
         assert children and not alive  # the daemon stopped its prefill server too
     finally:
         daemon.stop()

@@ -22,28 +22,34 @@ PRODUCER = KVProducer("m", "0" * 64, "test")
 
 # --- config -------------------------------------------------------------------------------------
 
+
 def test_config_layers_file_env_and_flags(tmp_path):
     path = tmp_path / "edgedecode.toml"
-    path.write_text('[daemon]\nport = 9000\nbudget = 0.5\nslots = 3\n[prefill]\nprefix_cache_mb = 64\n')
-    config = load_config(path, env={"EDGEDECODE_DAEMON_BUDGET": "0.25", "EDGEDECODE_MODEL_THREADS": "1",
-                                    "UNRELATED": "x"},
-                         overrides={"daemon": {"port": 9100, "host": None}})
+    path.write_text("[daemon]\nport = 9000\nbudget = 0.5\nslots = 3\n[prefill]\nprefix_cache_mb = 64\n")
+    config = load_config(
+        path,
+        env={"EDGEDECODE_DAEMON_BUDGET": "0.25", "EDGEDECODE_MODEL_THREADS": "1", "UNRELATED": "x"},
+        overrides={"daemon": {"port": 9100, "host": None}},
+    )
     assert (config.daemon.port, config.daemon.budget, config.daemon.slots) == (9100, 0.25, 3)
     assert config.daemon.host == "127.0.0.1"  # a None flag leaves the default
     assert (config.prefill.prefix_cache_mb, config.model.threads) == (64, 1)
 
 
-@pytest.mark.parametrize("text, env, message", [
-    ("[daemon]\nprot = 1\n", {}, "unknown key daemon.prot (did you mean 'port'?)"),
-    ("[deamon]\n", {}, "unknown section [deamon]"),
-    ("[daemon]\nport = 'x'\n", {}, "expected int, got 'x'"),
-    ("", {"EDGEDECODE_DAEMON_BUDGET": "lots"}, "environment variable EDGEDECODE_DAEMON_BUDGET: expected float"),
-    ("[daemon]\nbudget = 1.5\n", {}, "daemon.budget must be in (0, 1]"),
-    ("[daemon]\nhost = '0.0.0.0'\n", {}, "set daemon.auth_token"),
-    ("[daemon]\npolicy = 'best'\n", {}, "daemon.policy must be one of"),
-    ("[daemon]\nprefill_url = 'ftp://x'\n", {}, "daemon.prefill_url must be an http(s) URL"),
-    ("[daemon\n", {}, "is not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, env, message",
+    [
+        ("[daemon]\nprot = 1\n", {}, "unknown key daemon.prot (did you mean 'port'?)"),
+        ("[deamon]\n", {}, "unknown section [deamon]"),
+        ("[daemon]\nport = 'x'\n", {}, "expected int, got 'x'"),
+        ("", {"EDGEDECODE_DAEMON_BUDGET": "lots"}, "environment variable EDGEDECODE_DAEMON_BUDGET: expected float"),
+        ("[daemon]\nbudget = 1.5\n", {}, "daemon.budget must be in (0, 1]"),
+        ("[daemon]\nhost = '0.0.0.0'\n", {}, "set daemon.auth_token"),
+        ("[daemon]\npolicy = 'best'\n", {}, "daemon.policy must be one of"),
+        ("[daemon]\nprefill_url = 'ftp://x'\n", {}, "daemon.prefill_url must be an http(s) URL"),
+        ("[daemon\n", {}, "is not valid TOML"),
+    ],
+)
 def test_config_errors_name_the_key_and_source(tmp_path, text, env, message):
     path = tmp_path / "edgedecode.toml"
     path.write_text(text)
@@ -60,6 +66,7 @@ def test_config_non_loopback_bind_with_token_and_missing_file(tmp_path):
 
 
 # --- prefix cache -------------------------------------------------------------------------------
+
 
 def _snapshot(tokens) -> KVSnapshot:
     n = len(tokens)
@@ -105,6 +112,7 @@ def test_prefix_cache_keeps_a_shared_prefix_when_one_holder_is_evicted():
 
 # --- circuit breaker ----------------------------------------------------------------------------
 
+
 def test_breaker_opens_after_failures_and_half_opens_after_the_reset_time():
     now = [0.0]
     breaker = CircuitBreaker(2, 10.0, clock=lambda: now[0])
@@ -123,6 +131,7 @@ def test_breaker_opens_after_failures_and_half_opens_after_the_reset_time():
 
 
 # --- slot pool ----------------------------------------------------------------------------------
+
 
 class _FakeEngine:  # the pool never touches its engines
     pass
@@ -183,6 +192,7 @@ def test_a_cancelled_waiter_leaves_the_queue():
 
 # --- stop strings -------------------------------------------------------------------------------
 
+
 def test_stop_text_cuts_at_a_stop_string_split_across_pieces():
     stop = StopText(("END",))
     out = "".join(stop.feed(piece) for piece in ["Hello E", "N", "D world"])
@@ -192,6 +202,7 @@ def test_stop_text_cuts_at_a_stop_string_split_across_pieces():
 
 
 # --- decode worker ------------------------------------------------------------------------------
+
 
 def test_worker_interleaves_generations_and_releases_before_the_end_is_seen():
     import threading

@@ -19,8 +19,10 @@ from edgedecode.serving.systemd import notify, run_watchdog, watchdog_interval
 
 UNITS_DIR = Path(__file__).resolve().parents[1] / "systemd"
 UNITS = ("edgedecode.service", "edgedecode-prefill.service")
-SYSTEM_UNITS_DIR = next((p for p in map(Path, ("/usr/lib/systemd/system", "/lib/systemd/system")) if p.is_dir()),
-                        Path("/usr/lib/systemd/system"))
+SYSTEM_UNITS_DIR = next(
+    (p for p in map(Path, ("/usr/lib/systemd/system", "/lib/systemd/system")) if p.is_dir()),
+    Path("/usr/lib/systemd/system"),
+)
 
 
 @pytest.fixture
@@ -89,13 +91,16 @@ def test_notify_gives_up_on_a_stalled_manager(manager, monkeypatch):
     assert sent > 0 and len(received(manager)) == sent
 
 
-@pytest.mark.parametrize(("usec", "pid", "expected"), [
-    ("30000000", None, 15.0),
-    ("30000000", "self", 15.0),
-    ("1000", None, 0.0005),
-    ("30000000", "other", None),
-    (None, None, None),
-])
+@pytest.mark.parametrize(
+    ("usec", "pid", "expected"),
+    [
+        ("30000000", None, 15.0),
+        ("30000000", "self", 15.0),
+        ("1000", None, 0.0005),
+        ("30000000", "other", None),
+        (None, None, None),
+    ],
+)
 def test_watchdog_interval_is_half_of_watchdog_usec_for_this_process(monkeypatch, usec, pid, expected):
     pids = {"self": str(os.getpid()), "other": str(os.getpid() + 1)}
     for key, value in (("WATCHDOG_USEC", usec), ("WATCHDOG_PID", pids.get(pid, pid))):
@@ -180,6 +185,7 @@ def test_run_watchdog_treats_a_raising_health_check_as_unhealthy(manager, caplog
 # keys, unparsable values and unknown sections only print warnings (exit 0), so any output line
 # naming one of our units fails the test too.
 
+
 def verify_units(units_dir: Path, root: Path) -> subprocess.CompletedProcess:
     """systemd-analyze verify of the UNITS in units_dir, inside an alternate root laid out as installed.
 
@@ -198,7 +204,11 @@ def verify_units(units_dir: Path, root: Path) -> subprocess.CompletedProcess:
                 binary.chmod(0o755)
     return subprocess.run(
         ["systemd-analyze", "verify", "--man=no", "--generators=no", "--recursive-errors=no", f"--root={root}", *UNITS],
-        check=False, capture_output=True, text=True, timeout=60)
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def unit_problems(result: subprocess.CompletedProcess) -> list[str]:
@@ -208,7 +218,8 @@ def unit_problems(result: subprocess.CompletedProcess) -> list[str]:
 
 needs_systemd_analyze = pytest.mark.skipif(
     shutil.which("systemd-analyze") is None or not SYSTEM_UNITS_DIR.is_dir(),
-    reason="systemd-analyze and the system's unit directory are needed (CI installs the systemd package)")
+    reason="systemd-analyze and the system's unit directory are needed (CI installs the systemd package)",
+)
 
 
 @needs_systemd_analyze
@@ -219,12 +230,19 @@ def test_units_pass_systemd_analyze_verify(tmp_path):
 
 
 @needs_systemd_analyze
-@pytest.mark.parametrize(("breakage", "expected"), [
-    (("[Service]\n", "[Service]\nRestartOnTuesdays=yes\n"), "Unknown key"),
-    (("RestartSec=", "RestartSec=banana\n#"), "Failed to parse"),
-    (("[Install]", "[Instal]"), "Unknown section"),
-    (("ExecStart=/opt/edgedecode/venv/bin/edgedecode", "ExecStart=/opt/edgedecode/venv/bin/missing"), "not executable"),
-], ids=["unknown-key", "bad-value", "unknown-section", "missing-binary"])
+@pytest.mark.parametrize(
+    ("breakage", "expected"),
+    [
+        (("[Service]\n", "[Service]\nRestartOnTuesdays=yes\n"), "Unknown key"),
+        (("RestartSec=", "RestartSec=banana\n#"), "Failed to parse"),
+        (("[Install]", "[Instal]"), "Unknown section"),
+        (
+            ("ExecStart=/opt/edgedecode/venv/bin/edgedecode", "ExecStart=/opt/edgedecode/venv/bin/missing"),
+            "not executable",
+        ),
+    ],
+    ids=["unknown-key", "bad-value", "unknown-section", "missing-binary"],
+)
 def test_verify_check_catches_broken_units(tmp_path, breakage, expected):
     broken = tmp_path / "units"
     broken.mkdir()

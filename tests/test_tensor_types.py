@@ -23,8 +23,13 @@ from edgedecode.model.weights import load_tensors
 
 HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 64, 128, 4, 2, 96, 2
 LAYER_TYPES = {  # mixed on purpose: q/k/v fuse across different bit widths
-    "attn_q": QType.F16, "attn_k": QType.Q4_0, "attn_v": QType.Q8_0, "attn_output": QType.F32,
-    "ffn_gate": QType.Q4_1, "ffn_up": QType.Q4_1, "ffn_down": QType.Q4_0,
+    "attn_q": QType.F16,
+    "attn_k": QType.Q4_0,
+    "attn_v": QType.Q8_0,
+    "attn_output": QType.F32,
+    "ffn_gate": QType.Q4_1,
+    "ffn_up": QType.Q4_1,
+    "ffn_down": QType.Q4_0,
 }
 
 
@@ -63,9 +68,15 @@ def tiny_gguf(tmp_path_factory):
     _add(writer, "token_embd.weight", matrix(VOCAB, HIDDEN), QType.F16)
     _add(writer, "output.weight", matrix(VOCAB, HIDDEN), QType.Q4_0)
     writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * HIDDEN // HEADS, HIDDEN),
-              "attn_v": (KV_HEADS * HIDDEN // HEADS, HIDDEN), "attn_output": (HIDDEN, HIDDEN),
-              "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
+    shapes = {
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (KV_HEADS * HIDDEN // HEADS, HIDDEN),
+        "attn_v": (KV_HEADS * HIDDEN // HEADS, HIDDEN),
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (FFN, HIDDEN),
+        "ffn_up": (FFN, HIDDEN),
+        "ffn_down": (HIDDEN, FFN),
+    }
     for layer in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):
             writer.add_tensor(f"blk.{layer}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
@@ -96,9 +107,12 @@ def test_every_supported_tensor_type_builds_a_graph_that_matches_the_reference(k
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     past = np.zeros((1, KV_HEADS, 32, HIDDEN // HEADS), np.float32)
-    feeds = {"input_ids": ids[None], "attention_mask": np.ones((1, len(ids)), np.int64),
-             "position_ids": np.arange(len(ids), dtype=np.int64)[None],
-             "logits_positions": np.arange(len(ids), dtype=np.int64)}
+    feeds = {
+        "input_ids": ids[None],
+        "attention_mask": np.ones((1, len(ids)), np.int64),
+        "position_ids": np.arange(len(ids), dtype=np.int64)[None],
+        "logits_positions": np.arange(len(ids), dtype=np.int64),
+    }
     feeds.update({f"past_key_values.{i}.{t}": past for i in range(LAYERS) for t in ("key", "value")})
     logits = session.run(["logits"], feeds)[0][0]
     print(f"{kind}: max |logit diff| vs numpy reference {np.abs(logits - reference.logits).max():.2e}")

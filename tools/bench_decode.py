@@ -53,12 +53,26 @@ def prompt_tokens(tokenizer, n: int) -> np.ndarray:
 
 
 class EdgeDecodeRunner:
-    def __init__(self, model, threads: int, context: int, accuracy_level: int, device: str,
-                 cuda_graph: bool = True, q4_1: str = "correction") -> None:
+    def __init__(
+        self,
+        model,
+        threads: int,
+        context: int,
+        accuracy_level: int,
+        device: str,
+        cuda_graph: bool = True,
+        q4_1: str = "correction",
+    ) -> None:
         dtype = "float16" if device == "cuda" else "float32"
         self.name = "edgedecode" if cuda_graph or device != "cuda" else "edgedecode-no-graph"
-        self.engine = Engine(model, GraphOptions("decode", dtype, accuracy_level, q4_1=q4_1), max_context=context,
-                             threads=threads, device=device, cuda_graph=cuda_graph)
+        self.engine = Engine(
+            model,
+            GraphOptions("decode", dtype, accuracy_level, q4_1=q4_1),
+            max_context=context,
+            threads=threads,
+            device=device,
+            cuda_graph=cuda_graph,
+        )
         if device == "cuda" and cuda_graph and not self.engine.cuda_graph:
             raise SystemExit("onnxruntime refused CUDA graph capture for this graph (see the log)")
 
@@ -81,8 +95,17 @@ class LlamaCppRunner:
         from llama_cpp import Llama
 
         self.api = llama_cpp
-        self.llm = Llama(str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, n_ubatch=512, logits_all=False, verbose=False, seed=0)
+        self.llm = Llama(
+            str(gguf_path),
+            n_ctx=context,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_batch=512,
+            n_ubatch=512,
+            logits_all=False,
+            verbose=False,
+            seed=0,
+        )
         self.ctx = self.llm._ctx.ctx
         self.vocab = self.llm.n_vocab()
 
@@ -90,7 +113,7 @@ class LlamaCppRunner:
         """Feed tokens (in n_batch pieces); return the greedy next token."""
         api = self.api
         for start in range(0, len(tokens), 512):
-            piece = tokens[start:start + 512]
+            piece = tokens[start : start + 512]
             array = (api.llama_token * len(piece))(*piece)  # must outlive the batch that points at it
             if api.llama_decode(self.ctx, api.llama_batch_get_one(array, len(piece))):
                 raise RuntimeError("llama_decode failed")
@@ -125,8 +148,15 @@ def make_runner(name: str, args, model):
     context = bench_context(args)
     if name == "llama.cpp":
         return LlamaCppRunner(model.record.gguf_path, args.threads, context)
-    return EdgeDecodeRunner(model, args.threads, context, args.accuracy_level, args.device,
-                            cuda_graph=name != "edgedecode-no-graph", q4_1=args.q4_1)
+    return EdgeDecodeRunner(
+        model,
+        args.threads,
+        context,
+        args.accuracy_level,
+        args.device,
+        cuda_graph=name != "edgedecode-no-graph",
+        q4_1=args.q4_1,
+    )
 
 
 def first_token_ms(engine: Engine, ids: np.ndarray) -> float:
@@ -150,8 +180,11 @@ def ingest_ms(engine: Engine, ids: np.ndarray, kv, payload: bytes | None) -> dic
     uploaded = time.perf_counter()
     engine.prefill(ids, kv=kv)
     resumed = time.perf_counter()
-    times = {"upload_ms": (uploaded - uploaded32) * 1e3, "upload_from_float32_ms": (uploaded32 - started) * 1e3,
-             "resume_ms": (resumed - uploaded) * 1e3}
+    times = {
+        "upload_ms": (uploaded - uploaded32) * 1e3,
+        "upload_from_float32_ms": (uploaded32 - started) * 1e3,
+        "resume_ms": (resumed - uploaded) * 1e3,
+    }
     if payload is not None:
         from edgedecode.kv.wire import decode_snapshot
 
@@ -180,9 +213,14 @@ def int4_payload(kv) -> bytes | None:
 def cuda_extras(runners, model, args) -> dict:
     """First-token latency and 4k-token KV ingest of each CUDA runner (medians over args.runs)."""
     tokenizer = model.tokenizer
-    prompts = {name: (np.asarray(tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]),
-                                 np.int64) if n is None else prompt_tokens(tokenizer, n))
-               for name, n in FIRST_TOKEN_PROMPTS.items()}
+    prompts = {
+        name: (
+            np.asarray(tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]), np.int64)
+            if n is None
+            else prompt_tokens(tokenizer, n)
+        )
+        for name, n in FIRST_TOKEN_PROMPTS.items()
+    }
     ingest_ids = prompt_tokens(tokenizer, INGEST_TOKENS)
     runners[0].engine.prefill(ingest_ids)
     kv = runners[0].engine.export_kv()
@@ -196,8 +234,9 @@ def cuda_extras(runners, model, args) -> dict:
                 first[name].append(first_token_ms(runner.engine, ids))
             ingests.append(ingest_ms(runner.engine, ingest_ids, kv, payload))
         extras[runner.name] = {
-            "first_token_ms": {f"{name} ({len(prompts[name])} tokens)": statistics.median(v)
-                               for name, v in first.items()},
+            "first_token_ms": {
+                f"{name} ({len(prompts[name])} tokens)": statistics.median(v) for name, v in first.items()
+            },
             f"ingest_{INGEST_TOKENS}_tokens": {key: statistics.median(i[key] for i in ingests) for key in ingests[0]},
         }
     if payload is not None:
@@ -220,9 +259,22 @@ def cuda_machine() -> dict:
 
 def peak_rss_mib(engine: str, args) -> float | None:
     """Peak RSS of a fresh process that runs one engine at the largest past length."""
-    cmd = [sys.executable, __file__, "--rss-child", engine, "--threads", str(args.threads),
-           "--accuracy-level", str(args.accuracy_level), "--past", str(max(args.past)), "--device", args.device,
-           "--q4-1", args.q4_1]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--rss-child",
+        engine,
+        "--threads",
+        str(args.threads),
+        "--accuracy-level",
+        str(args.accuracy_level),
+        "--past",
+        str(max(args.past)),
+        "--device",
+        args.device,
+        "--q4-1",
+        args.q4_1,
+    ]
     if args.model:
         cmd += ["--model", args.model]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -263,7 +315,9 @@ def plot_decode(results: dict, path: str) -> None:
     for name, engine in results["engines"].items():
         pasts = sorted(engine["past"], key=int)
         decode.plot([int(p) for p in pasts], [engine["past"][p]["decode_tok_s"] for p in pasts], marker="o", label=name)
-        prefill.plot([int(p) for p in pasts], [engine["past"][p]["prefill_tok_s"] for p in pasts], marker="o", label=name)
+        prefill.plot(
+            [int(p) for p in pasts], [engine["past"][p]["prefill_tok_s"] for p in pasts], marker="o", label=name
+        )
     where = results.get("gpu") or f"{results['machine']}, {results['threads']} threads"
     decode.set(xscale="log", xlabel="past length (tokens)", ylabel="decode tokens/s", title=f"Decode, {where}")
     prefill.set(xscale="log", xlabel="prompt length (tokens)", ylabel="prefill tokens/s", title="Prompt processing")
@@ -282,12 +336,20 @@ def main() -> None:
     parser.add_argument("--past", type=int, nargs="+", default=[16, 512, 2048, 4096])
     parser.add_argument("--plot", help="Also draw decode tok/s against past length per engine into this PNG.")
     parser.add_argument("--accuracy-level", type=int, default=4)
-    parser.add_argument("--q4-1", choices=Q4_1_MODES, default=None,
-                        help="how the decode graph applies Q4_1's offsets (GraphOptions.q4_1; default: the "
-                             "device's shipped form, zero_point on cuda, correction on cpu)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda runs the float16 graphs on onnxruntime-gpu (llama.cpp is then skipped: "
-                             "the [bench] extra builds it for the CPU)")
+    parser.add_argument(
+        "--q4-1",
+        choices=Q4_1_MODES,
+        default=None,
+        help="how the decode graph applies Q4_1's offsets (GraphOptions.q4_1; default: the "
+        "device's shipped form, zero_point on cuda, correction on cpu)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda runs the float16 graphs on onnxruntime-gpu (llama.cpp is then skipped: "
+        "the [bench] extra builds it for the CPU)",
+    )
     parser.add_argument("--no-llama", action="store_true", help="Skip llama.cpp even if it is installed.")
     parser.add_argument("--no-rss", action="store_true", help="Skip the peak-RSS subprocess runs.")
     parser.add_argument("--json", action="store_true")
@@ -299,8 +361,11 @@ def main() -> None:
 
     model = load_model(args.model)
     with_llama = not args.no_llama and args.device == "cpu" and llama_cpp_available()
-    names = ["edgedecode"] + (["llama.cpp"] if with_llama else []) + (
-        ["edgedecode-no-graph"] if args.device == "cuda" else [])
+    names = (
+        ["edgedecode"]
+        + (["llama.cpp"] if with_llama else [])
+        + (["edgedecode-no-graph"] if args.device == "cuda" else [])
+    )
     runners = [make_runner(name, args, model) for name in names]
     prompts = {p: prompt_tokens(model.tokenizer, p) for p in args.past}
     samples = {(r.name, p): [] for r in runners for p in args.past}
@@ -310,36 +375,51 @@ def main() -> None:
         for past in args.past:
             for runner in runners:
                 samples[(runner.name, past)].append(runner.run(prompts[past]))
-    results = {"device": args.device, "threads": args.threads, "runs": args.runs, "decode_steps": DECODE_STEPS,
-               "accuracy_level": args.accuracy_level, "q4_1": args.q4_1,
-               "machine": platform.processor() or platform.machine(),
-               "context": bench_context(args), "engines": {}}
+    results = {
+        "device": args.device,
+        "threads": args.threads,
+        "runs": args.runs,
+        "decode_steps": DECODE_STEPS,
+        "accuracy_level": args.accuracy_level,
+        "q4_1": args.q4_1,
+        "machine": platform.processor() or platform.machine(),
+        "context": bench_context(args),
+        "engines": {},
+    }
     if args.device == "cuda":
         results.update(cuda_machine())
     for runner in runners:
         results["engines"][runner.name] = {
             "peak_rss_mib": None if args.no_rss else peak_rss_mib(runner.name, args),
-            "past": {str(p): {"prefill_tok_s": statistics.median(s[0] for s in samples[(runner.name, p)]),
-                              "decode_tok_s": statistics.median(s[1] for s in samples[(runner.name, p)])}
-                     for p in args.past},
+            "past": {
+                str(p): {
+                    "prefill_tok_s": statistics.median(s[0] for s in samples[(runner.name, p)]),
+                    "decode_tok_s": statistics.median(s[1] for s in samples[(runner.name, p)]),
+                }
+                for p in args.past
+            },
         }
     if args.device == "cuda":
         results["cuda"] = cuda_extras(runners, model, args)
         graph, plain = (results["engines"][name]["past"] for name in ("edgedecode", "edgedecode-no-graph"))
-        results["ratio_graph_over_no_graph"] = {past: graph[past]["decode_tok_s"] / plain[past]["decode_tok_s"]
-                                                for past in graph}
+        results["ratio_graph_over_no_graph"] = {
+            past: graph[past]["decode_tok_s"] / plain[past]["decode_tok_s"] for past in graph
+        }
     if "llama.cpp" in results["engines"]:
         ours, theirs = (results["engines"][name]["past"] for name in ("edgedecode", "llama.cpp"))
         results["ratio_edgedecode_over_llama_cpp"] = {
             past: {metric: ours[past][metric] / theirs[past][metric] for metric in ("prefill_tok_s", "decode_tok_s")}
-            for past in ours}
+            for past in ours
+        }
     if args.plot:
         plot_decode(results, args.plot)
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"{args.device}: median of {args.runs} alternating runs, {args.threads} threads, "
-          f"{DECODE_STEPS} greedy decode steps")
+    print(
+        f"{args.device}: median of {args.runs} alternating runs, {args.threads} threads, "
+        f"{DECODE_STEPS} greedy decode steps"
+    )
     print(f"{'engine':<12}{'past':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ratio':>14}")
     engines = results["engines"]
     for past in map(str, args.past):

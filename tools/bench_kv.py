@@ -53,7 +53,7 @@ def tier_mixes(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     start = 0
     for tier, share in MIX.items():
         count = round(share * n)
-        mixed[shuffled[start:start + count]] = tier
+        mixed[shuffled[start : start + count]] = tier
         start += count
     return {
         "fp16": np.full(n, Tier.FP16, np.uint8),
@@ -139,13 +139,17 @@ def main() -> None:
     if args.json:
         print(json.dumps({"setup": setup, "results": results}, indent=2))
         return
-    print(f"EDKV, {args.tokens} tokens × {LAYERS} layers × {KV_HEADS} KV heads × head_dim {HEAD_DIM}; "
-          f"{setup['data']}; zstd level {args.level}; median of {args.runs} runs ({setup['clock']}) on CPU {cpu}")
+    print(
+        f"EDKV, {args.tokens} tokens × {LAYERS} layers × {KV_HEADS} KV heads × head_dim {HEAD_DIM}; "
+        f"{setup['data']}; zstd level {args.level}; median of {args.runs} runs ({setup['clock']}) on CPU {cpu}"
+    )
     print(f"mix: {setup['mix']}; GB/s of FP16-equivalent bytes")
     print(f"{'tiers':<6} {'b_raw':>6} {'b_zstd':>7} {'encode GB/s':>12} {'decode GB/s':>12} {'decode ms':>10}")
     for name, r in results.items():
-        print(f"{name:<6} {r['b_raw']:>6.3f} {r['b_zstd']:>7.3f} {r['encode_gbps']:>12.2f} {r['decode_gbps']:>12.2f} "
-              f"{r['decode_ms']:>10.1f}")
+        print(
+            f"{name:<6} {r['b_raw']:>6.3f} {r['b_zstd']:>7.3f} {r['encode_gbps']:>12.2f} {r['decode_gbps']:>12.2f} "
+            f"{r['decode_ms']:>10.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,10 @@ LOCAL = "local prefill"
 def write_config(directory: Path, name: str, args, **daemon) -> Path:
     """A TOML config for one server of the run."""
     lines = ["[model]", f"threads = {args.threads}", "[daemon]"]
-    lines += [f"{key} = {json.dumps(value)}" for key, value in
-              {"slots": 1, "max_context": max(args.prompt_tokens) + args.max_tokens + 64, **daemon}.items()]
+    lines += [
+        f"{key} = {json.dumps(value)}"
+        for key, value in {"slots": 1, "max_context": max(args.prompt_tokens) + args.max_tokens + 64, **daemon}.items()
+    ]
     lines += ["[prefill]", "prefix_cache_mb = 0", f"max_prompt_tokens = {max(args.prompt_tokens) + 64}"]
     path = directory / f"{name}.toml"
     path.write_text("\n".join(lines) + "\n")
@@ -55,11 +57,15 @@ def one_request(url: str, prompt: np.ndarray, max_tokens: int) -> dict:
         if ttft is None and any(choice.get("text") for choice in event.get("choices", [])):
             ttft = time.perf_counter() - started
         report = event.get("edgedecode", report)
-    return {"ttft_ms": 1e3 * (ttft if ttft is not None else time.perf_counter() - started),
-            "fetch_ms": report["kv"]["fetch_ms"], "server_ms": report["kv"]["prefill_server_ms"],
-            "wire_bytes": report["kv"]["wire_bytes"],
-            "b_wire": report["kv"]["b_wire"], "source": report["kv"]["source"],
-            "decode_tok_s": report["decode_tokens_per_second"]}
+    return {
+        "ttft_ms": 1e3 * (ttft if ttft is not None else time.perf_counter() - started),
+        "fetch_ms": report["kv"]["fetch_ms"],
+        "server_ms": report["kv"]["prefill_server_ms"],
+        "wire_bytes": report["kv"]["wire_bytes"],
+        "b_wire": report["kv"]["b_wire"],
+        "source": report["kv"]["source"],
+        "decode_tok_s": report["decode_tokens_per_second"],
+    }
 
 
 def measure(url: str, prompts: dict[int, list[np.ndarray]], args) -> dict[int, dict]:
@@ -69,9 +75,11 @@ def measure(url: str, prompts: dict[int, list[np.ndarray]], args) -> dict[int, d
     for length, windows in prompts.items():
         runs = [one_request(url, ids, args.max_tokens) for ids in windows]
         sources = {run["source"] for run in runs}
-        results[length] = {key: statistics.median(run[key] for run in runs)
-                           for key in ("ttft_ms", "fetch_ms", "server_ms", "wire_bytes", "b_wire", "decode_tok_s")
-                           if all(run[key] is not None for run in runs)}
+        results[length] = {
+            key: statistics.median(run[key] for run in runs)
+            for key in ("ttft_ms", "fetch_ms", "server_ms", "wire_bytes", "b_wire", "decode_tok_s")
+            if all(run[key] is not None for run in runs)
+        }
         results[length]["kv_source"] = "/".join(sorted(sources))
     return results
 
@@ -96,15 +104,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         prefill_config = write_config(directory, "prefill", args)
-        prefill, prefill_url = start_server(["prefill-server", "--config", str(prefill_config)],
-                                            env={"EDGEDECODE_MODEL_DEVICE": args.prefill_device})
+        prefill, prefill_url = start_server(
+            ["prefill-server", "--config", str(prefill_config)], env={"EDGEDECODE_MODEL_DEVICE": args.prefill_device}
+        )
         try:
             modes = [(LOCAL, {"local_prefill_only": True})]
             modes += [(f"pull b={b:g}", {"prefill_url": prefill_url, "budget": b}) for b in args.budgets]
             for name, daemon in modes:
                 config = write_config(directory, name.replace(" ", "_"), args, **daemon)
-                process, url = start_server(["serve", "--config", str(config)], launcher=launcher,
-                                            env={"EDGEDECODE_MODEL_DEVICE": "cpu"})
+                process, url = start_server(
+                    ["serve", "--config", str(config)], launcher=launcher, env={"EDGEDECODE_MODEL_DEVICE": "cpu"}
+                )
                 try:
                     results[name] = measure(url, prompts, args)
                 finally:
@@ -112,14 +122,18 @@ def main() -> None:
         finally:
             stop_server(prefill)
 
-    report = {"config": {key: value for key, value in vars(args).items() if key != "json"},
-              "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
-              "results": results}
+    report = {
+        "config": {key: value for key, value in vars(args).items() if key != "json"},
+        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "results": results,
+    }
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"| mode | prompt tokens | TTFT ms | KV fetch ms (prefill server's) | wire KB | b_wire | decode tok/s "
-          f"| TTFT {LOCAL} ÷ this |")
+    print(
+        f"| mode | prompt tokens | TTFT ms | KV fetch ms (prefill server's) | wire KB | b_wire | decode tok/s "
+        f"| TTFT {LOCAL} ÷ this |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, by_length in results.items():
         for length, row in by_length.items():
@@ -127,8 +141,10 @@ def main() -> None:
             fetch = f"{row['fetch_ms']:.0f} ({row.get('server_ms', float('nan')):.0f})" if name != LOCAL else "—"
             wire = f"{row['wire_bytes'] / 1024:.0f}" if name != LOCAL else "—"
             b = f"{row['b_wire']:.3f}" if name != LOCAL and "b_wire" in row else "—"
-            print(f"| {name} | {length} | {row['ttft_ms']:.0f} | {fetch} | {wire} | {b} | "
-                  f"{row['decode_tok_s']:.1f} | {ratio:.2f}× |")
+            print(
+                f"| {name} | {length} | {row['ttft_ms']:.0f} | {fetch} | {wire} | {b} | "
+                f"{row['decode_tok_s']:.1f} | {ratio:.2f}× |"
+            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Engines alternate run by run; medians of N runs (first argument, default 5); 64 
 
     python tools/cpu_variants.py 5
 """
+
 import statistics
 import sys
 
@@ -17,19 +18,25 @@ from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
 
 model = load_model()
+
+
 def make(q4_1="correction", threads=2, config=None):
     real = ort.SessionOptions
     if config:
+
         class Opt(real):
             def __init__(self, *a, **k):
                 super().__init__(*a, **k)
                 for key, v in config.items():
                     self.add_session_config_entry(key, v)
+
         ort.SessionOptions = Opt
     try:
         return Engine(model, GraphOptions(q4_1=q4_1), max_context=2200, threads=threads)
     finally:
         ort.SessionOptions = real
+
+
 engines = {
     "correction": make(),
     "stacked": make("stacked"),

@@ -73,15 +73,20 @@ class PromptSpec:
 
 # Round-robin over the size classes, so any --prompts >= 3 covers short, medium and long.
 PROMPTS = (
-    PromptSpec("chat-short-story", "chat", "short",
-               "Write a short story about a lighthouse keeper who befriends a seagull."),
+    PromptSpec(
+        "chat-short-story", "chat", "short", "Write a short story about a lighthouse keeper who befriends a seagull."
+    ),
     PromptSpec("prose-medium-attribute-access", "prose", "medium", "attribute-access"),
     PromptSpec("chat-long-compound", "chat", "long", "compound"),
     PromptSpec("prose-short-for", "prose", "short", "for"),
     PromptSpec("chat-medium-typesmapping", "chat", "medium", "typesmapping"),
     PromptSpec("prose-long-specialnames", "prose", "long", "specialnames"),
-    PromptSpec("chat-short-list-tuple", "chat", "short",
-               "What are the main differences between a list and a tuple in Python? Answer with examples."),
+    PromptSpec(
+        "chat-short-list-tuple",
+        "chat",
+        "short",
+        "What are the main differences between a list and a tuple in Python? Answer with examples.",
+    ),
     PromptSpec("prose-medium-assignment", "prose", "medium", "assignment"),
     PromptSpec("chat-long-formatstrings", "chat", "long", "formatstrings"),
     PromptSpec("prose-short-exceptions", "prose", "short", "exceptions"),
@@ -94,11 +99,13 @@ def prompt_ids(spec: PromptSpec, tokenizer: Tokenizer) -> np.ndarray:
     """Token ids of a study prompt: a documentation excerpt cut to its size class, as prose or inside a chat turn."""
     if spec.kind == "chat" and spec.size == "short":
         return np.asarray(tokenizer.encode_chat([{"role": "user", "content": spec.source}]), np.int64)
-    excerpt = tokenizer.decode(tokenizer.encode(topics[spec.source], add_bos=False)[:EXCERPT_TOKENS[spec.size]])
+    excerpt = tokenizer.decode(tokenizer.encode(topics[spec.source], add_bos=False)[: EXCERPT_TOKENS[spec.size]])
     if spec.kind == "prose":
         return np.asarray(tokenizer.encode(excerpt), np.int64)
-    question = (f"Here is an excerpt from the Python documentation:\n\n{excerpt}\n\n"
-                "Explain what it says in plain words, with an example.")
+    question = (
+        f"Here is an excerpt from the Python documentation:\n\n{excerpt}\n\n"
+        "Explain what it says in plain words, with an example."
+    )
     return np.asarray(tokenizer.encode_chat([{"role": "user", "content": question}]), np.int64)
 
 
@@ -133,10 +140,20 @@ def direct(ref: Reference, receiver: KVContract) -> Delivery:
 def through_edkv(budget: float, profile: TierProfile) -> Transport:
     """The handoff through the wire: ref's scored prompt KV encoded as EDKV within ``budget`` under
     WIRE_POLICY, then decoded as the receiver would."""
+
     def send(ref: Reference, receiver: KVContract) -> Delivery:
         kv, encoded = through_wire(ref.scored, budget, WIRE_POLICY, receiver, profile=profile)
-        return Delivery(kv, {"budget": budget, "b_wire": encoded.b_wire, "b_raw": encoded.b_raw,
-                             "wire_bytes": encoded.wire_bytes, "tiers": encoded.tier_counts()})
+        return Delivery(
+            kv,
+            {
+                "budget": budget,
+                "b_wire": encoded.b_wire,
+                "b_raw": encoded.b_raw,
+                "wire_bytes": encoded.wire_bytes,
+                "tiers": encoded.tier_counts(),
+            },
+        )
+
     return send
 
 
@@ -166,7 +183,7 @@ def reference_run(engine: Engine, prompt: np.ndarray, n_tokens: int, seed: int) 
         logprobs[i] = log_softmax(logits)
         tokens[i] = sampler.pick(logits)
         if i + 1 < n_tokens:
-            logits = engine.forward(tokens[i:i + 1])
+            logits = engine.forward(tokens[i : i + 1])
     return Reference(tokens, logprobs, kv, scored)
 
 
@@ -178,9 +195,14 @@ def replay(engine: Engine, prompt: np.ndarray, tokens: np.ndarray, kv: KVSnapsho
 
 def token_metrics(ref_logprobs: np.ndarray, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-token KL(ref || target) in nats and whether the two top-1 tokens agree."""
-    kl = np.concatenate([kl_per_token(ref_logprobs[start:start + KL_CHUNK_ROWS],
-                                      log_softmax(logits[start:start + KL_CHUNK_ROWS]))
-                         for start in range(0, len(logits), KL_CHUNK_ROWS)])
+    kl = np.concatenate(
+        [
+            kl_per_token(
+                ref_logprobs[start : start + KL_CHUNK_ROWS], log_softmax(logits[start : start + KL_CHUNK_ROWS])
+            )
+            for start in range(0, len(logits), KL_CHUNK_ROWS)
+        ]
+    )
     return kl, ref_logprobs.argmax(-1) == logits.argmax(-1)
 
 
@@ -193,19 +215,36 @@ def windows(values: np.ndarray) -> list[float]:
 def summarize(kl: np.ndarray, top1: np.ndarray) -> dict:
     """One prompt's numbers for one target and mode."""
     p50, p99 = np.percentile(kl, [50, 99])
-    return {"mean_kl": float(kl.mean()), "p50_kl": float(p50), "p99_kl": float(p99), "top1": float(top1.mean()),
-            "window_kl": windows(kl), "window_top1": windows(top1.astype(np.float64))}
+    return {
+        "mean_kl": float(kl.mean()),
+        "p50_kl": float(p50),
+        "p99_kl": float(p99),
+        "top1": float(top1.mean()),
+        "window_kl": windows(kl),
+        "window_top1": windows(top1.astype(np.float64)),
+    }
 
 
-def run_study(model: LoadedModel, prompts: list[int], targets: list[str], n_tokens: int,
-              modes: dict[str, Transport | None], accuracy_level: int, threads: int) -> dict:
+def run_study(
+    model: LoadedModel,
+    prompts: list[int],
+    targets: list[str],
+    n_tokens: int,
+    modes: dict[str, Transport | None],
+    accuracy_level: int,
+    threads: int,
+) -> dict:
     """The given prompts (indices into PROMPTS, also their seeds) through the reference, then every
     mode into every target; returns the prompt records and the results tree."""
     ids = [prompt_ids(spec, model.tokenizer) for spec in PROMPTS]
     context = max(len(ids[i]) for i in prompts) + n_tokens + 1
     ref_engine = Engine(model, GraphOptions("prefill", "float32", 0), max_context=context, threads=threads)
-    engines = {t: Engine(model, GraphOptions("decode", "float32", accuracy_level, weights=t),
-                         max_context=context, threads=threads) for t in targets}
+    engines = {
+        t: Engine(
+            model, GraphOptions("decode", "float32", accuracy_level, weights=t), max_context=context, threads=threads
+        )
+        for t in targets
+    }
     receiver = model.spec.kv_contract  # every target's: re-quantized weights share the KV layout
     results: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in modes} for t in targets}
     records = []
@@ -221,20 +260,44 @@ def run_study(model: LoadedModel, prompts: list[int], targets: list[str], n_toke
             for target, engine in engines.items():
                 logits = replay(engine, prompt, ref.tokens, None if delivery is None else delivery.kv)
                 results[target][mode].append(summarize(*token_metrics(ref.logprobs, logits)))
-        records.append({"index": index, "name": spec.name, "kind": spec.kind, "size": spec.size,
-                        "prompt_tokens": len(prompt), "wire": wire})
-        logger.info("%s (%d prompt tokens) done in %.0f s; b_wire %s; mean KL %s", spec.name, len(prompt),
-                    time.perf_counter() - started, " ".join(f"{m} {w['b_wire']:.3f}" for m, w in wire.items()),
-                    "; ".join(f"{t} " + " ".join(f"{m} {r[-1]['mean_kl']:.4f}" for m, r in per_mode.items())
-                              for t, per_mode in results.items()))
+        records.append(
+            {
+                "index": index,
+                "name": spec.name,
+                "kind": spec.kind,
+                "size": spec.size,
+                "prompt_tokens": len(prompt),
+                "wire": wire,
+            }
+        )
+        logger.info(
+            "%s (%d prompt tokens) done in %.0f s; b_wire %s; mean KL %s",
+            spec.name,
+            len(prompt),
+            time.perf_counter() - started,
+            " ".join(f"{m} {w['b_wire']:.3f}" for m, w in wire.items()),
+            "; ".join(
+                f"{t} " + " ".join(f"{m} {r[-1]['mean_kl']:.4f}" for m, r in per_mode.items())
+                for t, per_mode in results.items()
+            ),
+        )
     return {"prompts": records, "results": results}
 
 
 def merge(parts: list[dict]) -> dict:
     """One study from runs with the same settings over disjoint prompts and/or targets (e.g. parallel
     --only runs): every target must end up with every mode of every prompt."""
-    settings = ("model", "tokens", "temperature", "top_p", "window_tokens", "accuracy_level", "budgets", "policy",
-                "tier_profile")
+    settings = (
+        "model",
+        "tokens",
+        "temperature",
+        "top_p",
+        "window_tokens",
+        "accuracy_level",
+        "budgets",
+        "policy",
+        "tier_profile",
+    )
     first = parts[0]["config"]
     differing = sorted({k for part in parts for k in settings if part["config"].get(k) != first.get(k)})
     if differing:
@@ -256,9 +319,11 @@ def merge(parts: list[dict]) -> dict:
     if missing:
         raise SystemExit(f"the runs leave {len(missing)} gaps, e.g. {missing[0]}")
     walls = [w for part in parts for w in part["config"].get("part_wall_seconds", [part["config"]["wall_seconds"]])]
-    return {"prompts": [prompts[i] for i in order],
-            "results": {t: {m: [cells[t, m, i] for i in order] for m in modes} for t in targets},
-            "config": {**first, "prompt_indices": order, "wall_seconds": max(walls), "part_wall_seconds": walls}}
+    return {
+        "prompts": [prompts[i] for i in order],
+        "results": {t: {m: [cells[t, m, i] for i in order] for m in modes} for t in targets},
+        "config": {**first, "prompt_indices": order, "wall_seconds": max(walls), "part_wall_seconds": walls},
+    }
 
 
 def aggregate(results: dict) -> dict:
@@ -272,8 +337,9 @@ def aggregate(results: dict) -> dict:
             row["window_kl"] = np.mean([p["window_kl"] for p in per_prompt], axis=0).tolist()
             if mode != BASELINE:
                 row["mean_kl_change"] = row["mean_kl"] / rows[BASELINE]["mean_kl"] - 1
-                row["median_prompt_change"] = float(np.median([p["mean_kl"] / b["mean_kl"] - 1
-                                                               for b, p in zip(base, per_prompt)]))
+                row["median_prompt_change"] = float(
+                    np.median([p["mean_kl"] / b["mean_kl"] - 1 for b, p in zip(base, per_prompt)])
+                )
                 row["prompts_improved"] = sum(p["mean_kl"] < b["mean_kl"] for b, p in zip(base, per_prompt))
                 row["window_change"] = (np.divide(row["window_kl"], rows[BASELINE]["window_kl"]) - 1).tolist()
             rows[mode] = row
@@ -288,9 +354,14 @@ def wire_summary(prompts: list[dict]) -> dict:
     for mode in prompts[0].get("wire", {}):
         sent = [p["wire"][mode] for p in prompts]
         b_wire = [s["b_wire"] for s in sent]
-        summary[mode] = {"budget": sent[0]["budget"], "b_wire": float(np.mean(b_wire)), "b_wire_min": min(b_wire),
-                         "b_wire_max": max(b_wire), "b_raw": float(np.mean([s["b_raw"] for s in sent])),
-                         "tiers": {tier: sum(s["tiers"][tier] for s in sent) for tier in sent[0]["tiers"]}}
+        summary[mode] = {
+            "budget": sent[0]["budget"],
+            "b_wire": float(np.mean(b_wire)),
+            "b_wire_min": min(b_wire),
+            "b_wire_max": max(b_wire),
+            "b_raw": float(np.mean([s["b_raw"] for s in sent])),
+            "tiers": {tier: sum(s["tiers"][tier] for s in sent) for tier in sent[0]["tiers"]},
+        }
     return summary
 
 
@@ -298,28 +369,41 @@ def markdown_table(summary: dict, n_prompts: int, wire: dict | None = None) -> s
     """The tables of docs/crossquant.md: one row per target and mode, means over prompts; then, with
     wire modes, what each one sent (b_wire: wire bytes ÷ FP16 bytes of the prompt's KV)."""
     wire = wire or {}
-    lines = [("| target | mode | b_wire | mean KL | Δ vs target | median Δ per prompt | prompts better | p50 KL "
-              "| p99 KL | top-1 % | Δ first / last window |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        (
+            "| target | mode | b_wire | mean KL | Δ vs target | median Δ per prompt | prompts better | p50 KL "
+            "| p99 KL | top-1 % | Δ first / last window |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for target, rows in summary.items():
         for mode, r in rows.items():
             b_wire = f"{wire[mode]['b_wire']:.3f}" if mode in wire else "" if mode == BASELINE else "fp32"
-            change = ("| | | |" if mode == BASELINE else
-                      f"| {r['mean_kl_change']:+.1%} | {r['median_prompt_change']:+.1%} | "
-                      f"{r['prompts_improved']}/{n_prompts} |")
-            windows_change = ("" if mode == BASELINE else
-                              f"{r['window_change'][0]:+.0%} / {r['window_change'][-1]:+.0%}")
-            lines.append(f"| {target} | {mode} | {b_wire} | {r['mean_kl']:.4f} {change} {r['p50_kl']:.4f} "
-                         f"| {r['p99_kl']:.3f} | {100 * r['top1']:.1f} | {windows_change} |")
+            change = (
+                "| | | |"
+                if mode == BASELINE
+                else f"| {r['mean_kl_change']:+.1%} | {r['median_prompt_change']:+.1%} | "
+                f"{r['prompts_improved']}/{n_prompts} |"
+            )
+            windows_change = "" if mode == BASELINE else f"{r['window_change'][0]:+.0%} / {r['window_change'][-1]:+.0%}"
+            lines.append(
+                f"| {target} | {mode} | {b_wire} | {r['mean_kl']:.4f} {change} {r['p50_kl']:.4f} "
+                f"| {r['p99_kl']:.3f} | {100 * r['top1']:.1f} | {windows_change} |"
+            )
     if wire:
         tiers = list(next(iter(wire.values()))["tiers"])
-        lines += ["", f"| mode | budget | b_wire mean (min–max) | b_raw | tokens {' / '.join(tiers)} |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"| mode | budget | b_wire mean (min–max) | b_raw | tokens {' / '.join(tiers)} |",
+            "|---|---|---|---|---|",
+        ]
         for mode, w in wire.items():
             total = sum(w["tiers"].values())
             mix = " / ".join(f"{100 * n / total:.1f} %" for n in w["tiers"].values())
-            lines.append(f"| {mode} | {w['budget']:g} | {w['b_wire']:.3f} ({w['b_wire_min']:.3f}–{w['b_wire_max']:.3f}) "
-                         f"| {w['b_raw']:.3f} | {mix} |")
+            lines.append(
+                f"| {mode} | {w['budget']:g} | {w['b_wire']:.3f} ({w['b_wire_min']:.3f}–{w['b_wire_max']:.3f}) "
+                f"| {w['b_raw']:.3f} | {mix} |"
+            )
     return "\n".join(lines)
 
 
@@ -328,19 +412,45 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=512, help="tokens the reference generates per prompt")
     select = parser.add_mutually_exclusive_group()
-    select.add_argument("--prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1),
-                        metavar=f"1..{len(PROMPTS)}", help="the first N prompts")
-    select.add_argument("--only", type=int, nargs="+", choices=range(len(PROMPTS)), metavar="I",
-                        help=f"only these prompts (indices 0..{len(PROMPTS) - 1}, also their seeds), e.g. to "
-                             "split one study over processes")
-    select.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
-                        help="run nothing: combine the crossquant.json of runs with the same settings over "
-                             "disjoint prompts and/or targets, and write the outputs of the whole")
-    parser.add_argument("--targets", nargs="+", default=list(DEFAULT_TARGETS),
-                        help="decode-graph weight formats: native or q<bits>b<block_size>")
-    parser.add_argument("--budgets", type=float, nargs="*", default=list(DEFAULT_BUDGETS),
-                        help="EDKV budgets (wire bytes ÷ FP16 bytes of the prompt's KV), one wire-<b> mode "
-                             "each; none: target and handoff only")
+    select.add_argument(
+        "--prompts",
+        type=int,
+        default=len(PROMPTS),
+        choices=range(1, len(PROMPTS) + 1),
+        metavar=f"1..{len(PROMPTS)}",
+        help="the first N prompts",
+    )
+    select.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        choices=range(len(PROMPTS)),
+        metavar="I",
+        help=f"only these prompts (indices 0..{len(PROMPTS) - 1}, also their seeds), e.g. to "
+        "split one study over processes",
+    )
+    select.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: combine the crossquant.json of runs with the same settings over "
+        "disjoint prompts and/or targets, and write the outputs of the whole",
+    )
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        default=list(DEFAULT_TARGETS),
+        help="decode-graph weight formats: native or q<bits>b<block_size>",
+    )
+    parser.add_argument(
+        "--budgets",
+        type=float,
+        nargs="*",
+        default=list(DEFAULT_BUDGETS),
+        help="EDKV budgets (wire bytes ÷ FP16 bytes of the prompt's KV), one wire-<b> mode "
+        "each; none: target and handoff only",
+    )
     parser.add_argument("--accuracy-level", type=int, default=4, help="of the target graphs (4: as shipped)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=Path("docs"))
@@ -355,21 +465,44 @@ def main(argv: list[str] | None = None) -> None:
         model = load_model(args.model)
         profile = TierProfile.load(profile_path(model))  # the defaults when the model has not been probed
         indices = sorted(set(args.only)) if args.only else list(range(args.prompts))
-        study = run_study(model, indices, args.targets, args.tokens, study_modes(args.budgets, profile),
-                          args.accuracy_level, args.threads)
-        study["config"] = {"model": model.record.name, "tokens": args.tokens, "temperature": TEMPERATURE,
-                           "top_p": TOP_P, "window_tokens": WINDOW_TOKENS, "accuracy_level": args.accuracy_level,
-                           "budgets": args.budgets, "policy": WIRE_POLICY,
-                           "tier_profile": json.loads(profile.to_json()), "prompt_indices": indices,
-                           "threads": args.threads, "wall_seconds": round(time.perf_counter() - started, 1)}
+        study = run_study(
+            model,
+            indices,
+            args.targets,
+            args.tokens,
+            study_modes(args.budgets, profile),
+            args.accuracy_level,
+            args.threads,
+        )
+        study["config"] = {
+            "model": model.record.name,
+            "tokens": args.tokens,
+            "temperature": TEMPERATURE,
+            "top_p": TOP_P,
+            "window_tokens": WINDOW_TOKENS,
+            "accuracy_level": args.accuracy_level,
+            "budgets": args.budgets,
+            "policy": WIRE_POLICY,
+            "tier_profile": json.loads(profile.to_json()),
+            "prompt_indices": indices,
+            "threads": args.threads,
+            "wall_seconds": round(time.perf_counter() - started, 1),
+        }
     study.update(summary=aggregate(study["results"]), wire=wire_summary(study["prompts"]))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "crossquant.json").write_text(json.dumps(study, indent=1))
     paths = plot(study, args.out_dir, BASELINE)
-    logger.info("wrote %s and %s (study wall time %.0f s)", args.out_dir / "crossquant.json",
-                ", ".join(map(str, paths)), study["config"]["wall_seconds"])
-    print(json.dumps(study, indent=1) if args.json else
-          markdown_table(study["summary"], len(study["prompts"]), study["wire"]))
+    logger.info(
+        "wrote %s and %s (study wall time %.0f s)",
+        args.out_dir / "crossquant.json",
+        ", ".join(map(str, paths)),
+        study["config"]["wall_seconds"],
+    )
+    print(
+        json.dumps(study, indent=1)
+        if args.json
+        else markdown_table(study["summary"], len(study["prompts"]), study["wire"])
+    )
 
 
 if __name__ == "__main__":

@@ -33,16 +33,26 @@ def plot(study: dict, out_dir: Path, baseline: str = "target") -> list[Path]:
             data = [[p[key] for p in study["results"][t][mode]] for t in targets]
             positions = np.arange(len(targets)) + (i - (len(modes) - 1) / 2) * width
             style = {"color": colors[mode]}
-            ax.boxplot(data, positions=positions, widths=width * 0.8, showfliers=False, boxprops=style,
-                       medianprops=style, whiskerprops=style, capprops=style)
+            ax.boxplot(
+                data,
+                positions=positions,
+                widths=width * 0.8,
+                showfliers=False,
+                boxprops=style,
+                medianprops=style,
+                whiskerprops=style,
+                capprops=style,
+            )
             for x, values in zip(positions, data):
                 for value, size in zip(values, sizes):
                     ax.scatter(x, value, marker=markers[size], s=14, facecolors="none", edgecolors=colors[mode])
         ax.set_xticks(range(len(targets)), targets)
         ax.set(yscale="log", ylabel="KL(ref || ·), nats", title=f"{key.split('_')[0]} KL per prompt")
     handles = [plt.Line2D([], [], color=c, label=m) for m, c in colors.items()]
-    handles += [plt.Line2D([], [], marker=m, linestyle="", color="gray", markerfacecolor="none", label=s)
-                for s, m in markers.items()]
+    handles += [
+        plt.Line2D([], [], marker=m, linestyle="", color="gray", markerfacecolor="none", label=s)
+        for s, m in markers.items()
+    ]
     axes[0].legend(handles=handles, fontsize=8, ncol=2)
     wire = "\nwire-b = that KV through EDKV at budget b" if any(m.startswith("wire-") for m in modes) else ""
     fig.suptitle(f"Cross-quant, {len(sizes)} prompts: {baseline} = own prefill, handoff = fp32 prefill KV{wire}")
@@ -59,8 +69,14 @@ def plot(study: dict, out_dir: Path, baseline: str = "target") -> list[Path]:
         for mode, row in rows.items():
             if mode != baseline:
                 starts = np.arange(len(row["window_change"])) * window_tokens
-                ax.plot(starts, 100 * np.asarray(row["window_change"]), color=colors[mode], marker="o",
-                        markersize=3, label=mode)
+                ax.plot(
+                    starts,
+                    100 * np.asarray(row["window_change"]),
+                    color=colors[mode],
+                    marker="o",
+                    markersize=3,
+                    label=mode,
+                )
         ax.axhline(0, color="gray", linewidth=0.8)
         ax.set(xlabel="generated tokens (window start)", ylabel=f"% KL change vs {baseline}", title=target)
         ax.legend(fontsize=7)
@@ -68,10 +84,14 @@ def plot(study: dict, out_dir: Path, baseline: str = "target") -> list[Path]:
     for target, rows in summary.items():
         starts = np.arange(len(rows[baseline]["window_kl"])) * window_tokens
         absolute.plot(starts, rows[baseline]["window_kl"], marker="o", markersize=3, label=target)
-    absolute.set(yscale="log", xlabel="generated tokens (window start)", ylabel="mean KL over prompts, nats",
-                 title=f"{baseline}: KL by distance from the prompt")
+    absolute.set(
+        yscale="log",
+        xlabel="generated tokens (window start)",
+        ylabel="mean KL over prompts, nats",
+        title=f"{baseline}: KL by distance from the prompt",
+    )
     absolute.legend(fontsize=7)
-    for ax in panels[len(targets) + 1:]:
+    for ax in panels[len(targets) + 1 :]:
         ax.set_visible(False)
     fig.suptitle(f"Change in KL per {window_tokens}-token window against {baseline} (own prefill)")
     fig.tight_layout()

@@ -33,9 +33,14 @@ def trace(engine: Engine, past: int, steps: int) -> dict:
         if event.device_type.name == "CUDA":
             count[event.name] += 1
             gpu_us[event.name] += event.device_time_total
-    return {"kernels_per_token": sum(count.values()) / steps, "gpu_us_per_token": sum(gpu_us.values()) / steps,
-            "by_kernel": [{"name": name, "per_token": count[name] / steps, "gpu_us": gpu_us[name] / steps}
-                          for name, _ in gpu_us.most_common()]}
+    return {
+        "kernels_per_token": sum(count.values()) / steps,
+        "gpu_us_per_token": sum(gpu_us.values()) / steps,
+        "by_kernel": [
+            {"name": name, "per_token": count[name] / steps, "gpu_us": gpu_us[name] / steps}
+            for name, _ in gpu_us.most_common()
+        ],
+    }
 
 
 def main() -> None:
@@ -44,22 +49,31 @@ def main() -> None:
     parser.add_argument("--past", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--q4-1", choices=Q4_1_MODES, default=DEVICE_Q4_1["cuda"],
-                        help="how the decode graph applies Q4_1's offsets (GraphOptions.q4_1)")
+    parser.add_argument(
+        "--q4-1",
+        choices=Q4_1_MODES,
+        default=DEVICE_Q4_1["cuda"],
+        help="how the decode graph applies Q4_1's offsets (GraphOptions.q4_1)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     model = load_model(args.model)
     results = {}
     for cuda_graph in (True, False):
-        engine = Engine(model, GraphOptions("decode", "float16", 4, q4_1=args.q4_1),
-                        max_context=args.past + args.steps + 8, device="cuda", cuda_graph=cuda_graph)
+        engine = Engine(
+            model,
+            GraphOptions("decode", "float16", 4, q4_1=args.q4_1),
+            max_context=args.past + args.steps + 8,
+            device="cuda",
+            cuda_graph=cuda_graph,
+        )
         results["cuda_graph" if cuda_graph else "no_cuda_graph"] = trace(engine, args.past, args.steps)
     if args.json:
         print(json.dumps(results, indent=2))
         return
     for mode, result in results.items():
         print(f"{mode}: {result['kernels_per_token']:.0f} kernels, {result['gpu_us_per_token']:.0f} µs GPU per token")
-        for row in result["by_kernel"][:args.top]:
+        for row in result["by_kernel"][: args.top]:
             print(f"  {row['per_token']:6.1f} × {row['gpu_us']:7.1f} µs  {row['name'][:100]}")
 
 

@@ -6,7 +6,8 @@ under each policy; the INT4 decode graph injects it, runs the context's last tok
 the continuation in one teacher-forced pass. Scoring uses the INT4 graph at accuracy_level 0 (exact
 fp32 arithmetic over the same INT4 weights): the deployed accuracy_level 4 graph quantizes
 activations to int8, which turns any perturbation of its inputs into KL ≈ 0.002–0.004 of its own
-and would swamp the differences measured here. The needle test decodes with the deployed graph. Reported per policy and budget: Δ% perplexity against
+and would swamp the differences measured here. The needle test decodes with the deployed graph.
+Reported per policy and budget: Δ% perplexity against
 FP16 transfer (t-interval over contexts), mean KL(FP16 ‖ policy) per token, top-1 agreement, and b
 before and after zstd. PDTrim's head fraction is tuned per budget (lowest mean KL over the grid,
 chosen on the same contexts — an advantage for the baseline).
@@ -69,7 +70,7 @@ def variants(policies: list[str], budgets: list[float], fractions: list[float]) 
     out = []
     for budget in budgets:
         for policy in policies:
-            for fraction in (fractions if policy == "pdtrim" else [0.5]):
+            for fraction in fractions if policy == "pdtrim" else [0.5]:
                 out.append((policy, budget, fraction))
     return out
 
@@ -80,7 +81,7 @@ def perplexity_study(args, model, prefiller, scorer, configs, profile) -> dict:
     contract = model.spec.kv_contract
     rows: dict[tuple, list[dict]] = {}
     for index, window in enumerate(windows):
-        context, continuation = window[:args.context_tokens], window[args.context_tokens:]
+        context, continuation = window[: args.context_tokens], window[args.context_tokens :]
         scored = prefill_and_score(prefiller, context)
         fp16_kv, fp16_encoded = through_wire(scored, 1.0, "ours", contract)
         reference = score_continuation(scorer, context, continuation, fp16_kv)
@@ -88,15 +89,22 @@ def perplexity_study(args, model, prefiller, scorer, configs, profile) -> dict:
         for policy, budget, fraction in configs:
             kv, encoded = through_wire(scored, budget, policy, contract, profile=profile, pdtrim_head_fraction=fraction)
             rows.setdefault((policy, budget, fraction), []).append(
-                _row(reference, score_continuation(scorer, context, continuation, kv), encoded))
+                _row(reference, score_continuation(scorer, context, continuation, kv), encoded)
+            )
         print(f"  context {index + 1}/{len(windows)} scored", file=sys.stderr)
     return rows
 
 
 def _row(reference, score, encoded) -> dict:
-    return {"dnll": score.mean_nll - reference.mean_nll, "nll": score.mean_nll, "kl": mean_kl(reference, score),
-            "top1": top1_agreement(reference, score), "b_raw": encoded.b_raw, "b_wire": encoded.b_wire,
-            "tiers": encoded.tier_counts()}
+    return {
+        "dnll": score.mean_nll - reference.mean_nll,
+        "nll": score.mean_nll,
+        "kl": mean_kl(reference, score),
+        "top1": top1_agreement(reference, score),
+        "b_raw": encoded.b_raw,
+        "b_wire": encoded.b_wire,
+        "tiers": encoded.tier_counts(),
+    }
 
 
 def summarise_perplexity(rows: dict) -> dict:
@@ -105,41 +113,68 @@ def summarise_perplexity(rows: dict) -> dict:
     for (policy, budget, fraction), samples in rows.items():
         dnll, low, high = mean_interval([r["dnll"] for r in samples])
         summary[(policy, budget, fraction)] = {
-            "policy": policy, "budget": budget, "pdtrim_head_fraction": fraction if policy == "pdtrim" else None,
-            "dppl_pct": 100 * math.expm1(dnll), "dppl_low": 100 * math.expm1(low), "dppl_high": 100 * math.expm1(high),
+            "policy": policy,
+            "budget": budget,
+            "pdtrim_head_fraction": fraction if policy == "pdtrim" else None,
+            "dppl_pct": 100 * math.expm1(dnll),
+            "dppl_low": 100 * math.expm1(low),
+            "dppl_high": 100 * math.expm1(high),
             "worst_dppl_pct": 100 * math.expm1(max(r["dnll"] for r in samples)),
-            "kl": float(np.mean([r["kl"] for r in samples])), "top1": float(np.mean([r["top1"] for r in samples])),
-            "b_raw": float(np.mean([r["b_raw"] for r in samples])), "b_wire": float(np.mean([r["b_wire"] for r in samples])),
+            "kl": float(np.mean([r["kl"] for r in samples])),
+            "top1": float(np.mean([r["top1"] for r in samples])),
+            "b_raw": float(np.mean([r["b_raw"] for r in samples])),
+            "b_wire": float(np.mean([r["b_wire"] for r in samples])),
             "tiers": {k: int(sum(r["tiers"][k] for r in samples)) for k in samples[0]["tiers"]},
             "contexts": len(samples),
         }
     tuned = {}
-    for (policy, budget, fraction), entry in summary.items():
+    for (policy, budget, _fraction), entry in summary.items():
         if policy == "pdtrim" and (budget not in tuned or entry["kl"] < tuned[budget]["kl"]):
             tuned[budget] = entry
     chosen = [e for e in summary.values() if e["policy"] != "pdtrim"] + list(tuned.values())
-    return {"rows": sorted(chosen, key=lambda e: (-e["budget"], e["policy"])), "pdtrim_grid": [
-        e for e in summary.values() if e["policy"] == "pdtrim"]}
+    return {
+        "rows": sorted(chosen, key=lambda e: (-e["budget"], e["policy"])),
+        "pdtrim_grid": [e for e in summary.values() if e["policy"] == "pdtrim"],
+    }
 
 
 def needle_study(args, model, prefiller, decoder, configs, profile) -> list[dict]:
-    trials = needle_trials(model.tokenizer, context_tokens=args.niah_tokens, depth_count=args.niah_depths,
-                           trials_per_depth=args.niah_trials)
+    trials = needle_trials(
+        model.tokenizer,
+        context_tokens=args.niah_tokens,
+        depth_count=args.niah_depths,
+        trials_per_depth=args.niah_trials,
+    )
     contract = model.spec.kv_contract
     hits: dict[tuple, list[bool]] = {}
     for index, trial in enumerate(trials):
         scored = prefill_and_score(prefiller, trial.prompt_ids)
         for policy, budget, fraction in [FP16 + (0.5,), *configs]:
-            kv, _ = through_wire(scored, budget, "ours" if policy == FP16[0] else policy, contract,
-                                 profile=profile, pdtrim_head_fraction=fraction)
+            kv, _ = through_wire(
+                scored,
+                budget,
+                "ours" if policy == FP16[0] else policy,
+                contract,
+                profile=profile,
+                pdtrim_head_fraction=fraction,
+            )
             hits.setdefault((policy, budget, fraction), []).append(answer(decoder, model.tokenizer, trial, kv))
         print(f"  needle {index + 1}/{len(trials)} done", file=sys.stderr)
     out = []
     for (policy, budget, fraction), results in hits.items():
         low, high = wilson_interval(sum(results), len(results))
-        out.append({"policy": policy, "budget": budget, "pdtrim_head_fraction": fraction if policy == "pdtrim" else None,
-                    "hits": sum(results), "trials": len(results), "rate": sum(results) / len(results),
-                    "low": low, "high": high})
+        out.append(
+            {
+                "policy": policy,
+                "budget": budget,
+                "pdtrim_head_fraction": fraction if policy == "pdtrim" else None,
+                "hits": sum(results),
+                "trials": len(results),
+                "rate": sum(results) / len(results),
+                "low": low,
+                "high": high,
+            }
+        )
     return out
 
 
@@ -156,9 +191,11 @@ def goal_checks(result: dict) -> list[str]:
     ours_n, fp16_n = needle.get(("ours", 0.3)), needle.get(FP16[:2])
     if ours_n and fp16_n:
         inside = fp16_n["low"] <= ours_n["rate"] <= fp16_n["high"]
-        lines.append(f"- NIAH at b = 0.3: ours {ours_n['hits']}/{ours_n['trials']} vs FP16 transfer "
-                     f"{fp16_n['hits']}/{fp16_n['trials']} (interval {fp16_n['low']:.2f}–{fp16_n['high']:.2f}): "
-                     + ("within the FP16 interval" if inside else "OUTSIDE the FP16 interval"))
+        lines.append(
+            f"- NIAH at b = 0.3: ours {ours_n['hits']}/{ours_n['trials']} vs FP16 transfer "
+            f"{fp16_n['hits']}/{fp16_n['trials']} (interval {fp16_n['low']:.2f}–{fp16_n['high']:.2f}): "
+            + ("within the FP16 interval" if inside else "OUTSIDE the FP16 interval")
+        )
     for budget in sorted({b for _, b in rows}, reverse=True):
         ours = rows.get(("ours", budget))
         rivals = [rows[(p, budget)] for p in ("position", "pdtrim") if (p, budget) in rows]
@@ -170,8 +207,12 @@ def goal_checks(result: dict) -> list[str]:
                 verdict = "better than " + " and ".join(beaten)
             else:
                 verdict = f"NOT better than {[r['policy'] for r in rivals if r['policy'] not in beaten]}"
-            lines.append(f"- b = {budget}: ours KL {ours['kl']:.4f} vs " + ", ".join(
-                f"{r['policy']} {r['kl']:.4f}" for r in rivals) + ": " + verdict)
+            lines.append(
+                f"- b = {budget}: ours KL {ours['kl']:.4f} vs "
+                + ", ".join(f"{r['policy']} {r['kl']:.4f}" for r in rivals)
+                + ": "
+                + verdict
+            )
     return lines
 
 
@@ -180,31 +221,48 @@ def write_report(result: dict, markdown: Path, plot: Path) -> None:
     setup = (
         f"Command: `{result['command'].strip()}` — {result['wall_seconds']} s. Model {result['model']}; "
         f"text {result['text']}; {result['contexts']} contexts of {result['context_tokens']} tokens, "
-        f"{result['continuation_tokens']} teacher-forced continuation tokens each. Prefill: fp32 graph. Scoring: the INT4 "
-        "graph at accuracy_level 0 (exact arithmetic; the deployed acc-4 graph's int8 activations add KL ≈ 0.002–0.004 "
-        "of their own to any input change); the needle test decodes with the deployed acc-4 graph. "
+        f"{result['continuation_tokens']} teacher-forced continuation tokens each. Prefill: fp32 graph. "
+        "Scoring: the INT4 graph at accuracy_level 0 (exact arithmetic; the deployed acc-4 graph's int8 "
+        "activations add KL ≈ 0.002–0.004 of their own to any input change); the needle test decodes with "
+        "the deployed acc-4 graph. "
         f"Tier profile: {result['tier_profile']}. Δ PPL and KL are against FP16 transfer through the same wire; "
         "b_raw and b_wire are payload bytes before and after zstd over the FP16 bytes of the same tokens "
-        "(the budget binds b_wire).")
+        "(the budget binds b_wire)."
+    )
     lines = [
-        "# KV transfer quality (generated by tools/kv_quality.py)", "", setup, "", "## Goals", "", *goal_checks(result), "",
-        "## Perplexity and KL", "",
-        "| b | policy | Δ PPL % (95 % CI) | worst context | mean KL | top-1 | b_raw | b_wire | tiers FP16/INT8/INT4/INT2/DROP |",
+        "# KV transfer quality (generated by tools/kv_quality.py)",
+        "",
+        setup,
+        "",
+        "## Goals",
+        "",
+        *goal_checks(result),
+        "",
+        "## Perplexity and KL",
+        "",
+        "| b | policy | Δ PPL % (95 % CI) | worst context | mean KL | top-1 | b_raw | b_wire "
+        "| tiers FP16/INT8/INT4/INT2/DROP |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in result["perplexity"]["rows"]:
         name = e["policy"] + (f" (head {e['pdtrim_head_fraction']:g})" if e["pdtrim_head_fraction"] is not None else "")
         t = e["tiers"]
-        lines.append(f"| {e['budget']:g} | {name} | {e['dppl_pct']:+.2f} ({e['dppl_low']:+.2f} … {e['dppl_high']:+.2f}) | "
-                     f"{e['worst_dppl_pct']:+.2f} | {e['kl']:.4f} | {100 * e['top1']:.1f} % | {e['b_raw']:.3f} | "
-                     f"{e['b_wire']:.3f} | {t['FP16']}/{t['INT8']}/{t['INT4']}/{t['INT2']}/{t['DROP']} |")
+        lines.append(
+            f"| {e['budget']:g} | {name} | {e['dppl_pct']:+.2f} ({e['dppl_low']:+.2f} … {e['dppl_high']:+.2f}) | "
+            f"{e['worst_dppl_pct']:+.2f} | {e['kl']:.4f} | {100 * e['top1']:.1f} % | {e['b_raw']:.3f} | "
+            f"{e['b_wire']:.3f} | {t['FP16']}/{t['INT8']}/{t['INT4']}/{t['INT2']}/{t['DROP']} |"
+        )
     if result["needle"]:
-        title = (f"## Needle in a haystack ({result['niah_tokens']} haystack tokens, {result['niah_depths']} depths × "
-                 f"{result['niah_trials_per_depth']} trials, greedy, chat prompt)")
+        title = (
+            f"## Needle in a haystack ({result['niah_tokens']} haystack tokens, {result['niah_depths']} depths × "
+            f"{result['niah_trials_per_depth']} trials, greedy, chat prompt)"
+        )
         lines += ["", title, "", "| b | policy | found | rate (95 % Wilson) |", "|---|---|---|---|"]
         for e in sorted(result["needle"], key=lambda e: (-e["budget"], e["policy"])):
-            lines.append(f"| {e['budget']:g} | {e['policy']} | {e['hits']}/{e['trials']} | "
-                         f"{e['rate']:.2f} ({e['low']:.2f} … {e['high']:.2f}) |")
+            lines.append(
+                f"| {e['budget']:g} | {e['policy']} | {e['hits']}/{e['trials']} | "
+                f"{e['rate']:.2f} ({e['low']:.2f} … {e['high']:.2f}) |"
+            )
     lines += ["", f"![Δ PPL and needle rate against budget]({plot.name})", ""]
     markdown.write_text("\n".join(lines))
     _plot(result, plot)
@@ -221,8 +279,12 @@ def _plot(result: dict, path: Path) -> None:
     for policy in sorted({e["policy"] for e in result["perplexity"]["rows"]} - {FP16[0]}):
         rows = sorted((e for e in result["perplexity"]["rows"] if e["policy"] == policy), key=lambda e: e["b_wire"])
         ax.plot([e["b_wire"] for e in rows], [max(e["dppl_pct"], 0.01) for e in rows], marker="o", label=policy)
-    ax.set(xlabel="b_wire (wire bytes / FP16 bytes)", ylabel="Δ perplexity % vs FP16 transfer (≤ 0.01 drawn at 0.01)",
-           yscale="log", title="Perplexity cost of KV compression")
+    ax.set(
+        xlabel="b_wire (wire bytes / FP16 bytes)",
+        ylabel="Δ perplexity % vs FP16 transfer (≤ 0.01 drawn at 0.01)",
+        yscale="log",
+        title="Perplexity cost of KV compression",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     if result["needle"]:
@@ -259,16 +321,27 @@ def main(argv: list[str]) -> int:
     needle = []
     if args.niah_trials:
         tuned = {(e["budget"]): e["pdtrim_head_fraction"] for e in perplexity["rows"] if e["policy"] == "pdtrim"}
-        niah_configs = [(p, b, tuned.get(b, f) if p == "pdtrim" else f) for p, b, f in variants(policies, budgets, [0.5])]
+        niah_configs = [
+            (p, b, tuned.get(b, f) if p == "pdtrim" else f) for p, b, f in variants(policies, budgets, [0.5])
+        ]
         decoder = Engine(model, GraphOptions(), max_context=longest, threads=args.threads)
         needle = needle_study(args, model, prefiller, decoder, niah_configs, profile)
-    result = {"command": "python tools/kv_quality.py " + " ".join(argv), "model": model.record.name,
-              "contexts": args.contexts, "context_tokens": args.context_tokens,
-              "continuation_tokens": args.continuation_tokens, "niah_tokens": args.niah_tokens,
-              "niah_depths": args.niah_depths, "niah_trials_per_depth": args.niah_trials,
-              "text": str(args.text_file) if args.text_file else "pydoc_data.topics",
-              "tier_profile": profile.source, "allowed_tiers": [t.name for t in profile.allowed],
-              "wall_seconds": round(time.perf_counter() - started, 1), "perplexity": perplexity, "needle": needle}
+    result = {
+        "command": "python tools/kv_quality.py " + " ".join(argv),
+        "model": model.record.name,
+        "contexts": args.contexts,
+        "context_tokens": args.context_tokens,
+        "continuation_tokens": args.continuation_tokens,
+        "niah_tokens": args.niah_tokens,
+        "niah_depths": args.niah_depths,
+        "niah_trials_per_depth": args.niah_trials,
+        "text": str(args.text_file) if args.text_file else "pydoc_data.topics",
+        "tier_profile": profile.source,
+        "allowed_tiers": [t.name for t in profile.allowed],
+        "wall_seconds": round(time.perf_counter() - started, 1),
+        "perplexity": perplexity,
+        "needle": needle,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kv-quality.json").write_text(json.dumps(result, indent=2))
     write_report(result, args.out / "kv-quality.md", args.out / "kv-quality.png")

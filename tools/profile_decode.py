@@ -46,10 +46,16 @@ def main() -> None:
     args = parser.parse_args()
     model = load_model(args.model)
     for past in args.past:
-        engine = Engine(model, GraphOptions("decode", "float32", args.accuracy_level), max_context=past + args.steps + 8,
-                        threads=args.threads, profile=True)
-        for _ in engine.generate(prompt_tokens(model.tokenizer, past), SamplingParams(max_tokens=args.steps + 1,
-                                                                                      stop_token_ids=())):
+        engine = Engine(
+            model,
+            GraphOptions("decode", "float32", args.accuracy_level),
+            max_context=past + args.steps + 8,
+            threads=args.threads,
+            profile=True,
+        )
+        for _ in engine.generate(
+            prompt_tokens(model.tokenizer, past), SamplingParams(max_tokens=args.steps + 1, stop_token_ids=())
+        ):
             pass
         trace = Path(engine.session.end_profiling())
         per_step = op_times_per_step(trace, args.steps)

@@ -26,7 +26,7 @@ def rounding_error(w: BlockQuantized) -> tuple[float, float, int, int]:
     n, blocks = d.shape
     middle, top = 1 << (w.bits - 1), (1 << w.bits) - 1
     codes = np.zeros((n, blocks * w.block_size))
-    codes[:, :w.codes.shape[1]] = w.codes
+    codes[:, : w.codes.shape[1]] = w.codes
     codes = codes.reshape(n, blocks, w.block_size)
     exact = d[..., None] * (codes - middle) + c[..., None]
     ideal = middle - c / np.where(d == 0, 1, d)
@@ -34,7 +34,7 @@ def rounding_error(w: BlockQuantized) -> tuple[float, float, int, int]:
     changed = d[..., None] * (codes - z[..., None])
     valid = np.arange(blocks * w.block_size).reshape(blocks, w.block_size) < w.codes.shape[1]
     diff = ((changed - exact) ** 2 * valid).sum()
-    return float(diff), float((exact ** 2 * valid).sum()), d.size, int((ideal != np.clip(ideal, 0, top)).sum())
+    return float(diff), float((exact**2 * valid).sum()), d.size, int((ideal != np.clip(ideal, 0, top)).sum())
 
 
 def main() -> None:

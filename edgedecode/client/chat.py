@@ -7,6 +7,7 @@ line shows the time to first token, decode tokens/s, the KV bytes pulled and the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import subprocess
@@ -50,8 +51,16 @@ class TurnResult:
 class ChatClient:
     """A conversation with the daemon at ``url``."""
 
-    def __init__(self, url: str, token: str = "", system: str | None = None, *, max_tokens: int = 256,
-                 temperature: float = 0.0, timeout: float = 600) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str = "",
+        system: str | None = None,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        timeout: float = 600,
+    ) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.system = system
@@ -68,9 +77,14 @@ class ChatClient:
     def send(self, text: str, out: TextIO) -> TurnResult:
         """Send a user message, write the answer to ``out`` as it streams, and remember both."""
         self.messages.append({"role": "user", "content": text})
-        body = {"messages": self.messages, "stream": True, "max_tokens": self.max_tokens,
-                "temperature": self.temperature, "session_id": self.session_id,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "messages": self.messages,
+            "stream": True,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "session_id": self.session_id,
+            "stream_options": {"include_usage": True},
+        }
         started, pieces, report, completion = time.perf_counter(), [], {}, 0
         try:
             for event in stream_events(self.url, "/v1/chat/completions", body, self.token, self.timeout):
@@ -91,6 +105,7 @@ class ChatClient:
         self.messages.append({"role": "assistant", "content": text_out})
         return TurnResult(text_out, report, completion, time.perf_counter() - started)
 
+
 def stream_events(url: str, path: str, body: dict, token: str = "", timeout: float = 600) -> Iterator[dict]:
     """POST ``body`` to the daemon at ``url`` + ``path`` and yield the JSON of each server-sent event
     until ``[DONE]``. Raises ChatError with the daemon's message on an HTTP error."""
@@ -110,10 +125,8 @@ def stream_events(url: str, path: str, body: dict, token: str = "", timeout: flo
                 yield json.loads(data)
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
-        try:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
             detail = json.loads(detail)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            pass
         raise ChatError(f"the daemon answered {exc.code}: {detail}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ChatError(f"cannot reach the daemon at {url}: {exc}") from None
@@ -122,12 +135,17 @@ def stream_events(url: str, path: str, body: dict, token: str = "", timeout: flo
 def status_line(result: TurnResult) -> str:
     """The per-turn summary shown after each answer."""
     report, kv = result.report, result.report.get("kv", {})
-    parts = [f"TTFT {report.get('ttft_ms', 0):.0f} ms", f"{report.get('decode_tokens_per_second', 0):.1f} tok/s",
-             f"{result.completion_tokens} tokens"]
+    parts = [
+        f"TTFT {report.get('ttft_ms', 0):.0f} ms",
+        f"{report.get('decode_tokens_per_second', 0):.1f} tok/s",
+        f"{result.completion_tokens} tokens",
+    ]
     if kv.get("source") == "prefill_server":
         tiers = " ".join(f"{name} {count}" for name, count in kv.get("tiers", {}).items())
-        parts.append(f"KV pulled {kv.get('wire_bytes', 0) / 1024:.1f} KiB for {kv.get('pulled_tokens', 0)} tokens "
-                     f"(b {kv.get('b_wire') or 0:.3f}; {tiers})")
+        parts.append(
+            f"KV pulled {kv.get('wire_bytes', 0) / 1024:.1f} KiB for {kv.get('pulled_tokens', 0)} tokens "
+            f"(b {kv.get('b_wire') or 0:.3f}; {tiers})"
+        )
     else:
         parts.append(f"KV computed locally ({kv.get('fallback_reason') or 'no prefill server'})")
     if kv.get("reused_tokens"):
@@ -144,16 +162,18 @@ def start_daemon(config_path: Path | None) -> tuple[subprocess.Popen, str]:
         raise ChatError(f"the decode daemon did not start: {exc}") from None
 
 
-def run_chat(settings: ChatSettings, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout,
-             err: TextIO = sys.stderr) -> None:
+def run_chat(
+    settings: ChatSettings, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout, err: TextIO = sys.stderr
+) -> None:
     """The interactive loop: a line in, the streamed answer and its status line out."""
     process = None
     url = settings.url
     if url is None:
         err.write("starting the decode daemon (and its prefill server)...\n")
         process, url = start_daemon(settings.config_path)
-    client = ChatClient(url, settings.token, settings.system, max_tokens=settings.max_tokens,
-                        temperature=settings.temperature)
+    client = ChatClient(
+        url, settings.token, settings.system, max_tokens=settings.max_tokens, temperature=settings.temperature
+    )
     interactive = stdin.isatty()
     try:
         while True:

@@ -19,8 +19,14 @@ class ServerStartError(EdgeDecodeError):
     """The server exited or stayed silent before it listened."""
 
 
-def start_server(args: Sequence[str], *, env: dict[str, str] | None = None, stderr: IO | None = None,
-                 launcher: Sequence[str] = (), timeout: float = START_TIMEOUT_SECONDS) -> tuple[subprocess.Popen, str]:
+def start_server(
+    args: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    stderr: IO | None = None,
+    launcher: Sequence[str] = (),
+    timeout: float = START_TIMEOUT_SECONDS,
+) -> tuple[subprocess.Popen, str]:
     """Run ``[*launcher] python -m edgedecode *args --port 0`` (e.g. ``serve --config F``); return the
     process and the URL it listens on. ``launcher`` prefixes the command (e.g. ``taskset -c 0,1``);
     ``env`` adds to this process's environment (without its systemd notify socket)."""

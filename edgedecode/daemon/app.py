@@ -42,19 +42,24 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
         if request.path in endpoints:
             metrics.requests.labels(endpoints[request.path], status).inc()
 
-    app = web.Application(client_max_size=settings.max_body_bytes,
-                          middlewares=[error_middleware(settings.auth_token, count)])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, middlewares=[error_middleware(settings.auth_token, count)]
+    )
     app[SERVICE_KEY] = service
     model_name = service.model.record.name
 
     async def completions(request: web.Request, kind: str) -> web.StreamResponse:
         arrived = time.perf_counter()
         try:
-            parsed = parse_request(await read_json(request, settings.client_timeout_s), kind, service.model,
-                                   default_max_tokens=settings.max_tokens,
-                                   session_header=request.headers.get("X-Session-Id"),
-                                   max_context=service.max_context,
-                                   allow_special_tokens=settings.allow_special_tokens)
+            parsed = parse_request(
+                await read_json(request, settings.client_timeout_s),
+                kind,
+                service.model,
+                default_max_tokens=settings.max_tokens,
+                session_header=request.headers.get("X-Session-Id"),
+                max_context=service.max_context,
+                allow_special_tokens=settings.allow_special_tokens,
+            )
             turn = service.turn(parsed, parsed.user or request.remote or "unknown", arrived)
             await turn.open()
         except APIRequestError as exc:
@@ -62,8 +67,9 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
         except QueueFullError as exc:
             return json_error(429, str(exc), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         except AdmissionError as exc:
-            return json_error(503, str(exc), kind="server_error", code="insufficient_memory",
-                              headers={"Retry-After": "5"})
+            return json_error(
+                503, str(exc), kind="server_error", code="insufficient_memory", headers={"Retry-After": "5"}
+            )
         shape = ResponseShape(kind, model_name)
         if parsed.stream:
             return await _stream(request, turn, shape, parsed.include_usage)
@@ -103,8 +109,9 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
         except Exception as exc:
             logger.exception("generation failed")
             request[OUTCOME] = "500"
-            await send({"error": {"message": f"generation failed: {exc}", "type": "server_error",
-                                  "param": None, "code": None}})
+            await send(
+                {"error": {"message": f"generation failed: {exc}", "type": "server_error", "param": None, "code": None}}
+            )
         await write_within(response, b"data: [DONE]\n\n", settings.client_timeout_s)
         await response.write_eof()
         return response
@@ -116,15 +123,23 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
         return await completions(request, "text")
 
     async def models(_: web.Request) -> web.Response:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "edgedecode",
-                "max_context": service.max_context}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "edgedecode",
+            "max_context": service.max_context,
+        }
         return web.json_response({"object": "list", "data": [card]})
 
     async def readyz(_: web.Request) -> web.Response:
         ready = service.healthy()
-        body = {"status": "ready" if ready else "unhealthy", "model": model_name,
-                "prefill": {"url": service.prefill_url(), "breaker": service.breaker.state},
-                "slots": {"total": len(service.pool.slots), "busy": service.pool.busy, "queued": service.pool.queued}}
+        body = {
+            "status": "ready" if ready else "unhealthy",
+            "model": model_name,
+            "prefill": {"url": service.prefill_url(), "breaker": service.breaker.state},
+            "slots": {"total": len(service.pool.slots), "busy": service.pool.busy, "queued": service.pool.queued},
+        }
         return web.json_response(body, status=200 if ready else 503)
 
     app.router.add_post("/v1/chat/completions", chat)

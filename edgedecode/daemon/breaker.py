@@ -22,7 +22,7 @@ class CircuitBreaker:
 
     @property
     def state(self) -> str:
-        """"closed", "open" or "half-open"."""
+        """ "closed", "open" or "half-open"."""
         if self._opened_at is None:
             return "closed"
         return "half-open" if self._clock() - self._opened_at >= self.reset_seconds else "open"

@@ -9,6 +9,7 @@ on its own it is restarted after a pause, while requests prefill locally meanwhi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -29,10 +30,8 @@ class EmbeddedPrefillError(EdgeDecodeError):
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: shutdown still terminates the child
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: shutdown still terminates the child
-        pass
 
 
 class EmbeddedPrefill:
@@ -56,7 +55,8 @@ class EmbeddedPrefill:
         env = {**os.environ, "EDGEDECODE_PREFILL_AUTH_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
         env.pop("NOTIFY_SOCKET", None)  # the child must not report readiness for the daemon's unit
         self._process = await asyncio.create_subprocess_exec(
-            *command, stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=_die_with_parent)
+            *command, stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=_die_with_parent
+        )
         try:
             self.url = await asyncio.wait_for(self._read_url(), self.start_timeout)
         except (TimeoutError, EmbeddedPrefillError) as exc:
@@ -84,8 +84,9 @@ class EmbeddedPrefill:
             self.url = None
             if self._stopping:
                 return
-            logger.error("the embedded prefill server exited with status %s; restarting in %.0f s",
-                         status, self.restart_delay)
+            logger.error(
+                "the embedded prefill server exited with status %s; restarting in %.0f s", status, self.restart_delay
+            )
             await asyncio.sleep(self.restart_delay)
             try:
                 await self.start()

@@ -27,8 +27,16 @@ FEED_BYTES = 1 << 20  # hand the ingest thread at least this much at a time (few
 class KVPullError(EdgeDecodeError):
     """The KV could not be pulled; ``reason`` is one of REASONS."""
 
-    REASONS = ("breaker_open", "unreachable", "timeout", "http_error", "rejected", "truncated", "bad_payload",
-               "too_large")
+    REASONS = (
+        "breaker_open",
+        "unreachable",
+        "timeout",
+        "http_error",
+        "rejected",
+        "truncated",
+        "bad_payload",
+        "too_large",
+    )
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -63,23 +71,35 @@ class PullSettings:
     timeout: aiohttp.ClientTimeout
 
 
-async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_ids: np.ndarray, held_tokens: int,
-                  reader: EDKVReader, ingest: Executor, kv_bytes_per_token_fp16: int) -> PullResult:
+async def pull_kv(
+    http: aiohttp.ClientSession,
+    settings: PullSettings,
+    prompt_ids: np.ndarray,
+    held_tokens: int,
+    reader: EDKVReader,
+    ingest: Executor,
+    kv_bytes_per_token_fp16: int,
+) -> PullResult:
     """POST the prompt to the prefill server and stream the answer into ``reader``.
 
     Raises:
         KVPullError: unreachable, timeout, an HTTP error, a payload cut short, too large or invalid.
     """
     started = time.perf_counter()
-    body = {"token_ids": prompt_ids.tolist(), "held_tokens": held_tokens, "budget": settings.budget,
-            "policy": settings.policy}
+    body = {
+        "token_ids": prompt_ids.tolist(),
+        "held_tokens": held_tokens,
+        "budget": settings.budget,
+        "policy": settings.policy,
+    }
     headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
     loop = asyncio.get_running_loop()
     received = 0
     pending: asyncio.Future | None = None  # the ingest thread's current piece of work
     try:
-        async with http.post(settings.url.rstrip("/") + "/v1/prefill", json=body, headers=headers,
-                             timeout=settings.timeout) as response:
+        async with http.post(
+            settings.url.rstrip("/") + "/v1/prefill", json=body, headers=headers, timeout=settings.timeout
+        ) as response:
             if response.status != 200:
                 detail = (await response.text())[:500]
                 client_fault = 400 <= response.status < 500 and response.status not in (408, 429)
@@ -90,8 +110,9 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
             async for data in response.content.iter_any():
                 received += len(data)
                 if received > settings.max_payload_bytes:
-                    raise KVPullError("too_large", f"the KV payload exceeds max_payload_bytes "
-                                                   f"({settings.max_payload_bytes})")
+                    raise KVPullError(
+                        "too_large", f"the KV payload exceeds max_payload_bytes ({settings.max_payload_bytes})"
+                    )
                 buffered += data
                 if len(buffered) >= FEED_BYTES:
                     if pending is not None:
@@ -125,8 +146,13 @@ async def pull_kv(http: aiohttp.ClientSession, settings: PullSettings, prompt_id
     header = reader.header
     best = header.tiers.min(axis=0, initial=max(Tier))  # a token's best tier over its layers (none: no tokens)
     counts = np.bincount(best, minlength=len(Tier))
-    return PullResult(received, header.n_tokens * kv_bytes_per_token_fp16,
-                      {tier.name: int(counts[tier]) for tier in Tier}, time.perf_counter() - started, server_seconds)
+    return PullResult(
+        received,
+        header.n_tokens * kv_bytes_per_token_fp16,
+        {tier.name: int(counts[tier]) for tier in Tier},
+        time.perf_counter() - started,
+        server_seconds,
+    )
 
 
 def _header_seconds(value: str | None) -> float | None:

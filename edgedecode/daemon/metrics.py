@@ -16,37 +16,66 @@ class DaemonMetrics:
 
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("edgedecode_requests_total", "Completion requests by endpoint and HTTP status.",
-                                ["endpoint", "status"], registry=registry)
-        self.ttft = Histogram("edgedecode_time_to_first_token_seconds",
-                              "From request arrival to the first generated token.", registry=registry,
-                              buckets=_LATENCY_BUCKETS)
-        self.inter_token = Histogram("edgedecode_inter_token_latency_seconds",
-                                     "Between consecutive generated tokens of one request.", registry=registry,
-                                     buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 1))
+        self.requests = Counter(
+            "edgedecode_requests_total",
+            "Completion requests by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "edgedecode_time_to_first_token_seconds",
+            "From request arrival to the first generated token.",
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.inter_token = Histogram(
+            "edgedecode_inter_token_latency_seconds",
+            "Between consecutive generated tokens of one request.",
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 1),
+        )
         self.generated = Counter("edgedecode_generated_tokens_total", "Tokens generated.", registry=registry)
-        self.kv_wire_bytes = Counter("edgedecode_kv_wire_bytes_total", "EDKV bytes pulled from the prefill server.",
-                                     registry=registry)
-        self.kv_fp16_bytes = Counter("edgedecode_kv_fp16_equivalent_bytes_total",
-                                     "FP16 bytes of the KV pulled (what the wire bytes replaced).", registry=registry)
-        self.kv_tier_tokens = Counter("edgedecode_kv_tier_tokens_total", "Tokens of pulled KV per tier.",
-                                      ["tier"], registry=registry)
+        self.kv_wire_bytes = Counter(
+            "edgedecode_kv_wire_bytes_total", "EDKV bytes pulled from the prefill server.", registry=registry
+        )
+        self.kv_fp16_bytes = Counter(
+            "edgedecode_kv_fp16_equivalent_bytes_total",
+            "FP16 bytes of the KV pulled (what the wire bytes replaced).",
+            registry=registry,
+        )
+        self.kv_tier_tokens = Counter(
+            "edgedecode_kv_tier_tokens_total", "Tokens of pulled KV per tier.", ["tier"], registry=registry
+        )
         for tier in Tier:
             self.kv_tier_tokens.labels(tier.name)
-        self.kv_fetch = Histogram("edgedecode_kv_fetch_seconds", "KV pull time, request to verified trailer.",
-                                  registry=registry, buckets=_LATENCY_BUCKETS)
-        self.kv_tokens = Counter("edgedecode_prompt_tokens_total",
-                                 "Prompt tokens by where their KV came from: pulled, reused (held by a slot), or "
-                                 "computed locally.", ["source"], registry=registry)
-        self.fallbacks = Counter("edgedecode_prefill_fallbacks_total",
-                                 "Requests prefilled locally instead of by the prefill server, by reason.",
-                                 ["reason"], registry=registry)
+        self.kv_fetch = Histogram(
+            "edgedecode_kv_fetch_seconds",
+            "KV pull time, request to verified trailer.",
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.kv_tokens = Counter(
+            "edgedecode_prompt_tokens_total",
+            "Prompt tokens by where their KV came from: pulled, reused (held by a slot), or computed locally.",
+            ["source"],
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "edgedecode_prefill_fallbacks_total",
+            "Requests prefilled locally instead of by the prefill server, by reason.",
+            ["reason"],
+            registry=registry,
+        )
         for reason in KVPullError.REASONS:
             self.fallbacks.labels(reason)
         self.queue_depth = Gauge("edgedecode_queue_depth", "Requests waiting for a decode slot.", registry=registry)
         self.active = Gauge("edgedecode_active_generations", "Requests holding a decode slot.", registry=registry)
-        self.resident_kv = Gauge("edgedecode_resident_kv_bytes", "Bytes of KV held in the decode slots.",
-                                 registry=registry)
-        self.breaker_open = Gauge("edgedecode_prefill_breaker_open",
-                                  "1 while the circuit breaker skips the prefill server.", registry=registry)
+        self.resident_kv = Gauge(
+            "edgedecode_resident_kv_bytes", "Bytes of KV held in the decode slots.", registry=registry
+        )
+        self.breaker_open = Gauge(
+            "edgedecode_prefill_breaker_open",
+            "1 while the circuit breaker skips the prefill server.",
+            registry=registry,
+        )
         process_gauges(registry)

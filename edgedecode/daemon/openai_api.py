@@ -46,9 +46,16 @@ class CompletionRequest:
     user: str | None
 
 
-def parse_request(body: dict, kind: str, model: LoadedModel, *, default_max_tokens: int,
-                  session_header: str | None, max_context: int | None = None,
-                  allow_special_tokens: bool = False) -> CompletionRequest:
+def parse_request(
+    body: dict,
+    kind: str,
+    model: LoadedModel,
+    *,
+    default_max_tokens: int,
+    session_header: str | None,
+    max_context: int | None = None,
+    allow_special_tokens: bool = False,
+) -> CompletionRequest:
     """Validate an OpenAI request body of ``kind`` ("chat" or "text") and tokenize its prompt.
 
     ``max_context`` (default: the model's) bounds prompt + completion: an explicit ``max_tokens``
@@ -62,10 +69,14 @@ def parse_request(body: dict, kind: str, model: LoadedModel, *, default_max_toke
         raise APIRequestError(f"this server serves {model.record.name!r}, not {body['model']!r}", "model")
     if body.get("n", 1) != 1:
         raise APIRequestError("only n = 1 is supported", "n")
-    prompt_ids = (_chat_prompt(body, model, allow_special_tokens) if kind == "chat"
-                  else _text_prompt(body, model, allow_special_tokens))
-    params = _sampling(body, len(prompt_ids), max_context or model.spec.context_length, default_max_tokens,
-                       model.spec.vocab_size)
+    prompt_ids = (
+        _chat_prompt(body, model, allow_special_tokens)
+        if kind == "chat"
+        else _text_prompt(body, model, allow_special_tokens)
+    )
+    params = _sampling(
+        body, len(prompt_ids), max_context or model.spec.context_length, default_max_tokens, model.spec.vocab_size
+    )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise APIRequestError("stream must be a boolean", "stream")
@@ -77,27 +88,42 @@ def parse_request(body: dict, kind: str, model: LoadedModel, *, default_max_toke
     for name, value in (("session_id", session_id), ("user", user)):
         if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
             raise APIRequestError(f"{name} must be a string of 1 to 256 characters", name)
-    return CompletionRequest(kind, prompt_ids, params, stream, bool(options.get("include_usage", False)),
-                             _stop(body.get("stop")), session_id, user)
+    return CompletionRequest(
+        kind,
+        prompt_ids,
+        params,
+        stream,
+        bool(options.get("include_usage", False)),
+        _stop(body.get("stop")),
+        session_id,
+        user,
+    )
 
 
-def _sampling(body: dict, prompt_tokens: int, max_context: int, default_max_tokens: int,
-              vocab_size: int) -> SamplingParams:
+def _sampling(
+    body: dict, prompt_tokens: int, max_context: int, default_max_tokens: int, vocab_size: int
+) -> SamplingParams:
     """The sampling fields, each checked against its range so that nothing fails once generation runs."""
     room = max_context - prompt_tokens
     if room < 1:
-        raise APIRequestError(f"the prompt has {prompt_tokens} tokens; this server's context holds {max_context} "
-                              "including at least one generated token", "messages" if "messages" in body
-                              else "prompt", "context_length_exceeded")
+        raise APIRequestError(
+            f"the prompt has {prompt_tokens} tokens; this server's context holds {max_context} "
+            "including at least one generated token",
+            "messages" if "messages" in body else "prompt",
+            "context_length_exceeded",
+        )
     given = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     if body.get(given) is None:
         max_tokens = min(default_max_tokens, room)
     else:
         max_tokens = _number(body[given], given, int, 1, None)
         if max_tokens > room:
-            raise APIRequestError(f"this server's context holds {max_context} tokens; the prompt has {prompt_tokens} "
-                                  f"and {given} asks for {max_tokens} more (at most {room} fit)", given,
-                                  "context_length_exceeded")
+            raise APIRequestError(
+                f"this server's context holds {max_context} tokens; the prompt has {prompt_tokens} "
+                f"and {given} asks for {max_tokens} more (at most {room} fit)",
+                given,
+                "context_length_exceeded",
+            )
     top_p = _number(body.get("top_p", 1.0), "top_p", float, 0, 1)
     if top_p == 0:
         raise APIRequestError("top_p must be in (0, 1]: 0 would keep no token", "top_p")
@@ -139,8 +165,9 @@ def _content_text(content, index: int) -> str:
     """A message's text: a string, or a list of text parts (other part types are refused)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise APIRequestError(f"messages[{index}].content must be a string or a list of text parts", "messages")
 
@@ -150,11 +177,16 @@ def _text_prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> 
     if isinstance(prompt, str):
         return np.asarray(model.tokenizer.encode(prompt, parse_special=allow_special_tokens), np.int64)
     vocab = model.spec.vocab_size
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                   for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt)
+    ):
         return np.asarray(prompt, np.int64)
-    raise APIRequestError(f"prompt must be a string or one list of token ids in [0, {vocab}) "
-                          "(batched prompts are not supported)", "prompt")
+    raise APIRequestError(
+        f"prompt must be a string or one list of token ids in [0, {vocab}) (batched prompts are not supported)",
+        "prompt",
+    )
 
 
 def _stop(stop) -> tuple[str, ...]:
@@ -188,7 +220,7 @@ class StopText:
             out, self._pending = self._pending[:cut], ""
             return out
         keep = len(self._pending) - self._hold
-        out, self._pending = self._pending[:max(keep, 0)], self._pending[max(keep, 0):]
+        out, self._pending = self._pending[: max(keep, 0)], self._pending[max(keep, 0) :]
         return out
 
     def flush(self) -> str:
@@ -229,8 +261,12 @@ class ResponseShape:
     def whole(self, text: str, finish_reason: str, usage: dict) -> dict:
         """The non-streamed response."""
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
             return {**self._envelope("chat.completion"), "choices": [choice], "usage": usage}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._envelope("text_completion"), "choices": [choice], "usage": usage}
@@ -238,5 +274,8 @@ class ResponseShape:
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     """The OpenAI usage object."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

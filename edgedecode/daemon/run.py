@@ -48,8 +48,13 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
                 background.append(asyncio.create_task(systemd.run_watchdog(service.healthy, interval)))
 
         try:
-            await serve_until_stopped(create_app(service, config, metrics), settings.host, settings.port,
-                                      header_timeout=settings.header_timeout_s, on_listening=listening)
+            await serve_until_stopped(
+                create_app(service, config, metrics),
+                settings.host,
+                settings.port,
+                header_timeout=settings.header_timeout_s,
+                on_listening=listening,
+            )
         finally:
             systemd.notify("STOPPING=1")
             for task in background:

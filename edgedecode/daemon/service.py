@@ -61,12 +61,19 @@ class TurnReport:
 
     def to_json(self) -> dict:
         return {
-            "kv": {"source": self.kv_source, "fallback_reason": self.fallback_reason,
-                   "reused_tokens": self.reused_tokens, "pulled_tokens": self.pulled_tokens,
-                   "budget": self.budget, "wire_bytes": self.wire_bytes, "fp16_bytes": self.fp16_bytes,
-                   "b_wire": round(self.wire_bytes / self.fp16_bytes, 4) if self.fp16_bytes else None,
-                   "tiers": self.tiers, "fetch_ms": round(self.fetch_seconds * 1e3, 2),
-                   "prefill_server_ms": None if self.server_seconds is None else round(self.server_seconds * 1e3, 2)},
+            "kv": {
+                "source": self.kv_source,
+                "fallback_reason": self.fallback_reason,
+                "reused_tokens": self.reused_tokens,
+                "pulled_tokens": self.pulled_tokens,
+                "budget": self.budget,
+                "wire_bytes": self.wire_bytes,
+                "fp16_bytes": self.fp16_bytes,
+                "b_wire": round(self.wire_bytes / self.fp16_bytes, 4) if self.fp16_bytes else None,
+                "tiers": self.tiers,
+                "fetch_ms": round(self.fetch_seconds * 1e3, 2),
+                "prefill_server_ms": None if self.server_seconds is None else round(self.server_seconds * 1e3, 2),
+            },
             "ttft_ms": round(self.ttft_seconds * 1e3, 2),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
             "slot": self.slot,
@@ -77,8 +84,14 @@ class DecodeService:
     """The decode engines (one per slot, one onnxruntime session), the worker thread, the slot pool
     and the link to the prefill server."""
 
-    def __init__(self, model: LoadedModel, config: Config, metrics: DaemonMetrics,
-                 prefill_url: Callable[[], str | None], prefill_token: str) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: Config,
+        metrics: DaemonMetrics,
+        prefill_url: Callable[[], str | None],
+        prefill_token: str,
+    ) -> None:
         self.model = model
         self.config = config
         self.metrics = metrics
@@ -88,18 +101,22 @@ class DecodeService:
         options = GraphOptions.for_device("decode", m.device)
         threads = m.threads or None
         first = Engine(model, options, max_context=d.max_context, device=m.device, threads=threads)
-        engines = [first] + [Engine(model, options, max_context=d.max_context, device=m.device, threads=threads,
-                                    share=first) for _ in range(d.slots - 1)]
+        engines = [first] + [
+            Engine(model, options, max_context=d.max_context, device=m.device, threads=threads, share=first)
+            for _ in range(d.slots - 1)
+        ]
         self.max_context = first.max_context
-        self.kv_bytes_per_slot_token = first.cache.dtype.itemsize * 2 * model.spec.n_layers * \
-            model.spec.n_kv_heads * model.spec.head_dim
+        self.kv_bytes_per_slot_token = (
+            first.cache.dtype.itemsize * 2 * model.spec.n_layers * model.spec.n_kv_heads * model.spec.head_dim
+        )
         self.pool = SlotPool(engines, d.max_queue)
         self.worker = DecodeWorker()
         self.breaker = CircuitBreaker(d.breaker_failures, d.breaker_reset_s)
         self._ingest = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-ingest")
         self._http: aiohttp.ClientSession | None = None
         metrics.resident_kv.set_function(
-            lambda: sum(slot.engine.length for slot in self.pool.slots) * self.kv_bytes_per_slot_token)
+            lambda: sum(slot.engine.length for slot in self.pool.slots) * self.kv_bytes_per_slot_token
+        )
         metrics.queue_depth.set_function(lambda: self.pool.queued)
         metrics.active.set_function(lambda: self.pool.busy)
         metrics.breaker_open.set_function(lambda: float(self.breaker.state == "open"))
@@ -128,11 +145,12 @@ class DecodeService:
         available = psutil.virtual_memory().available
         reserve = self.config.daemon.memory_reserve_mb << 20
         if available - need < reserve:
-            raise AdmissionError(f"not enough memory for this request: its KV needs {need >> 20} MiB, "
-                                 f"{available >> 20} MiB are available and {reserve >> 20} MiB are kept in reserve")
+            raise AdmissionError(
+                f"not enough memory for this request: its KV needs {need >> 20} MiB, "
+                f"{available >> 20} MiB are available and {reserve >> 20} MiB are kept in reserve"
+            )
 
-    async def _pull(self, slot: Slot, prompt_ids: np.ndarray, keep: int,
-                    report: TurnReport) -> EDKVReader | None:
+    async def _pull(self, slot: Slot, prompt_ids: np.ndarray, keep: int, report: TurnReport) -> EDKVReader | None:
         """Pull the KV of the prompt after ``keep`` into the slot; None (reason in ``report``) to prefill locally."""
         url = self.prefill_url()
         reason, message = None, ""
@@ -146,12 +164,26 @@ class DecodeService:
             reader = slot.engine.open_kv_stream(prompt_ids, keep)
             d = self.config.daemon
             report.budget = self.budget_for(len(prompt_ids) - keep)
-            settings = PullSettings(url, self._prefill_token, report.budget, d.policy, d.max_payload_bytes,
-                                    aiohttp.ClientTimeout(total=d.fetch_timeout_s, sock_connect=d.connect_timeout_s,
-                                                          sock_read=d.idle_read_timeout_s))
+            settings = PullSettings(
+                url,
+                self._prefill_token,
+                report.budget,
+                d.policy,
+                d.max_payload_bytes,
+                aiohttp.ClientTimeout(
+                    total=d.fetch_timeout_s, sock_connect=d.connect_timeout_s, sock_read=d.idle_read_timeout_s
+                ),
+            )
             try:
-                result = await pull_kv(self._http, settings, prompt_ids, keep, reader, self._ingest,
-                                       self.model.spec.kv_bytes_per_token_fp16)
+                result = await pull_kv(
+                    self._http,
+                    settings,
+                    prompt_ids,
+                    keep,
+                    reader,
+                    self._ingest,
+                    self.model.spec.kv_bytes_per_token_fp16,
+                )
             except KVPullError as exc:
                 if exc.endpoint_fault:
                     self.breaker.record_failure()

@@ -31,8 +31,15 @@ def pydoc_haystack() -> str:
     return "\n".join(topics[name] for name in HAYSTACK_TOPICS)
 
 
-def needle_trials(tokenizer: Tokenizer, *, context_tokens: int, depth_count: int, trials_per_depth: int,
-                  seed: int = 0, haystack: str | None = None) -> list[NeedleTrial]:
+def needle_trials(
+    tokenizer: Tokenizer,
+    *,
+    context_tokens: int,
+    depth_count: int,
+    trials_per_depth: int,
+    seed: int = 0,
+    haystack: str | None = None,
+) -> list[NeedleTrial]:
     """Chat prompts of about ``context_tokens`` haystack tokens (default: ``pydoc_haystack``) with the
     needle at ``depth_count`` depths spread evenly over the prompt, ``trials_per_depth`` codes each."""
     depths = [round((i + 0.5) / depth_count, 3) for i in range(depth_count)]
@@ -44,7 +51,7 @@ def needle_trials(tokenizer: Tokenizer, *, context_tokens: int, depth_count: int
         for t in range(trials_per_depth):
             code = f"{rng.integers(1000, 10000)}"
             start = (t * 997) % max(len(filler) - context_tokens, 1)  # a different stretch of text per trial
-            window = filler[start:start + context_tokens]
+            window = filler[start : start + context_tokens]
             cut = int(depth * len(window))
             text = tokenizer.decode(window[:cut]) + NEEDLE.format(code=code) + tokenizer.decode(window[cut:])
             ids = tokenizer.encode_chat([{"role": "user", "content": text + QUESTION}])

@@ -52,7 +52,9 @@ class TierVerdict:
     reason: str
 
 
-def run_probe(model: LoadedModel, settings: ProbeSettings = ProbeSettings(), progress=print) -> tuple[TierProfile, list[TierVerdict]]:
+def run_probe(
+    model: LoadedModel, settings: ProbeSettings = ProbeSettings(), progress=print
+) -> tuple[TierProfile, list[TierVerdict]]:
     """Measure every quantized tier and DROP; return the profile (not yet saved) and the verdicts."""
     s = settings
     context_len = max(s.context_tokens + s.continuation_tokens, s.niah_tokens + 128) + 64
@@ -68,7 +70,7 @@ def run_probe(model: LoadedModel, settings: ProbeSettings = ProbeSettings(), pro
     kl: dict[Tier, list[float]] = {t: [] for t in dnll}  # mean KL(FP16 transfer ‖ tier) per context
     affected: dict[Tier, int] = {}  # tokens sent at that tier per context
     for index, window in enumerate(windows):
-        context, continuation = window[:s.context_tokens], window[s.context_tokens:]
+        context, continuation = window[: s.context_tokens], window[s.context_tokens :]
         scored = prefill_and_score(prefiller, context)
         snap, n = scored.snapshot, scored.snapshot.n_tokens
         reference = score_continuation(scorer, context, continuation, with_tiers(snap, np.zeros(n, np.uint8), contract))
@@ -87,17 +89,31 @@ def run_probe(model: LoadedModel, settings: ProbeSettings = ProbeSettings(), pro
         hits, trials = needle[tier], len(needle["trials"])
         dppl, dppl_high = 100 * math.expm1(mean), 100 * math.expm1(high)
         ppl_ok, needle_ok = dppl_high <= s.max_dppl_pct, hits / trials >= fp16_low
-        reason = "; ".join(filter(None, [
-            None if ppl_ok else f"Δ PPL upper bound {dppl_high:+.2f} % > {s.max_dppl_pct:g} %",
-            None if needle_ok else f"needle {hits}/{trials} below FP16's interval (≥ {fp16_low:.2f})"])) or "within limits"
-        verdicts.append(TierVerdict(tier.name, dppl, dppl_high, float(np.mean(kl[tier])), hits, trials,
-                                    ppl_ok and needle_ok, reason))
+        reason = (
+            "; ".join(
+                filter(
+                    None,
+                    [
+                        None if ppl_ok else f"Δ PPL upper bound {dppl_high:+.2f} % > {s.max_dppl_pct:g} %",
+                        None if needle_ok else f"needle {hits}/{trials} below FP16's interval (≥ {fp16_low:.2f})",
+                    ],
+                )
+            )
+            or "within limits"
+        )
+        verdicts.append(
+            TierVerdict(
+                tier.name, dppl, dppl_high, float(np.mean(kl[tier])), hits, trials, ppl_ok and needle_ok, reason
+            )
+        )
         distortion[tier] = max(per_token[tier] / per_token[Tier.DROP], 0.0) if per_token[Tier.DROP] > 0 else 1.0
         if ppl_ok and needle_ok:
             allowed.append(tier)
     allowed.append(Tier.DROP)
-    source = (f"edgedecode probe: {s.contexts} contexts × {s.continuation_tokens} tokens, needle "
-              f"{len(needle['trials'])} trials at {s.niah_tokens} tokens (FP16 {needle[Tier.FP16]}/{len(needle['trials'])})")
+    source = (
+        f"edgedecode probe: {s.contexts} contexts × {s.continuation_tokens} tokens, needle "
+        f"{len(needle['trials'])} trials at {s.niah_tokens} tokens (FP16 {needle[Tier.FP16]}/{len(needle['trials'])})"
+    )
     return TierProfile(tuple(allowed), distortion, source), verdicts
 
 
@@ -108,15 +124,20 @@ def _probe_tiers(importance: np.ndarray, positions: np.ndarray):
     for tier in QUANTIZED_TIERS:
         yield tier, np.full(n, tier, np.uint8)
     candidates = np.flatnonzero(~pinned_mask(positions))
-    dropped = candidates[np.argsort(importance[candidates], kind="stable")[:len(candidates) // 2]]
+    dropped = candidates[np.argsort(importance[candidates], kind="stable")[: len(candidates) // 2]]
     tiers = np.zeros(n, np.uint8)
     tiers[dropped] = Tier.DROP
     yield Tier.DROP, tiers
 
 
 def _needle_hits(model: LoadedModel, prefiller: Engine, decoder: Engine, s: ProbeSettings, progress) -> dict:
-    trials = needle_trials(model.tokenizer, context_tokens=s.niah_tokens, depth_count=s.niah_depths,
-                           trials_per_depth=s.niah_trials_per_depth, seed=1)
+    trials = needle_trials(
+        model.tokenizer,
+        context_tokens=s.niah_tokens,
+        depth_count=s.niah_depths,
+        trials_per_depth=s.niah_trials_per_depth,
+        seed=1,
+    )
     hits: dict = {tier: 0 for tier in (Tier.FP16, *QUANTIZED_TIERS)}
     for index, trial in enumerate(trials):
         snap = prefill_and_score(prefiller, trial.prompt_ids).snapshot

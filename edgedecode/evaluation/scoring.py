@@ -33,8 +33,9 @@ def kl_per_token(reference: np.ndarray, other: np.ndarray) -> np.ndarray:
     return np.maximum((np.exp(reference) * (reference - other)).sum(axis=-1), 0.0)
 
 
-def score_continuation(engine: Engine, context_ids: np.ndarray, continuation_ids: np.ndarray,
-                       kv: KVSnapshot | None) -> ContinuationScore:
+def score_continuation(
+    engine: Engine, context_ids: np.ndarray, continuation_ids: np.ndarray, kv: KVSnapshot | None
+) -> ContinuationScore:
     """Inject ``kv`` for the context (its last token runs locally), then run continuation[:-1] in one
     teacher-forced pass; the targets are continuation[1:]."""
     engine.prefill(context_ids, kv=kv)

@@ -27,7 +27,7 @@ def token_windows(tokenizer: Tokenizer, texts: list[str], length: int, count: in
     joined = np.concatenate(encoded)
     if len(joined) < count * length:
         raise ValueError(f"the text has {len(joined)} tokens; {count} windows of {length} need {count * length}")
-    return [joined[i * length:(i + 1) * length] for i in range(count)]
+    return [joined[i * length : (i + 1) * length] for i in range(count)]
 
 
 def read_text_file(path: Path) -> list[str]:

@@ -2,8 +2,9 @@
 position-only prior for comparison.
 
 The prefill side runs the prompt's last w tokens as their own pass with query outputs
-(``Engine.prefill_observed``) and scores every cached token by the softmax attention those queries give it, summed over query heads
-and window queries, per layer. Sinks and the window itself are pinned by the policy, not here.
+(``Engine.prefill_observed``) and scores every cached token by the softmax attention those queries
+give it, summed over query heads and window queries, per layer. Sinks and the window itself are
+pinned by the policy, not here.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from edgedecode.model.spec import ModelSpec
 OBSERVATION_WINDOW = 32
 
 
-def attention_importance(spec: ModelSpec, queries: np.ndarray, query_positions: np.ndarray,
-                         keys: np.ndarray, key_positions: np.ndarray) -> np.ndarray:
+def attention_importance(
+    spec: ModelSpec, queries: np.ndarray, query_positions: np.ndarray, keys: np.ndarray, key_positions: np.ndarray
+) -> np.ndarray:
     """Attention mass [layers, n] that each cached token receives from the observation queries.
 
     queries: pre-RoPE [layers, w, heads*head_dim] at ``query_positions`` [w]; keys: post-RoPE

@@ -54,8 +54,9 @@ class TierProfile:
     """
 
     allowed: tuple[Tier, ...] = (Tier.FP16, Tier.INT8, Tier.INT4, Tier.DROP)
-    distortion: Mapping[Tier, float] = field(default_factory=lambda: {
-        Tier.FP16: 0.0, Tier.INT8: 0.0002, Tier.INT4: 0.07, Tier.INT2: 3.0, Tier.DROP: 1.0})
+    distortion: Mapping[Tier, float] = field(
+        default_factory=lambda: {Tier.FP16: 0.0, Tier.INT8: 0.0002, Tier.INT4: 0.07, Tier.INT2: 3.0, Tier.DROP: 1.0}
+    )
     source: str = "default (research/kv_calibration.md)"
 
     def to_json(self) -> str:
@@ -67,8 +68,11 @@ class TierProfile:
     @classmethod
     def from_json(cls, text: str) -> TierProfile:
         data = json.loads(text)
-        return cls(tuple(Tier[name] for name in data["allowed"]),
-                   {Tier[name]: float(d) for name, d in data["distortion"].items()}, data.get("source", ""))
+        return cls(
+            tuple(Tier[name] for name in data["allowed"]),
+            {Tier[name]: float(d) for name, d in data["distortion"].items()},
+            data.get("source", ""),
+        )
 
     @classmethod
     def load(cls, path: Path) -> TierProfile:
@@ -84,7 +88,7 @@ def profile_path(model: LoadedModel) -> Path:
 def pinned_mask(positions: np.ndarray, *, sinks: int = SINK_TOKENS, recent: int = RECENT_TOKENS) -> np.ndarray:
     """Attention sinks (the first positions) and the most recent tokens: kept at FP16 when possible."""
     mask = positions < sinks
-    mask[max(len(positions) - recent, 0):] = True
+    mask[max(len(positions) - recent, 0) :] = True
     return mask
 
 
@@ -95,7 +99,7 @@ def pin_priority(positions: np.ndarray, *, sinks: int = SINK_TOKENS, recent: int
     n = len(positions)
     window = min(recent, n)
     priority = np.zeros(n)
-    priority[n - window:] = np.arange(1, window + 1) / max(window, 1)
+    priority[n - window :] = np.arange(1, window + 1) / max(window, 1)
     sink = positions < sinks
     priority[sink] = np.maximum(priority[sink], (window - sinks + 0.5) / max(window, 1))
     return priority
@@ -109,8 +113,10 @@ def _ladder(costs: Mapping[Tier, float], profile: TierProfile) -> list[tuple[Tie
     than dropping, or when it sits below the line between its neighbours (an upgrade through it
     would never be the best buy).
     """
-    points = sorted(((t, costs[t], 1.0 - profile.distortion[t]) for t in profile.allowed if t != Tier.DROP),
-                    key=lambda p: (p[1], -p[2]))
+    points = sorted(
+        ((t, costs[t], 1.0 - profile.distortion[t]) for t in profile.allowed if t != Tier.DROP),
+        key=lambda p: (p[1], -p[2]),
+    )
     hull: list[tuple[Tier, float, float]] = [(Tier.DROP, 0.0, 0.0)]
     for point in points:
         if point[2] <= hull[-1][2]:
@@ -127,8 +133,13 @@ def _slope(a: tuple[Tier, float, float], b: tuple[Tier, float, float]) -> float:
     return (b[2] - a[2]) / (b[1] - a[1])
 
 
-def allocate(importance: np.ndarray, budget: float, costs: Mapping[Tier, float], profile: TierProfile,
-             pinned: np.ndarray | None = None) -> np.ndarray:
+def allocate(
+    importance: np.ndarray,
+    budget: float,
+    costs: Mapping[Tier, float],
+    profile: TierProfile,
+    pinned: np.ndarray | None = None,
+) -> np.ndarray:
     """Tiers uint8 [n] maximising importance-weighted fidelity within ``budget`` × FP16 bytes.
 
     ``pinned``: a mask, or a priority in [0, 1] per token (``pin_priority``; 0: not pinned).
@@ -152,8 +163,9 @@ def allocate(importance: np.ndarray, budget: float, costs: Mapping[Tier, float],
     affordable = min(int(available // cheapest), n) if cheapest > 0 else n
     if affordable < n:
         if Tier.DROP not in profile.allowed:
-            raise BudgetError(f"budget {budget:.3f} is below the cheapest allowed tier ({floor.name}) "
-                              "and DROP is not allowed")
+            raise BudgetError(
+                f"budget {budget:.3f} is below the cheapest allowed tier ({floor.name}) and DROP is not allowed"
+            )
         tiers[kept[affordable:]] = Tier.DROP
         kept = kept[:affordable]
     spare = available - len(kept) * cheapest
@@ -181,13 +193,20 @@ def pdtrim_tiers(n: int, budget: float, head_fraction: float) -> np.ndarray:
     head = round(head_fraction * keep)
     tiers = np.full(n, Tier.DROP, np.uint8)
     tiers[:head] = Tier.FP16
-    tiers[n - (keep - head):] = Tier.FP16
+    tiers[n - (keep - head) :] = Tier.FP16
     return tiers
 
 
-def policy_tiers(policy: str, budget: float, positions: np.ndarray, costs: Mapping[Tier, float], *,
-                 attention: np.ndarray | None = None, profile: TierProfile | None = None,
-                 pdtrim_head_fraction: float = 0.5) -> np.ndarray:
+def policy_tiers(
+    policy: str,
+    budget: float,
+    positions: np.ndarray,
+    costs: Mapping[Tier, float],
+    *,
+    attention: np.ndarray | None = None,
+    profile: TierProfile | None = None,
+    pdtrim_head_fraction: float = 0.5,
+) -> np.ndarray:
     """Tiers uint8 [n] that ``policy`` assigns to tokens at ``positions`` under ``budget``.
 
     * ours: attention importance (``attention`` [n]) through the allocator with the model's tier

@@ -216,8 +216,11 @@ def _per_group(ufunc: np.ufunc, values: np.ndarray, params: np.ndarray, layout: 
     full = m // g * g
     if full:
         shape = (*lead, full // g, g, d)
-        ufunc(values[..., :full, :].reshape(shape), params[..., : full // g, None, :],
-              out=out[..., :full, :].reshape(shape))
+        ufunc(
+            values[..., :full, :].reshape(shape),
+            params[..., : full // g, None, :],
+            out=out[..., :full, :].reshape(shape),
+        )
     if full < m:
         ufunc(values[..., full:, :], params[..., -1:, :], out=out[..., full:, :])
 

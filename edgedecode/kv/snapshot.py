@@ -48,5 +48,10 @@ class KVSnapshot:
     def slots(self, start: int, stop: int | None = None) -> KVSnapshot:
         """The tokens [start, stop) of this snapshot (views, no copy)."""
         window = slice(start, stop)
-        return replace(self, token_ids=self.token_ids[window], positions=self.positions[window],
-                       keys=self.keys[:, :, window], values=self.values[:, :, window])
+        return replace(
+            self,
+            token_ids=self.token_ids[window],
+            positions=self.positions[window],
+            keys=self.keys[:, :, window],
+            values=self.values[:, :, window],
+        )

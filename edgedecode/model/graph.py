@@ -102,13 +102,16 @@ class GraphOptions:
         except WeightFormatError as exc:
             raise GraphOptionsError(str(exc)) from exc
         if fmt is not None and self.kind != "decode":
-            raise GraphOptionsError(f"weights={self.weights!r} applies to the decode graph only; "
-                                    f"the {self.kind} graph uses dense float weights")
+            raise GraphOptionsError(
+                f"weights={self.weights!r} applies to the decode graph only; "
+                f"the {self.kind} graph uses dense float weights"
+            )
         if self.q4_1 not in Q4_1_MODES:
             raise GraphOptionsError(f"q4_1 must be one of {Q4_1_MODES}, not {self.q4_1!r}")
         if self.q4_1 != "correction" and self.kind != "decode":
-            raise GraphOptionsError(f"q4_1={self.q4_1!r} applies to the decode graph only; "
-                                    f"the {self.kind} graph uses dense float weights")
+            raise GraphOptionsError(
+                f"q4_1={self.q4_1!r} applies to the decode graph only; the {self.kind} graph uses dense float weights"
+            )
         if self.kind == "prefill":  # no MatMulNBits in it: one prefill graph serves every accuracy level
             object.__setattr__(self, "accuracy_level", 0)
         if self.emit_queries is None:
@@ -185,27 +188,54 @@ class _Emitter:
         inputs = [x, self.const(f"{name}.qweight", w.packed()), self.weight(f"{name}.scales", w.scales.reshape(-1))]
         if mode == "zero_point":
             inputs.append(self.weight(f"{name}.zero_points", zero_points))
-        y = self.g.op1("MatMulNBits", inputs, name=name, domain=MS_DOMAIN, K=k, N=n, bits=w.bits,
-                       block_size=w.block_size, accuracy_level=self.opt.accuracy_level)
+        y = self.g.op1(
+            "MatMulNBits",
+            inputs,
+            name=name,
+            domain=MS_DOMAIN,
+            K=k,
+            N=n,
+            bits=w.bits,
+            block_size=w.block_size,
+            accuracy_level=self.opt.accuracy_level,
+        )
         if w.offsets is None:
             return y
         blocksum = self._blocksum(x, k, w.block_size)
-        correction = self.g.op1("MatMul", [blocksum, self.weight(f"{name}.correction", w.offsets.T)],
-                                name=f"{name}.correction")
+        correction = self.g.op1(
+            "MatMul", [blocksum, self.weight(f"{name}.correction", w.offsets.T)], name=f"{name}.correction"
+        )
         return self.g.op1("Add", [y, correction], name=f"{name}.corrected")
 
     def _linear_stacked(self, x: str, w: BlockQuantized, name: str) -> str:
         """``[x, x] @ [d·(q − z) | C·1]``: the offsets as a second K half of constant codes z + 1 scaled by C."""
         n, k = w.shape
         ones = np.full_like(w.codes, (1 << (w.bits - 1)) + 1)
-        stacked = BlockQuantized(np.concatenate([w.codes, ones], axis=1), np.concatenate([w.scales, w.offsets], axis=1),
-                                 None, w.bits, w.block_size)
+        stacked = BlockQuantized(
+            np.concatenate([w.codes, ones], axis=1),
+            np.concatenate([w.scales, w.offsets], axis=1),
+            None,
+            w.bits,
+            w.block_size,
+        )
         if x not in self._doubled:
             self._doubled[x] = self.g.op1("Concat", [x, x], name="doubled", axis=-1)
-        inputs = [self._doubled[x], self.const(f"{name}.qweight", stacked.packed()),
-                  self.weight(f"{name}.scales", stacked.scales.reshape(-1))]
-        return self.g.op1("MatMulNBits", inputs, name=name, domain=MS_DOMAIN, K=2 * k, N=n, bits=w.bits,
-                          block_size=w.block_size, accuracy_level=self.opt.accuracy_level)
+        inputs = [
+            self._doubled[x],
+            self.const(f"{name}.qweight", stacked.packed()),
+            self.weight(f"{name}.scales", stacked.scales.reshape(-1)),
+        ]
+        return self.g.op1(
+            "MatMulNBits",
+            inputs,
+            name=name,
+            domain=MS_DOMAIN,
+            K=2 * k,
+            N=n,
+            bits=w.bits,
+            block_size=w.block_size,
+            accuracy_level=self.opt.accuracy_level,
+        )
 
     def _blocksum(self, x: str, k: int, block_size: int) -> str:
         """Sum of x over each block of K: [B, S, blocks]; shared by all matmuls reading x in that block size."""
@@ -229,8 +259,16 @@ class _Emitter:
         hidden = table.shape[1]
         self.embed_table = data = self.const("embed.qweight", table.packed())  # [V, H/32, 32]
         scales = self.weight("embed.scales", table.scales[..., None])
-        blocks = self.g.op1("GatherBlockQuantized", [data, ids, scales], name="embed", domain=MS_DOMAIN,
-                            gather_axis=0, quantize_axis=2, block_size=table.block_size, bits=8)
+        blocks = self.g.op1(
+            "GatherBlockQuantized",
+            [data, ids, scales],
+            name="embed",
+            domain=MS_DOMAIN,
+            gather_axis=0,
+            quantize_axis=2,
+            block_size=table.block_size,
+            bits=8,
+        )
         shape = self.const("embed_shape", np.array([0, 0, hidden], np.int64))
         return self.g.op1("Reshape", [blocks, shape], name="embed.reshape")
 
@@ -240,14 +278,22 @@ class _Emitter:
         if isinstance(table, BlockQuantized):
             data = self.embed_table if tied else self.const("lm_head.qweight", table.packed())
             vocab, hidden = table.shape
-            return self.g.op1("MatMulNBits", [h, data, self.weight("lm_head.scales", table.scales.reshape(-1))],
-                              name="lm_head", domain=MS_DOMAIN, K=hidden, N=vocab, bits=8, block_size=table.block_size,
-                              accuracy_level=self.opt.accuracy_level, outputs=["logits"])
+            return self.g.op1(
+                "MatMulNBits",
+                [h, data, self.weight("lm_head.scales", table.scales.reshape(-1))],
+                name="lm_head",
+                domain=MS_DOMAIN,
+                K=hidden,
+                N=vocab,
+                bits=8,
+                block_size=table.block_size,
+                accuracy_level=self.opt.accuracy_level,
+                outputs=["logits"],
+            )
         weight = self.embed_table if tied else self.weight("lm_head.weight", table)
         flat = self.g.op1("Reshape", [h, self.const("head_flat", np.array([-1, self.spec.hidden_size], np.int64))])
         logits = self.g.op1("Gemm", [flat, weight], name="lm_head", transB=1)
-        batch_seq = self.g.op1("Slice", [self.g.op1("Shape", [h]), self.shared("zero", [0]),
-                                         self.shared("two", [2])])
+        batch_seq = self.g.op1("Slice", [self.g.op1("Shape", [h]), self.shared("zero", [0]), self.shared("two", [2])])
         shape = self.g.op1("Concat", [batch_seq, self.const("vocab", np.array([-1], np.int64))], axis=0)
         return self.g.op1("Reshape", [logits, shape], outputs=["logits"])
 
@@ -258,11 +304,26 @@ class _Emitter:
             self.emit_queries(qkv, layer)
         out = self.g.op(
             "GroupQueryAttention",
-            [qkv, "", "", f"past_key_values.{layer}.key", f"past_key_values.{layer}.value", seqlens, total, cos, sin,
-             "position_ids"],
-            3, name=f"layers.{layer}.attn", domain=MS_DOMAIN,
+            [
+                qkv,
+                "",
+                "",
+                f"past_key_values.{layer}.key",
+                f"past_key_values.{layer}.value",
+                seqlens,
+                total,
+                cos,
+                sin,
+                "position_ids",
+            ],
+            3,
+            name=f"layers.{layer}.attn",
+            domain=MS_DOMAIN,
             outputs=[f"layers.{layer}.attn/out", f"present.{layer}.key", f"present.{layer}.value"],
-            num_heads=s.n_heads, kv_num_heads=s.n_kv_heads, do_rotary=1, rotary_interleaved=0,
+            num_heads=s.n_heads,
+            kv_num_heads=s.n_kv_heads,
+            do_rotary=1,
+            rotary_interleaved=0,
             scale=float(1.0 / np.sqrt(s.head_dim)),
         )[0]
         return self.linear(out, weights.o, f"layers.{layer}.attn.o")
@@ -271,8 +332,12 @@ class _Emitter:
         """Output ``queries.{layer}`` [B, K, heads*head_dim]: the pre-RoPE query rows at logits_positions."""
         width = self.spec.n_heads * self.spec.head_dim
         rows = self.g.op1("Gather", [qkv, "logits_positions"], name=f"layers.{layer}.queries.rows", axis=1)
-        self.g.op1("Slice", [rows, self.shared("zero", [0]), self.shared("q_width", [width]), self.shared("last_axis", [-1])],
-                   name=f"layers.{layer}.queries", outputs=[f"queries.{layer}"])
+        self.g.op1(
+            "Slice",
+            [rows, self.shared("zero", [0]), self.shared("q_width", [width]), self.shared("last_axis", [-1])],
+            name=f"layers.{layer}.queries",
+            outputs=[f"queries.{layer}"],
+        )
 
     def mlp(self, h: str, layer: int, weights) -> str:
         f = self.spec.ffn_size
@@ -285,8 +350,14 @@ class _Emitter:
 
     def skip_norm(self, x: str, residual: str, gamma: np.ndarray, name: str) -> tuple[str, str]:
         """(RMSNorm(x + residual), x + residual)."""
-        out, _, _, summed = self.g.op("SkipSimplifiedLayerNormalization", [x, residual, self.weight(f"{name}.weight", gamma)],
-                                      4, name=name, domain=MS_DOMAIN, epsilon=self.spec.norm_eps)
+        out, _, _, summed = self.g.op(
+            "SkipSimplifiedLayerNormalization",
+            [x, residual, self.weight(f"{name}.weight", gamma)],
+            4,
+            name=name,
+            domain=MS_DOMAIN,
+            epsilon=self.spec.norm_eps,
+        )
         return out, summed
 
     def rope_caches(self) -> tuple[str, str]:
@@ -301,7 +372,9 @@ class _Emitter:
         summed = self.g.op1("ReduceSum", [mask, axes], name="mask.sum", keepdims=0)
         last = self.g.op1("Sub", [summed, self.const("one", np.array(1, np.int64))], name="mask.last")
         seqlens = self.g.op1("Cast", [last], name="seqlens_k", to=INT32)
-        width = self.g.op1("Gather", [self.g.op1("Shape", [mask]), self.const("one_idx", np.array(1, np.int64))], axis=0)
+        width = self.g.op1(
+            "Gather", [self.g.op1("Shape", [mask]), self.const("one_idx", np.array(1, np.int64))], axis=0
+        )
         total = self.g.op1("Cast", [width], name="total_seq_len", to=INT32)
         return seqlens, total
 
@@ -324,8 +397,14 @@ def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -
     cos, sin = e.rope_caches()
     x = e.embedding(ids, tensors.embedding)
     first = tensors.layers[0]
-    h = g.op1("SimplifiedLayerNormalization", [x, e.weight("layers.0.attn_norm.weight", first.attn_norm)],
-              name="layers.0.attn_norm", axis=-1, epsilon=spec.norm_eps, stash_type=1)
+    h = g.op1(
+        "SimplifiedLayerNormalization",
+        [x, e.weight("layers.0.attn_norm.weight", first.attn_norm)],
+        name="layers.0.attn_norm",
+        axis=-1,
+        epsilon=spec.norm_eps,
+        stash_type=1,
+    )
     residual = x
     for i, layer in enumerate(tensors.layers):
         attn = e.attention(h, i, layer, seqlens, total, cos, sin)

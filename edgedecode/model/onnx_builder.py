@@ -40,8 +40,17 @@ class GraphBuilder:
     def output(self, name: str, elem_type: int, shape: list) -> None:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
-    def op(self, op_type: str, inputs: list[str], n_outputs: int = 1, *, name: str | None = None,
-           outputs: list[str] | None = None, domain: str = "", **attrs) -> list[str]:
+    def op(
+        self,
+        op_type: str,
+        inputs: list[str],
+        n_outputs: int = 1,
+        *,
+        name: str | None = None,
+        outputs: list[str] | None = None,
+        domain: str = "",
+        **attrs,
+    ) -> list[str]:
         """Emit one node; returns its output names (fixed names may be given through ``outputs``)."""
         node_name = self._unique(name or op_type)
         outs = outputs or [f"{node_name}/out{i}" if n_outputs > 1 else f"{node_name}/out" for i in range(n_outputs)]

@@ -31,8 +31,9 @@ def _rms_norm(x: np.ndarray, gamma: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
 
 
-def reference_forward(spec: ModelSpec, tensors: ModelTensors, token_ids: list[int],
-                      blocked: np.ndarray | None = None) -> ReferenceOutput:
+def reference_forward(
+    spec: ModelSpec, tensors: ModelTensors, token_ids: list[int], blocked: np.ndarray | None = None
+) -> ReferenceOutput:
     """Run the whole prompt from position 0 with causal attention, in float32.
 
     ``blocked`` (bool [S, S]) additionally hides key j from query i where True: what a decoder that

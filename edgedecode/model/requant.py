@@ -60,7 +60,8 @@ def parse_weight_format(name: str) -> WeightFormat | None:
     match = _FORMAT.fullmatch(name)
     if match is None:
         raise WeightFormatError(
-            f"weight format must be {NATIVE!r} or q<bits>b<block_size> (e.g. q4b128, q2b32), not {name!r}")
+            f"weight format must be {NATIVE!r} or q<bits>b<block_size> (e.g. q4b128, q2b32), not {name!r}"
+        )
     return WeightFormat(int(match[1]), int(match[2]))
 
 
@@ -71,8 +72,13 @@ def requantize(weight: BlockQuantized | np.ndarray, fmt: WeightFormat) -> BlockQ
 
 
 def _requantize_layer(layer: LayerTensors, fmt: WeightFormat) -> LayerTensors:
-    return replace(layer, qkv=[requantize(w, fmt) for w in layer.qkv], o=requantize(layer.o, fmt),
-                   gate_up=[requantize(w, fmt) for w in layer.gate_up], down=requantize(layer.down, fmt))
+    return replace(
+        layer,
+        qkv=[requantize(w, fmt) for w in layer.qkv],
+        o=requantize(layer.o, fmt),
+        gate_up=[requantize(w, fmt) for w in layer.gate_up],
+        down=requantize(layer.down, fmt),
+    )
 
 
 def requantize_layers(tensors: ModelTensors, fmt: WeightFormat | None) -> ModelTensors:

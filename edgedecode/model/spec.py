@@ -95,13 +95,22 @@ class ModelSpec:
         if self.n_heads % self.n_kv_heads:
             raise ModelFileError(f"head_count {self.n_heads} is not a multiple of head_count_kv {self.n_kv_heads}")
         if self.rope_dim != self.head_dim:
-            raise ModelFileError(f"partial rotary (rope dim {self.rope_dim} < head_dim {self.head_dim}) is not supported")
+            raise ModelFileError(
+                f"partial rotary (rope dim {self.rope_dim} < head_dim {self.head_dim}) is not supported"
+            )
 
     @property
     def kv_contract(self) -> KVContract:
         """The contract any KV injected into this model's graphs must satisfy."""
-        return KVContract(self.architecture, self.n_layers, self.n_kv_heads, self.head_dim, self.rope_theta,
-                          self.kv_layout, self.tokenizer_hash)
+        return KVContract(
+            self.architecture,
+            self.n_layers,
+            self.n_kv_heads,
+            self.head_dim,
+            self.rope_theta,
+            self.kv_layout,
+            self.tokenizer_hash,
+        )
 
     @property
     def kv_bytes_per_token_fp16(self) -> int:

@@ -97,9 +97,9 @@ class Tokenizer:
         byte_of = _byte_decoder()
         self._special_ids = frozenset(i for i, t in enumerate(types) if t != _NORMAL and t != _USER_DEFINED)
         self._bytes = [
-            text.encode() if t != _NORMAL else b"".join(
-                bytes([byte_of[c]]) if c in byte_of else c.encode() for c in text
-            )
+            text.encode()
+            if t != _NORMAL
+            else b"".join(bytes([byte_of[c]]) if c in byte_of else c.encode() for c in text)
             for text, t in zip(tokens, types)
         ]
 
@@ -188,8 +188,13 @@ class Tokenizer:
         except TemplateError as exc:
             raise TokenizerError(f"chat template failed to render: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True,
-                    special_in_content: bool = False) -> list[int]:
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        add_generation_prompt: bool = True,
+        special_in_content: bool = False,
+    ) -> list[int]:
         """Render `messages` with the chat template and encode the prompt; no second BOS if the template emits it.
 
         Control tokens come only from the template's own text: a message string (content, role, ...)

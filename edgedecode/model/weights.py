@@ -91,7 +91,7 @@ class BlockQuantized:
         zero_points = np.where(constant, -1.0, float(1 << (self.bits - 1)) - offsets / safe)
         codes = self.codes
         if constant.any():
-            per_element = np.repeat(constant, self.block_size, axis=1)[:, :codes.shape[1]]
+            per_element = np.repeat(constant, self.block_size, axis=1)[:, : codes.shape[1]]
             codes = np.where(per_element, 0, codes).astype(np.uint8)
         new_scales = np.where(constant, offsets, scales).astype(np.float32)
         return BlockQuantized(codes, new_scales, None, self.bits, self.block_size), zero_points
@@ -110,8 +110,13 @@ def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
     if any(p.offsets is not None for p in parts):
         offsets = np.concatenate([p.offsets if p.offsets is not None else np.zeros_like(p.scales) for p in parts])
     first = parts[0]
-    return BlockQuantized(np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                          offsets, first.bits, first.block_size)
+    return BlockQuantized(
+        np.concatenate([p.codes for p in parts]),
+        np.concatenate([p.scales for p in parts]),
+        offsets,
+        first.bits,
+        first.block_size,
+    )
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
@@ -189,7 +194,9 @@ def load_dense(tensor: ReaderTensor) -> np.ndarray:
 
 def check_tensor_types(reader: GGUFReader) -> None:
     """Raise ModelFileError naming every tensor whose type the builder cannot handle."""
-    bad = sorted({QType(t.tensor_type).name for t in reader.tensors if QType(t.tensor_type) not in SUPPORTED_TENSOR_TYPES})
+    bad = sorted(
+        {QType(t.tensor_type).name for t in reader.tensors if QType(t.tensor_type) not in SUPPORTED_TENSOR_TYPES}
+    )
     if bad:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
         raise ModelFileError(f"unsupported tensor types {', '.join(bad)}; supported: {supported}")

@@ -63,8 +63,9 @@ class EncodedKV:
         return {tier.name: int(counts[tier]) for tier in Tier}
 
 
-def prefill_and_score(engine: Engine, prompt_ids: np.ndarray, window: int = OBSERVATION_WINDOW,
-                      kv: KVSnapshot | None = None) -> ScoredPrefill:
+def prefill_and_score(
+    engine: Engine, prompt_ids: np.ndarray, window: int = OBSERVATION_WINDOW, kv: KVSnapshot | None = None
+) -> ScoredPrefill:
     """Run the prompt through ``engine`` (built with emit_queries), from ``kv`` of a prefix of it if
     given (e.g. from a prefix cache), and score every token. With ``kv`` from this engine the result
     is bitwise the one without it (see ``Engine.prefill_observed``)."""
@@ -85,9 +86,11 @@ class BudgetTooSmallError(BudgetError):
     framing alone); ``minimum`` is that payload's b."""
 
     def __init__(self, budget: float, minimum: float, n_tokens: int) -> None:
-        super().__init__(f"budget {budget:.3g} is below the smallest EDKV payload for these {n_tokens} tokens "
-                         f"(b {minimum:.4f}: header and framing with every token dropped); ask for at least "
-                         f"{minimum:.4f}")
+        super().__init__(
+            f"budget {budget:.3g} is below the smallest EDKV payload for these {n_tokens} tokens "
+            f"(b {minimum:.4f}: header and framing with every token dropped); ask for at least "
+            f"{minimum:.4f}"
+        )
         self.minimum = minimum
 
 
@@ -96,9 +99,16 @@ def payload_meta(policy: str, budget: float, extra: dict | None = None) -> dict:
     return {"policy": policy, "budget": budget, **(extra or {})}
 
 
-def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ours", *,
-                         profile: TierProfile | None = None, pdtrim_head_fraction: float = 0.5,
-                         meta: dict | None = None, workers: int = 1) -> EncodedKV:
+def encode_within_budget(
+    scored: ScoredPrefill,
+    budget: float,
+    policy: str = "ours",
+    *,
+    profile: TierProfile | None = None,
+    pdtrim_head_fraction: float = 0.5,
+    meta: dict | None = None,
+    workers: int = 1,
+) -> EncodedKV:
     """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``
     (``workers``: threads encoding chunks at once)."""
     snapshot = scored.snapshot
@@ -107,8 +117,15 @@ def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ou
     meta = payload_meta(policy, budget, meta)
 
     def tiers_at(target: float) -> np.ndarray:
-        return policy_tiers(policy, target, snapshot.positions, costs, attention=scored.importance,
-                            profile=profile, pdtrim_head_fraction=pdtrim_head_fraction)
+        return policy_tiers(
+            policy,
+            target,
+            snapshot.positions,
+            costs,
+            attention=scored.importance,
+            profile=profile,
+            pdtrim_head_fraction=pdtrim_head_fraction,
+        )
 
     def encode(tiers: np.ndarray) -> EncodedKV:
         counts = np.bincount(tiers, minlength=len(Tier))
@@ -141,8 +158,15 @@ def encode_within_budget(scored: ScoredPrefill, budget: float, policy: str = "ou
     return best if best is not None else encode(tiers_at(0.0))
 
 
-def through_wire(scored: ScoredPrefill, budget: float, policy: str, receiver: KVContract, *,
-                 profile: TierProfile | None = None, pdtrim_head_fraction: float = 0.5) -> tuple[KVSnapshot, EncodedKV]:
+def through_wire(
+    scored: ScoredPrefill,
+    budget: float,
+    policy: str,
+    receiver: KVContract,
+    *,
+    profile: TierProfile | None = None,
+    pdtrim_head_fraction: float = 0.5,
+) -> tuple[KVSnapshot, EncodedKV]:
     """What a decoder with contract ``receiver`` gets for this prefill at ``budget`` under ``policy``."""
     encoded = encode_within_budget(scored, budget, policy, profile=profile, pdtrim_head_fraction=pdtrim_head_fraction)
     return decode_snapshot(b"".join(encoded.frames), receiver), encoded
@@ -153,5 +177,6 @@ def smallest_payload(snapshot: KVSnapshot, meta: dict | None = None) -> EncodedK
     size does not depend on the KV values, so a receiver's request can be sized before any prefill."""
     tiers = np.full(snapshot.n_tokens, Tier.DROP, np.uint8)
     costs = tier_costs(snapshot)
-    return EncodedKV(list(encode_payload(snapshot, tiers, meta=meta)), tiers,
-                     int(costs[Tier.FP16] * snapshot.n_tokens), 0)
+    return EncodedKV(
+        list(encode_payload(snapshot, tiers, meta=meta)), tiers, int(costs[Tier.FP16] * snapshot.n_tokens), 0
+    )

@@ -55,7 +55,7 @@ class PrefixCache:
         tokens = np.ascontiguousarray(token_ids, "<i8")
         hashes, previous = [], b""
         for end in range(self.block_tokens, len(tokens) + 1, self.block_tokens):
-            block = tokens[end - self.block_tokens:end].tobytes()
+            block = tokens[end - self.block_tokens : end].tobytes()
             previous = hashlib.blake2b(previous + block, digest_size=16).digest()
             hashes.append(previous)
         return hashes
@@ -89,8 +89,14 @@ class PrefixCache:
         while self._entries and self.nbytes + kv.nbytes > self.max_bytes:
             self._evict(next(iter(self._entries)))
         copied = kv.slots(0)
-        copied = KVSnapshot(copied.contract, copied.token_ids.copy(), copied.positions.copy(),
-                            copied.keys.copy(), copied.values.copy(), copied.producer)
+        copied = KVSnapshot(
+            copied.contract,
+            copied.token_ids.copy(),
+            copied.positions.copy(),
+            copied.keys.copy(),
+            copied.values.copy(),
+            copied.producer,
+        )
         self._entries[key] = copied
         self._chains[key] = frozenset(chain)
         self.nbytes += copied.nbytes

@@ -20,11 +20,15 @@ logger = logging.getLogger(__name__)
 def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[str], None]) -> None:
     """Serve ``model`` per ``config.prefill`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
     settings = config.prefill
-    service = PrefillService(model, device=config.model.device, threads=config.model.threads or None,
-                             max_prompt_tokens=settings.max_prompt_tokens,
-                             prefix_cache_bytes=settings.prefix_cache_mb << 20,
-                             encode_threads=settings.encode_threads or os.cpu_count() or 1,
-                             allow_special_tokens=settings.allow_special_tokens)
+    service = PrefillService(
+        model,
+        device=config.model.device,
+        threads=config.model.threads or None,
+        max_prompt_tokens=settings.max_prompt_tokens,
+        prefix_cache_bytes=settings.prefix_cache_mb << 20,
+        encode_threads=settings.encode_threads or os.cpu_count() or 1,
+        allow_special_tokens=settings.allow_special_tokens,
+    )
 
     async def main() -> None:
         async def listening(url: str) -> None:
@@ -36,8 +40,13 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
 
         watchdog: list[asyncio.Task] = []
         try:
-            await serve_until_stopped(create_app(service, config), settings.host, settings.port,
-                                      header_timeout=settings.header_timeout_s, on_listening=listening)
+            await serve_until_stopped(
+                create_app(service, config),
+                settings.host,
+                settings.port,
+                header_timeout=settings.header_timeout_s,
+                on_listening=listening,
+            )
         finally:
             systemd.notify("STOPPING=1")
             for task in watchdog:
@@ -45,5 +54,3 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
             service.close()
 
     asyncio.run(main())
-
-

@@ -43,25 +43,36 @@ class PrefillMetrics:
 
     def __init__(self, service: PrefillService) -> None:
         self.registry = registry = CollectorRegistry()
-        self.requests = Counter("edgedecode_prefill_requests_total", "Prefill requests by HTTP status.",
-                                ["status"], registry=registry)
-        self.seconds = Histogram("edgedecode_prefill_seconds", "Prefill, scoring and encoding time per request.",
-                                 registry=registry, buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
-        self.tokens = Counter("edgedecode_prefill_tokens_total",
-                              "Prompt tokens by where their KV came from (computed, or the prefix cache).",
-                              ["source"], registry=registry)
+        self.requests = Counter(
+            "edgedecode_prefill_requests_total", "Prefill requests by HTTP status.", ["status"], registry=registry
+        )
+        self.seconds = Histogram(
+            "edgedecode_prefill_seconds",
+            "Prefill, scoring and encoding time per request.",
+            registry=registry,
+            buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100),
+        )
+        self.tokens = Counter(
+            "edgedecode_prefill_tokens_total",
+            "Prompt tokens by where their KV came from (computed, or the prefix cache).",
+            ["source"],
+            registry=registry,
+        )
         self.sent_bytes = Counter("edgedecode_prefill_sent_bytes_total", "EDKV bytes sent.", registry=registry)
-        self.fp16_bytes = Counter("edgedecode_prefill_fp16_equivalent_bytes_total",
-                                  "FP16 bytes of the KV sent.", registry=registry)
-        self.tier_tokens = Counter("edgedecode_prefill_tier_tokens_total", "Tokens sent per KV tier.", ["tier"],
-                                   registry=registry)
-        self.queue = Gauge("edgedecode_prefill_queue_depth", "Prefill requests waiting or running.",
-                           registry=registry)
+        self.fp16_bytes = Counter(
+            "edgedecode_prefill_fp16_equivalent_bytes_total", "FP16 bytes of the KV sent.", registry=registry
+        )
+        self.tier_tokens = Counter(
+            "edgedecode_prefill_tier_tokens_total", "Tokens sent per KV tier.", ["tier"], registry=registry
+        )
+        self.queue = Gauge("edgedecode_prefill_queue_depth", "Prefill requests waiting or running.", registry=registry)
         cache = service.cache
-        Gauge("edgedecode_prefix_cache_bytes", "Bytes of KV in the prefix cache.",
-              registry=registry).set_function(lambda: cache.nbytes)
-        Gauge("edgedecode_prefix_cache_entries", "Prompts in the prefix cache.",
-              registry=registry).set_function(lambda: len(cache))
+        Gauge("edgedecode_prefix_cache_bytes", "Bytes of KV in the prefix cache.", registry=registry).set_function(
+            lambda: cache.nbytes
+        )
+        Gauge("edgedecode_prefix_cache_entries", "Prompts in the prefix cache.", registry=registry).set_function(
+            lambda: len(cache)
+        )
         process_gauges(registry)
 
 
@@ -74,16 +85,21 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
         if request.path == "/v1/prefill":
             metrics.requests.labels(status).inc()
 
-    app = web.Application(client_max_size=settings.max_body_bytes,
-                          middlewares=[error_middleware(settings.auth_token, count)])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, middlewares=[error_middleware(settings.auth_token, count)]
+    )
     app[SERVICE_KEY] = service
     waiting = 0
 
     async def prefill(request: web.Request) -> web.StreamResponse:
         nonlocal waiting
         if waiting >= settings.max_queue:
-            return json_error(429, f"{waiting} prefill requests are queued (limit {settings.max_queue}); retry later",
-                              kind="rate_limit_error", code="queue_full")
+            return json_error(
+                429,
+                f"{waiting} prefill requests are queued (limit {settings.max_queue}); retry later",
+                kind="rate_limit_error",
+                code="queue_full",
+            )
         waiting += 1
         metrics.queue.inc()
         try:
@@ -111,14 +127,16 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
         metrics.tokens.labels("computed").inc(result.prompt_tokens - result.reused_tokens)
         for tier, count in encoded.tier_counts().items():
             metrics.tier_tokens.labels(tier).inc(count)
-        response = web.StreamResponse(headers={
-            "Content-Type": EDKV_CONTENT_TYPE,
-            "X-EDKV-Tokens": str(len(encoded.tiers)),
-            "X-EDKV-Wire-Bytes": str(encoded.wire_bytes),
-            "X-EDKV-FP16-Bytes": str(encoded.fp16_bytes),
-            "X-Prefix-Reused-Tokens": str(result.reused_tokens),
-            "X-Prefill-Seconds": f"{result.seconds:.4f}",
-        })
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": EDKV_CONTENT_TYPE,
+                "X-EDKV-Tokens": str(len(encoded.tiers)),
+                "X-EDKV-Wire-Bytes": str(encoded.wire_bytes),
+                "X-EDKV-FP16-Bytes": str(encoded.fp16_bytes),
+                "X-Prefix-Reused-Tokens": str(result.reused_tokens),
+                "X-Prefill-Seconds": f"{result.seconds:.4f}",
+            }
+        )
         response.enable_chunked_encoding()
         await response.prepare(request)
         try:
@@ -154,6 +172,9 @@ def model_card(service: PrefillService) -> dict:
         "kv_contract": dataclasses.asdict(engine.spec.kv_contract),
         "producer": dataclasses.asdict(engine.producer),
         "max_prompt_tokens": service.max_prompt_tokens,
-        "tier_profile": {"allowed": [t.name for t in service.profile.allowed],
-                         "tiers": [t.name for t in Tier], "source": service.profile.source},
+        "tier_profile": {
+            "allowed": [t.name for t in service.profile.allowed],
+            "tiers": [t.name for t in Tier],
+            "source": service.profile.source,
+        },
     }

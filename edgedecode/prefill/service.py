@@ -54,28 +54,32 @@ class PrefillRequest:
         return {"held_tokens": self.held_tokens}
 
     @classmethod
-    def parse(cls, body: dict, model: LoadedModel, max_prompt_tokens: int,
-              allow_special_tokens: bool = False) -> PrefillRequest:
+    def parse(
+        cls, body: dict, model: LoadedModel, max_prompt_tokens: int, allow_special_tokens: bool = False
+    ) -> PrefillRequest:
         """Validate a JSON body: exactly one of ``token_ids``, ``text`` or ``messages``; optional
         ``held_tokens`` (0), ``budget`` (1.0), ``policy`` ("ours"), ``allowed_tiers`` (all) and
         ``model`` (must be this server's). Text spells control tokens only with ``allow_special_tokens``."""
         known = {"model", "token_ids", "text", "messages", "held_tokens", "budget", "policy", "allowed_tiers"}
         unknown = sorted(set(body) - known)
         if unknown:
-            raise PrefillRequestError(f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}",
-                                      unknown[0])
+            raise PrefillRequestError(
+                f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}", unknown[0]
+            )
         if body.get("model") not in (None, model.record.name):
             raise PrefillRequestError(f"this server prefills {model.record.name!r}, not {body['model']!r}", "model")
         token_ids = _prompt(body, model, allow_special_tokens)
         if len(token_ids) < 1:
             raise PrefillRequestError("the prompt is empty", "token_ids")
         if len(token_ids) > max_prompt_tokens:
-            raise PrefillRequestError(f"the prompt has {len(token_ids)} tokens; this server takes at most "
-                                      f"{max_prompt_tokens}", "token_ids")
+            raise PrefillRequestError(
+                f"the prompt has {len(token_ids)} tokens; this server takes at most {max_prompt_tokens}", "token_ids"
+            )
         held = body.get("held_tokens", 0)
         if not isinstance(held, int) or isinstance(held, bool) or not 0 <= held < len(token_ids):
-            raise PrefillRequestError(f"held_tokens must be an integer in [0, {len(token_ids)}) for this prompt",
-                                      "held_tokens")
+            raise PrefillRequestError(
+                f"held_tokens must be an integer in [0, {len(token_ids)}) for this prompt", "held_tokens"
+            )
         budget = body.get("budget", 1.0)
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:  # NaN too
             raise PrefillRequestError("budget must be a number in (0, 1]: wire bytes / FP16 bytes", "budget")
@@ -98,18 +102,23 @@ def _prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.nd
     value = body[given[0]]
     if given[0] == "token_ids":
         vocab = model.spec.vocab_size
-        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                                  for t in value):
+        if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value
+        ):
             raise PrefillRequestError(f"token_ids must be a list of integers in [0, {vocab})", "token_ids")
         return np.asarray(value, np.int64)
     if given[0] == "text":
         if not isinstance(value, str):
             raise PrefillRequestError("text must be a string", "text")
         return np.asarray(model.tokenizer.encode(value, parse_special=allow_special_tokens), np.int64)
-    if not isinstance(value, list) or not all(isinstance(m, dict) and m.get("role") in CHAT_ROLES
-                                              and isinstance(m.get("content"), str) for m in value):
-        raise PrefillRequestError(f"messages must be a list of {{role, content}} objects, role one of "
-                                  f"{', '.join(CHAT_ROLES)}, content a string", "messages")
+    if not isinstance(value, list) or not all(
+        isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str) for m in value
+    ):
+        raise PrefillRequestError(
+            f"messages must be a list of {{role, content}} objects, role one of "
+            f"{', '.join(CHAT_ROLES)}, content a string",
+            "messages",
+        )
     return np.asarray(model.tokenizer.encode_chat(value, special_in_content=allow_special_tokens), np.int64)
 
 
@@ -127,9 +136,17 @@ class PrefillService:
     """The prefill graph (higher precision, emits the queries that score tokens), its prefix cache
     and the measured tier profile of the model."""
 
-    def __init__(self, model: LoadedModel, *, device: str = "cpu", threads: int | None = None,
-                 max_prompt_tokens: int, prefix_cache_bytes: int, encode_threads: int = 1,
-                 allow_special_tokens: bool = False) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        *,
+        device: str = "cpu",
+        threads: int | None = None,
+        max_prompt_tokens: int,
+        prefix_cache_bytes: int,
+        encode_threads: int = 1,
+        allow_special_tokens: bool = False,
+    ) -> None:
         self.model = model
         self.encode_threads = encode_threads
         self.allow_special_tokens = allow_special_tokens
@@ -155,10 +172,17 @@ class PrefillService:
         """Raise BudgetTooSmallError when ``request.budget`` is below the smallest payload for its
         tokens (every token dropped), whose size does not depend on the KV values."""
         contract, n = self.engine.spec.kv_contract, len(request.token_ids)
-        zeros = np.broadcast_to(np.float16(0), (contract.n_layers, contract.n_kv_heads, n - request.held_tokens,
-                                                contract.head_dim))
-        shell = KVSnapshot(contract, request.token_ids[request.held_tokens:], np.arange(request.held_tokens, n),
-                           zeros, zeros, self.engine.producer)
+        zeros = np.broadcast_to(
+            np.float16(0), (contract.n_layers, contract.n_kv_heads, n - request.held_tokens, contract.head_dim)
+        )
+        shell = KVSnapshot(
+            contract,
+            request.token_ids[request.held_tokens :],
+            np.arange(request.held_tokens, n),
+            zeros,
+            zeros,
+            self.engine.producer,
+        )
         meta = payload_meta(request.policy, request.budget, request.meta)
         smallest = smallest_payload(shell, meta).b_wire
         if smallest > request.budget:
@@ -174,11 +198,17 @@ class PrefillService:
         scored = prefill_and_score(self.engine, ids, kv=hit.kv if hit else None)
         reused = self.engine.stats.injected_tokens
         self.cache.store(scored.snapshot)
-        profile = TierProfile(tuple(t for t in self.profile.allowed if t in request.allowed),
-                              self.profile.distortion, self.profile.source)
-        encoded = encode_within_budget(scored.from_position(request.held_tokens), request.budget, request.policy,
-                                       profile=profile, meta=request.meta,
-                                       workers=self.encode_threads)
+        profile = TierProfile(
+            tuple(t for t in self.profile.allowed if t in request.allowed), self.profile.distortion, self.profile.source
+        )
+        encoded = encode_within_budget(
+            scored.from_position(request.held_tokens),
+            request.budget,
+            request.policy,
+            profile=profile,
+            meta=request.meta,
+            workers=self.encode_threads,
+        )
         return PrefillResult(encoded, len(ids), reused, time.perf_counter() - started)
 
     def close(self) -> None:

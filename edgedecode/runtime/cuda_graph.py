@@ -30,8 +30,9 @@ UNCAPTURED_GRAPH_ID = -1
 class CudaGraphStep:
     """Fixed device buffers bound for one-token decode steps, replayed through a captured CUDA graph."""
 
-    def __init__(self, session, cache: KVCache, vocab_size: int, dtype: np.dtype,
-                 graph_id: int = CAPTURED_GRAPH_ID) -> None:
+    def __init__(
+        self, session, cache: KVCache, vocab_size: int, dtype: np.dtype, graph_id: int = CAPTURED_GRAPH_ID
+    ) -> None:
         """``graph_id``: the capture's id in ``session``; engines sharing a session each need their own."""
         ort = import_onnxruntime()
         width = cache.max_context
@@ -64,9 +65,9 @@ class CudaGraphStep:
         host, mask_end = self._host, 2 + slot + 1
         host[0], host[1] = token, position
         if mask_end > 2 + self._filled:
-            host[2 + self._filled:mask_end] = 1
+            host[2 + self._filled : mask_end] = 1
         else:
-            host[mask_end:2 + self._filled] = 0
+            host[mask_end : 2 + self._filled] = 0
         self._filled = slot + 1
         self._device.update_inplace(host)
         # update_inplace copies on CUDA's legacy stream; the graph replays on the provider's own

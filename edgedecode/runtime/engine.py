@@ -94,9 +94,18 @@ class GenerationStats:
 class Engine:
     """Runs one built graph over a preallocated KV cache (batch 1)."""
 
-    def __init__(self, model: LoadedModel, options: GraphOptions, *, max_context: int | None = None,
-                 device: str = "cpu", threads: int | None = None, profile: bool = False,
-                 cuda_graph: bool = True, share: Engine | None = None) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        options: GraphOptions,
+        *,
+        max_context: int | None = None,
+        device: str = "cpu",
+        threads: int | None = None,
+        profile: bool = False,
+        cuda_graph: bool = True,
+        share: Engine | None = None,
+    ) -> None:
         """``cuda_graph`` (device cuda only, not with ``profile``: replays have no per-operator timings):
         replay single-token decode steps through a captured CUDA graph; falls back to plain runs, with
         a logged reason, where onnxruntime refuses capture.
@@ -135,8 +144,11 @@ class Engine:
                 self._io.bind_ortvalue_output(f"present.{layer}.{name}", buffer)
         # With CUDA graphs, runs other than the captured decode step are tagged "not captured".
         self._run_options = graph_run_options(UNCAPTURED_GRAPH_ID) if self.cuda_graph else None
-        self._graph_step = (CudaGraphStep(self.session, self.cache, self.spec.vocab_size, options.np_dtype,
-                                          next(self._graph_ids)) if self.cuda_graph else None)
+        self._graph_step = (
+            CudaGraphStep(self.session, self.cache, self.spec.vocab_size, options.np_dtype, next(self._graph_ids))
+            if self.cuda_graph
+            else None
+        )
         try:  # warm-up: the first run allocates ORT's arenas (and captures the CUDA graph)
             self.forward(np.array([self.spec.eos_token_id]))
         except Exception as exc:
@@ -145,8 +157,15 @@ class Engine:
             raise CudaGraphError(f"capturing the decode step as a CUDA graph failed: {exc}") from exc
         self.reset()
 
-    def _create_session(self, model: LoadedModel, options: GraphOptions, device: str, threads: int | None,
-                        profile: bool, cuda_graph: bool):
+    def _create_session(
+        self,
+        model: LoadedModel,
+        options: GraphOptions,
+        device: str,
+        threads: int | None,
+        profile: bool,
+        cuda_graph: bool,
+    ):
         """(session, whether it captures CUDA graphs): capture where asked for and onnxruntime accepts it."""
         path = model.graph(options)
         if cuda_graph and device == "cuda" and not options.emit_queries and not profile:
@@ -184,7 +203,7 @@ class Engine:
             return 0
         differ = np.flatnonzero(self._history[:common] != prompt_ids[:common])
         common = int(differ[0]) if len(differ) else common
-        slots = int(np.searchsorted(self._positions[0, :self.length], common))
+        slots = int(np.searchsorted(self._positions[0, : self.length], common))
         return int(self._positions[0, slots - 1]) + 1 if slots else 0
 
     def _keep(self, prompt_ids: np.ndarray, keep: int) -> int:
@@ -195,7 +214,7 @@ class Engine:
         reusable = self.reusable_prefix(prompt_ids)
         if not 0 < keep <= reusable:
             raise KVInjectionError(f"cannot keep {keep} positions: this engine holds {reusable} of this prompt")
-        slots = int(np.searchsorted(self._positions[0, :self.length], keep))
+        slots = int(np.searchsorted(self._positions[0, : self.length], keep))
         if int(self._positions[0, slots - 1]) + 1 != keep:
             raise KVInjectionError(f"keep={keep} does not end at a held token (use reusable_prefix)")
         self.cache.length = slots
@@ -211,8 +230,10 @@ class Engine:
         if start + n > self.max_context:
             raise ContextOverflowError(f"{start + n} tokens exceed the context of {self.max_context}")
         if self.next_position + n > self.spec.context_length:
-            raise ContextOverflowError(f"position {self.next_position + n} exceeds the model's {self.spec.context_length}")
-        self._tokens[start:start + n] = token_ids
+            raise ContextOverflowError(
+                f"position {self.next_position + n} exceeds the model's {self.spec.context_length}"
+            )
+        self._tokens[start : start + n] = token_ids
         outputs = [self._run(size, all_logits) for size in chunk_sizes(n)]
         return np.concatenate(outputs) if all_logits else outputs[-1]
 
@@ -223,11 +244,11 @@ class Engine:
             return self._replay_step(start)
         io = self._io
         position = self.next_position
-        np.add(self._ramp[:n], position, out=self._positions[0, start:start + n])
-        self._history[position:position + n] = self._tokens[start:start + n]
-        io.bind_cpu_input("input_ids", self._tokens[None, start:start + n])
-        io.bind_cpu_input("attention_mask", self._mask[:, :start + n])
-        io.bind_cpu_input("position_ids", self._positions[:, start:start + n])
+        np.add(self._ramp[:n], position, out=self._positions[0, start : start + n])
+        self._history[position : position + n] = self._tokens[start : start + n]
+        io.bind_cpu_input("input_ids", self._tokens[None, start : start + n])
+        io.bind_cpu_input("attention_mask", self._mask[:, : start + n])
+        io.bind_cpu_input("position_ids", self._positions[:, start : start + n])
         if all_logits:
             positions = np.arange(n, dtype=np.int64)
             logits = np.empty((1, n, self.spec.vocab_size), self._logits.dtype)
@@ -236,8 +257,9 @@ class Engine:
         io.bind_cpu_input("logits_positions", positions)
         io.bind_output("logits", "cpu", 0, logits.dtype, logits.shape, logits.ctypes.data)
         if self.options.emit_queries:
-            self._queries = np.empty((self.spec.n_layers, 1, len(positions), self.spec.n_heads * self.spec.head_dim),
-                                     logits.dtype)
+            self._queries = np.empty(
+                (self.spec.n_layers, 1, len(positions), self.spec.n_heads * self.spec.head_dim), logits.dtype
+            )
             for layer, rows in enumerate(self._queries):
                 io.bind_output(f"queries.{layer}", "cpu", 0, rows.dtype, rows.shape, rows.ctypes.data)
         self.session.run_with_iobinding(io, self._run_options)
@@ -302,17 +324,21 @@ class Engine:
         token_ids, positions = header.token_ids[kept], header.positions[kept]
         injected = self._injectable_count(positions, prompt_ids)
         self.cache.commit_ingest(kept_slots, injected)
-        return self._process_prompt(prompt_ids, kept_slots, self._stream_keep, token_ids[:injected],
-                                    positions[:injected])
+        return self._process_prompt(
+            prompt_ids, kept_slots, self._stream_keep, token_ids[:injected], positions[:injected]
+        )
 
     def _check_after_kept(self, positions: np.ndarray, keep: int, kept_slots: int) -> None:
         """Received KV must start after the kept positions and fit the slots left after them."""
         if len(positions) and positions[0] < keep:
-            raise KVInjectionError(f"the KV starts at position {int(positions[0])}, inside the {keep} positions "
-                                   "this engine keeps")
+            raise KVInjectionError(
+                f"the KV starts at position {int(positions[0])}, inside the {keep} positions this engine keeps"
+            )
         if kept_slots + len(positions) > self.max_context:
-            raise KVInjectionError(f"KV of {len(positions)} tokens after {kept_slots} kept slots exceeds the "
-                                   f"context buffer of {self.max_context}")
+            raise KVInjectionError(
+                f"KV of {len(positions)} tokens after {kept_slots} kept slots exceeds the "
+                f"context buffer of {self.max_context}"
+            )
 
     def _checked_prompt(self, prompt_ids) -> np.ndarray:
         prompt_ids = np.asarray(prompt_ids, np.int64)
@@ -330,15 +356,16 @@ class Engine:
         """Tokens of injected KV used: everything before the prompt's last token, which runs here."""
         return int(np.searchsorted(positions, len(prompt_ids) - 1))
 
-    def _process_prompt(self, prompt_ids: np.ndarray, kept_slots: int, keep: int, token_ids: np.ndarray,
-                        positions: np.ndarray) -> np.ndarray:
+    def _process_prompt(
+        self, prompt_ids: np.ndarray, kept_slots: int, keep: int, token_ids: np.ndarray, positions: np.ndarray
+    ) -> np.ndarray:
         """Record the injected slots (already in the cache after the kept ones), then run the prompt
         from just after them."""
         injected = len(token_ids)
         end = kept_slots + injected
         self._tokens[kept_slots:end] = token_ids
         self._positions[0, kept_slots:end] = positions
-        self._history[:len(prompt_ids)] = prompt_ids
+        self._history[: len(prompt_ids)] = prompt_ids
         self.cache.length = end
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected, reused_tokens=keep)
         resume = int(positions[-1]) + 1 if injected else keep
@@ -349,8 +376,9 @@ class Engine:
         # gets the same answer (a run's lone last row rounds differently, see chunk_sizes).
         return self.forward(prompt_ids[-1:])
 
-    def prefill_observed(self, prompt_ids: np.ndarray, window: int,
-                         kv: KVSnapshot | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def prefill_observed(
+        self, prompt_ids: np.ndarray, window: int, kv: KVSnapshot | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Process the prompt (from ``kv`` of a prefix of it if given, e.g. from a prefix cache) and
         return the pre-RoPE queries [layers, w, heads*head_dim] of its last w tokens and their positions.
 
@@ -386,24 +414,25 @@ class Engine:
             self.cache.update(0, kv.keys[:, :, :injected], kv.values[:, :, :injected])
         self._tokens[:injected] = prompt_ids[:injected]
         self._positions[0, :injected] = self._ramp[:injected]
-        self._history[:len(prompt_ids)] = prompt_ids
+        self._history[: len(prompt_ids)] = prompt_ids
         self.cache.length = injected
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected)
         if head > injected:
             self.forward(prompt_ids[injected:head])
-        self._tokens[head:len(prompt_ids)] = prompt_ids[head:]
+        self._tokens[head : len(prompt_ids)] = prompt_ids[head:]
         self._run(observed, True)
         skip = observed - w
-        return self._queries[:, 0, skip:], self._positions[0, head + skip:len(prompt_ids)].copy()
+        return self._queries[:, 0, skip:], self._positions[0, head + skip : len(prompt_ids)].copy()
 
     def export_kv(self) -> KVSnapshot:
         """A copy of the cached KV with its token ids, positions, layout contract and producer."""
         if self.length == 0:
             raise KVInjectionError("nothing to export: no prompt has been processed")
-        return self.cache.snapshot(self._tokens[:self.length], self._positions[0, :self.length], self.producer)
+        return self.cache.snapshot(self._tokens[: self.length], self._positions[0, : self.length], self.producer)
 
-    def generate(self, prompt_ids, params: SamplingParams, kv: KVSnapshot | EDKVReader | None = None,
-                 keep: int = 0) -> Iterator[int]:
+    def generate(
+        self, prompt_ids, params: SamplingParams, kv: KVSnapshot | EDKVReader | None = None, keep: int = 0
+    ) -> Iterator[int]:
         """Process the prompt (optionally from injected KV: a snapshot, or a reader from
         ``open_kv_stream`` whose stream is complete) and yield generated token ids one by one.
         ``keep`` is as in ``prefill`` (a reader brings the ``keep`` given to ``open_kv_stream``).
@@ -412,8 +441,9 @@ class Engine:
         iterator is exhausted.
         """
         started = time.perf_counter()
-        logits = (self.prefill_streamed(prompt_ids, kv) if isinstance(kv, EDKVReader)
-                  else self.prefill(prompt_ids, kv, keep))
+        logits = (
+            self.prefill_streamed(prompt_ids, kv) if isinstance(kv, EDKVReader) else self.prefill(prompt_ids, kv, keep)
+        )
         stats = self.stats
         stops = frozenset(self.spec.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids)
         sampler = Sampler(params)

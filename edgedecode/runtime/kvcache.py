@@ -38,12 +38,16 @@ class KVCache:
         self.dtype = np.dtype(dtype)
         if device == "cpu":
             self.host = np.zeros((spec.n_layers, 2, 1, spec.n_kv_heads, max_context, spec.head_dim), dtype)
-            self.ortvalues = [[ort.OrtValue.ortvalue_from_numpy(self.host[layer, kind]) for kind in (0, 1)]
-                              for layer in range(spec.n_layers)]
+            self.ortvalues = [
+                [ort.OrtValue.ortvalue_from_numpy(self.host[layer, kind]) for kind in (0, 1)]
+                for layer in range(spec.n_layers)
+            ]
         else:
             shape = [1, spec.n_kv_heads, max_context, spec.head_dim]
-            self.ortvalues = [[ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0) for _ in (0, 1)]
-                              for _ in range(spec.n_layers)]
+            self.ortvalues = [
+                [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0) for _ in (0, 1)]
+                for _ in range(spec.n_layers)
+            ]
             self._rows = DeviceRows(self)
         self.length = 0
         self._staging: np.ndarray | None = None  # CUDA: host buffer an EDKV stream is ingested into
@@ -121,7 +125,9 @@ class KVCache:
         expected = (s.n_layers, s.n_kv_heads, n, s.head_dim)
         for name, array in (("keys", kv.keys), ("values", kv.values)):
             if array.shape != expected:
-                raise KVInjectionError(f"{name} have shape {array.shape}, expected {expected} [layers, kv_heads, seq, head_dim]")
+                raise KVInjectionError(
+                    f"{name} have shape {array.shape}, expected {expected} [layers, kv_heads, seq, head_dim]"
+                )
         self.check_prompt_match(kv.token_ids, kv.positions, prompt_ids)
         if n > self.max_context:
             raise KVInjectionError(f"KV holds {n} tokens but the context buffer holds {self.max_context}")
@@ -142,8 +148,11 @@ class DeviceRows:
     def __init__(self, cache: KVCache) -> None:
         self.cache = cache
         self._sessions: dict[np.dtype, object] = {}
-        self._names = [(f"kv.{layer}.{kind}", [f"rows.{layer}.{kind}.{head}" for head in range(cache.spec.n_kv_heads)])
-                       for layer in range(cache.spec.n_layers) for kind in (0, 1)]
+        self._names = [
+            (f"kv.{layer}.{kind}", [f"rows.{layer}.{kind}.{head}" for head in range(cache.spec.n_kv_heads)])
+            for layer in range(cache.spec.n_layers)
+            for kind in (0, 1)
+        ]
 
     def _session(self, source: np.dtype):
         """The splitting graph for source arrays of one dtype (built on first use)."""

@@ -59,10 +59,7 @@ class Sampler:
         p = self.params
         if p.temperature == 0.0:
             return greedy(logits)
-        if p.top_k:
-            candidates = np.argpartition(logits, -p.top_k)[-p.top_k:]
-        else:
-            candidates = np.arange(logits.shape[0])
+        candidates = np.argpartition(logits, -p.top_k)[-p.top_k :] if p.top_k else np.arange(logits.shape[0])
         scaled = logits[candidates].astype(np.float64) / p.temperature
         order = np.argsort(-scaled, kind="stable")
         candidates, scaled = candidates[order], scaled[order]

@@ -47,7 +47,9 @@ def import_onnxruntime():
     try:
         import onnxruntime
     except ImportError as exc:
-        raise RuntimeSetupError("onnxruntime is not installed: pip install 'edgedecode[cpu]' or 'edgedecode[gpu]'") from exc
+        raise RuntimeSetupError(
+            "onnxruntime is not installed: pip install 'edgedecode[cpu]' or 'edgedecode[gpu]'"
+        ) from exc
     return onnxruntime
 
 
@@ -62,8 +64,14 @@ def default_threads() -> int:
     return int(os.environ.get("EDGEDECODE_THREADS") or psutil.cpu_count(logical=False) or os.cpu_count() or 1)
 
 
-def create_session(path: Path | bytes, *, device: str = "cpu", threads: int | None = None, profile: bool = False,
-                   cuda_graph: bool = False):
+def create_session(
+    path: Path | bytes,
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+    profile: bool = False,
+    cuda_graph: bool = False,
+):
     """An InferenceSession for a built graph (a file, or a serialized model) on the given device.
 
     ``profile`` turns on onnxruntime's profiler.
@@ -95,9 +103,13 @@ def create_session(path: Path | bytes, *, device: str = "cpu", threads: int | No
     capture = cuda_graph and device == "cuda"
     provider = (PROVIDERS[device], {"enable_cuda_graph": "1"}) if capture else PROVIDERS[device]
     providers = [provider] + ([PROVIDERS["cpu"]] if device != "cpu" else [])
-    logger.debug("creating %s session for %s with %d threads%s", device,
-                 "a serialized model" if isinstance(path, bytes) else path, options.intra_op_num_threads,
-                 ", CUDA graph capture" if capture else "")
+    logger.debug(
+        "creating %s session for %s with %d threads%s",
+        device,
+        "a serialized model" if isinstance(path, bytes) else path,
+        options.intra_op_num_threads,
+        ", CUDA graph capture" if capture else "",
+    )
     return ort.InferenceSession(path if isinstance(path, bytes) else str(path), options, providers=providers)
 
 

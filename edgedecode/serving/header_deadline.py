@@ -91,8 +91,9 @@ class HeaderDeadline(asyncio.Protocol):
         if self._transport is None:
             return
         peer = self._transport.get_extra_info("peername")
-        logger.info("closing the connection from %s: its request headers did not arrive within %g s",
-                    peer, self._timeout)
+        logger.info(
+            "closing the connection from %s: its request headers did not arrive within %g s", peer, self._timeout
+        )
         self._transport.abort()  # not close(): nothing worth flushing, and a client that reads nothing can't hold it
 
 
@@ -129,7 +130,7 @@ class HeaderDeadlineSite(web.BaseSite):
     """A TCP site like ``web.TCPSite`` whose connections are cut when a request's headers take longer than
     ``header_timeout`` seconds. The runner's app needs ``add_header_deadline`` (checked at start)."""
 
-    __slots__ = ("_host", "_port", "_header_timeout")
+    __slots__ = ("_header_timeout", "_host", "_port")
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, *, header_timeout: float) -> None:
         if header_timeout <= 0:
@@ -160,12 +161,14 @@ class HeaderDeadlineSite(web.BaseSite):
         server = runner.server
         assert server is not None
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: HeaderDeadline(server(), self._header_timeout, loop),
-                                                self._host, self._port, backlog=self._backlog)
+        self._server = await loop.create_server(
+            lambda: HeaderDeadline(server(), self._header_timeout, loop), self._host, self._port, backlog=self._backlog
+        )
 
 
-async def start_site(app: web.Application, host: str, port: int, *, header_timeout: float,
-                     **runner_kwargs: Any) -> tuple[web.AppRunner, HeaderDeadlineSite]:
+async def start_site(
+    app: web.Application, host: str, port: int, *, header_timeout: float, **runner_kwargs: Any
+) -> tuple[web.AppRunner, HeaderDeadlineSite]:
     """Set ``app`` up (an ``AppRunner`` with ``runner_kwargs``) and listen on host:port (0: any free port)
     with the header deadline. The caller owns the runner: ``await runner.cleanup()`` stops everything."""
     add_header_deadline(app)

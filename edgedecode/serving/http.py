@@ -26,8 +26,15 @@ LISTENING_LINE = "edgedecode {server} listening on {url}"
 LISTENING = re.compile(r"listening on (http://\S+)")
 
 
-def json_error(status: int, message: str, *, kind: str = "invalid_request_error", code: str | None = None,
-               param: str | None = None, headers: dict[str, str] | None = None) -> web.Response:
+def json_error(
+    status: int,
+    message: str,
+    *,
+    kind: str = "invalid_request_error",
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
     """An error in the OpenAI shape: ``{"error": {"message", "type", "param", "code"}}``."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)
@@ -64,9 +71,13 @@ async def _answer(request: web.Request, handler, auth_token: str) -> web.StreamR
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), auth_token.encode()):
             reason = "missing bearer token" if not given else "wrong bearer token"
-            return json_error(401, f"unauthorized: {reason} (send 'Authorization: Bearer <token>')",
-                              kind="authentication_error", code="unauthorized",
-                              headers={"WWW-Authenticate": "Bearer"})
+            return json_error(
+                401,
+                f"unauthorized: {reason} (send 'Authorization: Bearer <token>')",
+                kind="authentication_error",
+                code="unauthorized",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
     try:
         return await handler(request)
     except RequestError as exc:
@@ -108,8 +119,9 @@ async def write_within(response: web.StreamResponse, data: bytes, timeout: float
 def process_gauges(registry: CollectorRegistry) -> None:
     """Register the process's resident memory (psutil) on ``registry``, read at each scrape."""
     process = psutil.Process()
-    Gauge("edgedecode_process_resident_memory_bytes", "Resident set size of this process.",
-          registry=registry).set_function(lambda: process.memory_info().rss)
+    Gauge(
+        "edgedecode_process_resident_memory_bytes", "Resident set size of this process.", registry=registry
+    ).set_function(lambda: process.memory_info().rss)
 
 
 def add_common_routes(app: web.Application, registry: CollectorRegistry) -> None:
@@ -127,8 +139,14 @@ def add_common_routes(app: web.Application, registry: CollectorRegistry) -> None
     app.router.add_get("/metrics", metrics)
 
 
-async def serve_until_stopped(app: web.Application, host: str, port: int, *, header_timeout: float,
-                              on_listening: Callable[[str], Awaitable[None] | None] | None = None) -> None:
+async def serve_until_stopped(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    header_timeout: float,
+    on_listening: Callable[[str], Awaitable[None] | None] | None = None,
+) -> None:
     """Run ``app`` on host:port (port 0: any free one) until SIGTERM or SIGINT, then shut down cleanly.
 
     A connection whose request headers take longer than ``header_timeout`` seconds to arrive is closed
@@ -138,8 +156,9 @@ async def serve_until_stopped(app: web.Application, host: str, port: int, *, hea
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runner, site = await start_site(app, host, port, header_timeout=header_timeout,
-                                    handle_signals=False, access_log=None)
+    runner, site = await start_site(
+        app, host, port, header_timeout=header_timeout, handle_signals=False, access_log=None
+    )
     try:
         url = f"http://{_url_host(host)}:{site.port}"  # the real port when 0 was asked for
         if on_listening is not None:

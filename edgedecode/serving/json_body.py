@@ -54,7 +54,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         document = json.loads(body, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_parse_constant)
     except RecursionError:
-        raise BodyError(f"the body is nested deeper than the parser allows (this server takes {MAX_DEPTH} levels)")
+        raise BodyError(
+            f"the body is nested deeper than the parser allows (this server takes {MAX_DEPTH} levels)"
+        ) from None
     except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         raise BodyError(f"the body is not valid JSON: {exc}") from None
     if not isinstance(document, dict):
@@ -81,8 +83,9 @@ def _check_values(document: dict[str, Any]) -> None:
                     _check_text(key, child)
                     stack.append((item, child, depth + 1))
             else:
-                stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)
-                             if isinstance(item, _NEEDS_A_LOOK))
+                stack.extend(
+                    (item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value) if isinstance(item, _NEEDS_A_LOOK)
+                )
 
 
 def _check_text(text: str, path: str) -> None:
@@ -91,8 +94,11 @@ def _check_text(text: str, path: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise BodyError(f"{path or 'the body'} holds a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at "
-                        f"character {exc.start}: not valid Unicode text", _param(path)) from None
+        raise BodyError(
+            f"{path or 'the body'} holds a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at "
+            f"character {exc.start}: not valid Unicode text",
+            _param(path),
+        ) from None
 
 
 def _param(path: str) -> str | None:

@@ -84,15 +84,25 @@ def section_arrays(buf: bytearray | memoryview, section: Section, n_heads: int, 
     The views share `buf`'s memory: the writer fills them, the reader decodes from them.
     """
     m = len(section.tokens)
-    shapes = ([((m, head_dim), np.float16)] if section.layout is None else
-              [(codes_shape(section.layout, m, head_dim), np.uint8)]
-              + [(params_shape(section.layout, m, head_dim), np.float16)] * 2)
+    shapes = (
+        [((m, head_dim), np.float16)]
+        if section.layout is None
+        else [(codes_shape(section.layout, m, head_dim), np.uint8)]
+        + [(params_shape(section.layout, m, head_dim), np.float16)] * 2
+    )
     arrays, offset = [], section.offset
     for shape, dtype in shapes:
         per_layer = (n_heads, *shape)
         itemsize = np.dtype(dtype).itemsize
-        arrays.append(np.ndarray((section.layer_stop - section.layer_start, *per_layer), dtype, buffer=buf,
-                                 offset=offset, strides=(section.layer_stride, *_c_strides(per_layer, itemsize))))
+        arrays.append(
+            np.ndarray(
+                (section.layer_stop - section.layer_start, *per_layer),
+                dtype,
+                buffer=buf,
+                offset=offset,
+                strides=(section.layer_stride, *_c_strides(per_layer, itemsize)),
+            )
+        )
         offset += int(np.prod(per_layer)) * itemsize
     return arrays
 
@@ -114,8 +124,13 @@ def section_float16(buf: bytearray | memoryview, section: Section, n_heads: int,
         return section_arrays(buf, section, n_heads, head_dim)[0]
     codes = n_heads * int(np.prod(codes_shape(section.layout, m, head_dim)))
     params = n_heads * int(np.prod(params_shape(section.layout, m, head_dim)))
-    return np.ndarray((section.layer_stop - section.layer_start, 2 * params), np.float16, buffer=buf,
-                      offset=section.offset + codes, strides=(section.layer_stride, 2))
+    return np.ndarray(
+        (section.layer_stop - section.layer_start, 2 * params),
+        np.float16,
+        buffer=buf,
+        offset=section.offset + codes,
+        strides=(section.layer_stride, 2),
+    )
 
 
 def chunk_sizes(

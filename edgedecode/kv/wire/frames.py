@@ -54,16 +54,20 @@ def max_header_nbytes(max_tokens: int, n_layers: int) -> int:
     of the `max_chunks` chunks, and HEADER_BASE_BYTES for everything of fixed size.
     """
     n = max(0, max_tokens)
-    return (HEADER_BASE_BYTES + 2 * _b64_len(8 * n) + _b64_len(n_layers * n)
-            + CHUNK_ROW_BYTES * max_chunks(n, n_layers))
+    return HEADER_BASE_BYTES + 2 * _b64_len(8 * n) + _b64_len(n_layers * n) + CHUNK_ROW_BYTES * max_chunks(n, n_layers)
 
 
 def max_header_containers(max_tokens: int, n_layers: int) -> int:
     """JSON arrays and objects ('[' and '{' bytes, counted before parsing: a bracket inside a string counts, too)
     that a legitimate header of up to `max_tokens` tokens can hold: each costs json.loads an allocation and the
     garbage collector a visit, far more than a byte of base64 does."""
-    return (FIXED_CONTAINERS + max_chunks(max(0, max_tokens), n_layers) + MAX_META_VALUES + MAX_META_CHARS
-            + 6 * MAX_NAME_CHARS)
+    return (
+        FIXED_CONTAINERS
+        + max_chunks(max(0, max_tokens), n_layers)
+        + MAX_META_VALUES
+        + MAX_META_CHARS
+        + 6 * MAX_NAME_CHARS
+    )
 
 
 def _b64_len(nbytes: int) -> int:

@@ -124,12 +124,14 @@ class EDKVHeader:
         rows = doc_field(doc, "chunks", list)
         limit = max_chunks(n, contract.n_layers)
         if len(rows) > limit:
-            raise KVTooLargeError("chunks", f"{len(rows)} chunks declared, at most {limit} for {n} tokens × "
-                                  f"{contract.n_layers} layers")
+            raise KVTooLargeError(
+                "chunks", f"{len(rows)} chunks declared, at most {limit} for {n} tokens × {contract.n_layers} layers"
+            )
         layouts = doc_field(doc, "layouts", dict)
         if len(layouts) > len(QUANTIZED_TIERS):
-            raise KVMalformedError("layouts", f"{len(layouts)} layouts, there are {len(QUANTIZED_TIERS)} quantized "
-                                   "tiers")
+            raise KVMalformedError(
+                "layouts", f"{len(layouts)} layouts, there are {len(QUANTIZED_TIERS)} quantized tiers"
+            )
         meta = doc_field(doc, "meta", dict)
         check_meta(meta)
         producer = doc_field(doc, "producer", dict)
@@ -161,16 +163,18 @@ class EDKVHeader:
         layers, n = self.contract.n_layers, self.n_tokens
         limit = max_chunks(n, layers)
         if len(self.chunks) > limit:
-            raise KVTooLargeError("chunks", f"{len(self.chunks)} chunks, at most {limit} for {n} tokens × "
-                                  f"{layers} layers")
+            raise KVTooLargeError(
+                "chunks", f"{len(self.chunks)} chunks, at most {limit} for {n} tokens × {layers} layers"
+            )
         table = self.chunk_table
         l0, l1, t0, t1, raw = table.T
-        bad = np.flatnonzero(~((0 <= l0) & (l0 < l1) & (l1 <= layers) & (0 <= t0) & (t0 < t1) & (t1 <= n)
-                               & (raw >= 0)))
+        bad = np.flatnonzero(~((l0 >= 0) & (l0 < l1) & (l1 <= layers) & (t0 >= 0) & (t0 < t1) & (t1 <= n) & (raw >= 0)))
         if bad.size:
             c = self.chunks[bad[0]]
-            raise KVMalformedError("chunks", f"chunk {c.index} {_rect(c)} (raw {c.raw_nbytes} B) is empty or "
-                                   f"outside {layers} layers × {n} tokens")
+            raise KVMalformedError(
+                "chunks",
+                f"chunk {c.index} {_rect(c)} (raw {c.raw_nbytes} B) is empty or outside {layers} layers × {n} tokens",
+            )
         # how many chunks cover each cell: +1/-1 at the rectangles' corners, then a 2-D prefix sum
         corners = np.concatenate([l0 * (n + 1) + t0, l1 * (n + 1) + t1, l0 * (n + 1) + t1, l1 * (n + 1) + t0])
         weights = np.repeat(np.array([1, 1, -1, -1], np.int64), len(table))
@@ -180,12 +184,18 @@ class EDKVHeader:
             layer, token = np.argwhere(cover > 1)[0]
             holders = np.flatnonzero((l0 <= layer) & (layer < l1) & (t0 <= token) & (token < t1))
             c = self.chunks[holders[1]]
-            raise KVMalformedError("chunks", f"chunk {c.index} {_rect(c)} overlaps an earlier chunk (chunk "
-                                   f"{holders[0]}) at layer {layer}, token {token}")
+            raise KVMalformedError(
+                "chunks",
+                f"chunk {c.index} {_rect(c)} overlaps an earlier chunk (chunk "
+                f"{holders[0]}) at layer {layer}, token {token}",
+            )
         if (cover < 1).any():
             layer, token = np.argwhere(cover < 1)[0]
-            raise KVMalformedError("chunks", f"no chunk covers layer {layer}, token {token}; the chunk table must "
-                                   "cover every layer × token exactly once")
+            raise KVMalformedError(
+                "chunks",
+                f"no chunk covers layer {layer}, token {token}; the chunk table must "
+                "cover every layer × token exactly once",
+            )
 
     def _check_sizes(self) -> None:
         """Each chunk's raw_nbytes is what its tier map needs, and all chunks' sections stay within the limit."""
@@ -194,26 +204,32 @@ class EDKVHeader:
         wrong = np.flatnonzero(raw != self.chunk_table[:, 4])
         if wrong.size:
             k = int(wrong[0])
-            raise KVMalformedError("chunks", f"chunk {k} declares {self.chunks[k].raw_nbytes} raw bytes, its tier "
-                                   f"map needs {int(raw[k])}")
+            raise KVMalformedError(
+                "chunks", f"chunk {k} declares {self.chunks[k].raw_nbytes} raw bytes, its tier map needs {int(raw[k])}"
+            )
         limit = max_sections(self.n_tokens, c.n_layers)
         if int(sections.sum()) > limit:
-            raise KVTooLargeError("chunks", f"the chunks hold {int(sections.sum())} sections (runs of layers × K/V "
-                                  f"× tiers), at most {limit} for {self.n_tokens} tokens × {c.n_layers} layers")
+            raise KVTooLargeError(
+                "chunks",
+                f"the chunks hold {int(sections.sum())} sections (runs of layers × K/V "
+                f"× tiers), at most {limit} for {self.n_tokens} tokens × {c.n_layers} layers",
+            )
 
 
 def check_tier_map(tiers: np.ndarray, n_layers: int, n_tokens: int) -> None:
     """Raise KVMalformedError unless `tiers` is uint8 [n_layers, n_tokens] of Tier codes with whole-token DROPs."""
     if tiers.dtype != np.uint8 or tiers.shape != (n_layers, n_tokens):
-        raise KVMalformedError("tiers", f"tier map must be uint8 [{n_layers}, {n_tokens}], got {tiers.dtype} "
-                               f"{list(tiers.shape)}")
+        raise KVMalformedError(
+            "tiers", f"tier map must be uint8 [{n_layers}, {n_tokens}], got {tiers.dtype} {list(tiers.shape)}"
+        )
     if tiers.size and tiers.max() > max(Tier):
         raise KVMalformedError("tiers", f"unknown tier code {int(tiers.max())}; known: 0..{int(max(Tier))}")
     dropped = tiers == Tier.DROP
     split = np.flatnonzero(dropped.any(axis=0) != dropped.all(axis=0))
     if split.size:
-        raise KVMalformedError("tiers", f"token {int(split[0])} is DROP in some layers only; "
-                               "a token's DROP must be shared by all layers")
+        raise KVMalformedError(
+            "tiers", f"token {int(split[0])} is DROP in some layers only; a token's DROP must be shared by all layers"
+        )
 
 
 def check_layouts(tiers: np.ndarray, layouts: dict[Tier, tuple[QuantLayout, QuantLayout]], head_dim: int) -> None:
@@ -245,8 +261,9 @@ def load_doc(body: bytes | memoryview, max_containers: int | None = None) -> dic
     if max_containers is not None:
         containers = body.count(b"[") + body.count(b"{")
         if containers > max_containers:
-            raise KVTooLargeError("header", f"{containers} JSON arrays and objects ('[', '{{'), at most "
-                                  f"{max_containers}")
+            raise KVTooLargeError(
+                "header", f"{containers} JSON arrays and objects ('[', '{{'), at most {max_containers}"
+            )
     try:
         doc = json.loads(body.decode("utf-8"))
     except RecursionError:
@@ -273,9 +290,11 @@ def contract_from_doc(doc: dict[str, Any]) -> KVContract:
     return KVContract(
         architecture=_name(c, "architecture", "contract."),
         rope_theta=rope_theta,
-        layout=KVLayout(_name(lay, "axes", "contract.layout."),
-                        doc_field(lay, "keys_post_rope", bool, "contract.layout."),
-                        _name(lay, "rope_order", "contract.layout.")),
+        layout=KVLayout(
+            _name(lay, "axes", "contract.layout."),
+            doc_field(lay, "keys_post_rope", bool, "contract.layout."),
+            _name(lay, "rope_order", "contract.layout."),
+        ),
         tokenizer_hash=_name(c, "tokenizer_hash", "contract."),
         **dims,
     )
@@ -309,7 +328,7 @@ def doc_field(doc: dict[str, Any], key: str, kind: type, prefix: str = "") -> An
     if key not in doc:
         raise KVMalformedError(prefix + key, "missing from the header")
     value = doc[key]
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, (int, float) if kind is float else kind):
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, (int, float) if kind is float else kind):
         raise KVMalformedError(prefix + key, f"expected {kind.__name__}, got {_describe(value)}")
     return value
 
@@ -335,8 +354,11 @@ def _int64_table(rows: list[Any], field: str) -> np.ndarray:
     """int64 [len(rows), 5] from JSON rows of 5 ints (no bools), each within int64."""
     for index, row in enumerate(rows):
         if not (type(row) is list and len(row) == 5 and all(type(v) is int for v in row)):
-            raise KVMalformedError(field, f"row {index} must be 5 ints [layer_start, layer_stop, token_start, "
-                                   f"token_stop, raw_nbytes], got {_describe(row)}")
+            raise KVMalformedError(
+                field,
+                f"row {index} must be 5 ints [layer_start, layer_stop, token_start, "
+                f"token_stop, raw_nbytes], got {_describe(row)}",
+            )
     try:
         return np.array(rows, np.int64).reshape(len(rows), 5)
     except OverflowError:
@@ -363,14 +385,18 @@ def _layouts(doc: dict[str, Any]) -> dict[Tier, tuple[QuantLayout, QuantLayout]]
         if tier not in QUANTIZED_TIERS:
             raise KVMalformedError("layouts", f"{name!r} is not a quantized tier")
         pair = doc_field(doc, name, dict, "layouts.")
-        layouts[tier] = tuple(_layout(doc_field(pair, part, dict, f"layouts.{name}."), f"layouts.{name}.{part}")
-                              for part in KV_PARTS)
+        layouts[tier] = tuple(
+            _layout(doc_field(pair, part, dict, f"layouts.{name}."), f"layouts.{name}.{part}") for part in KV_PARTS
+        )
     return layouts
 
 
 def _layout(doc: dict[str, Any], where: str) -> QuantLayout:
-    fields = (doc_field(doc, "axis", str, where + "."), doc_field(doc, "group", int, where + "."),
-              doc_field(doc, "bits", int, where + "."))
+    fields = (
+        doc_field(doc, "axis", str, where + "."),
+        doc_field(doc, "group", int, where + "."),
+        doc_field(doc, "bits", int, where + "."),
+    )
     try:
         return QuantLayout(*fields)
     except ValueError as e:

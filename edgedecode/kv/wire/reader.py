@@ -110,8 +110,9 @@ class EDKVReader:
         self.expected = expected
         self.max_tokens = max_tokens
         self.max_chunk_bytes = max_chunk_bytes
-        self.max_header_bytes = (max_header_nbytes(max_tokens, expected.n_layers) if max_header_bytes is None
-                                 else max_header_bytes)
+        self.max_header_bytes = (
+            max_header_nbytes(max_tokens, expected.n_layers) if max_header_bytes is None else max_header_bytes
+        )
         self._target_factory = target_factory
         self._on_chunk = on_chunk
         self._stage = _Stage.HEADER_PREFIX
@@ -156,7 +157,7 @@ class EDKVReader:
             view = memoryview(data).cast("B")
             self._bytes_in += len(view)
             if not self._buf:  # common case: parse straight from the caller's buffer, keep only the remainder
-                self._buf += view[self._parse(view):]
+                self._buf += view[self._parse(view) :]
                 return
             self._buf += view
             with memoryview(self._buf) as buffered:
@@ -180,7 +181,7 @@ class EDKVReader:
         """Handle every complete item at the front of `view`; return the bytes consumed."""
         pos = 0
         while self._stage is not _Stage.DONE and len(view) - pos >= self._need:
-            item = view[pos:pos + self._need]
+            item = view[pos : pos + self._need]
             if self._stage is _Stage.FRAME:
                 self._peek_frame(bytes(item))
                 continue
@@ -207,7 +208,7 @@ class EDKVReader:
         self._expect(_Stage.HEADER_BODY, length + HEADER_CRC.size)
 
     def _header_body(self, item: memoryview) -> None:
-        body, (crc,) = item[:-HEADER_CRC.size], HEADER_CRC.unpack(item[-HEADER_CRC.size:])
+        body, (crc,) = item[: -HEADER_CRC.size], HEADER_CRC.unpack(item[-HEADER_CRC.size :])
         if zlib.crc32(body) != crc:
             raise KVChecksumError("header", f"header JSON CRC-32 {zlib.crc32(body):08x} != {crc:08x}")
         doc = load_doc(body, max_header_containers(self.max_tokens, self.expected.n_layers))
@@ -221,8 +222,9 @@ class EDKVReader:
         c, table = header.contract, header.chunk_table
         over = np.flatnonzero(table[:, 4] > self.max_chunk_bytes)
         if over.size:
-            raise KVTooLargeError(f"chunk {int(over[0])}",
-                                  f"{int(table[over[0], 4])} raw bytes, limit {self.max_chunk_bytes}")
+            raise KVTooLargeError(
+                f"chunk {int(over[0])}", f"{int(table[over[0], 4])} raw bytes, limit {self.max_chunk_bytes}"
+            )
         self._target = _checked_target(self._target_factory(header), header)
         widest = int((table[:, 3] - table[:, 2]).max(initial=0))
         self._scratch = np.empty(max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim), np.float32)
@@ -237,17 +239,20 @@ class EDKVReader:
         elif magic == TRAILER_MAGIC:
             self._expect(_Stage.TRAILER, TRAILER.size)
         else:
-            raise KVMalformedError("magic", f"expected a chunk {CHUNK_MAGIC!r} or the trailer {TRAILER_MAGIC!r}, "
-                                   f"got {magic!r}")
+            raise KVMalformedError(
+                "magic", f"expected a chunk {CHUNK_MAGIC!r} or the trailer {TRAILER_MAGIC!r}, got {magic!r}"
+            )
 
     def _chunk_prefix(self, item: memoryview) -> None:
         _, index, length, self._chunk_crc = CHUNK_PREFIX.unpack(item)
         if self._chunks_done == len(self._header.chunks):
-            raise KVMalformedError("chunk index", f"chunk {index} after all {self._chunks_done} chunks of the "
-                                   "table; expected the trailer")
+            raise KVMalformedError(
+                "chunk index", f"chunk {index} after all {self._chunks_done} chunks of the table; expected the trailer"
+            )
         if index != self._chunks_done:
-            raise KVMalformedError("chunk index", f"expected chunk {self._chunks_done} of "
-                                   f"{len(self._header.chunks)}, got {index}")
+            raise KVMalformedError(
+                "chunk index", f"expected chunk {self._chunks_done} of {len(self._header.chunks)}, got {index}"
+            )
         if length > self.max_chunk_bytes:
             raise KVTooLargeError(f"chunk {index}", f"{length} compressed bytes, limit {self.max_chunk_bytes}")
         self._expect(_Stage.CHUNK_BODY, length)
@@ -259,8 +264,13 @@ class EDKVReader:
             raise KVChecksumError(f"chunk {spec.index}", f"CRC-32 {crc:08x} != {self._chunk_crc:08x}")
         raw = self._decompress(item, spec)
         c = self._header.contract
-        plan = plan_chunk(self._header.tiers, self._header.layouts, c.n_kv_heads, c.head_dim,
-                          (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop))
+        plan = plan_chunk(
+            self._header.tiers,
+            self._header.layouts,
+            c.n_kv_heads,
+            c.head_dim,
+            (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop),
+        )
         if plan.raw_nbytes != spec.raw_nbytes:  # the header's check makes this unreachable
             raise KVMalformedError(f"chunk {spec.index}", f"{spec.raw_nbytes} raw bytes, the plan {plan.raw_nbytes}")
         for section in plan.sections:  # every value of the chunk, before anything from it is written
@@ -268,9 +278,9 @@ class EDKVReader:
         for section in plan.sections:
             self._write(section, section_arrays(raw, section, c.n_kv_heads, c.head_dim))
         self._chunks_done += 1
-        done = self._layers_done[spec.token_start:spec.token_stop]
+        done = self._layers_done[spec.token_start : spec.token_stop]
         done += spec.layer_stop - spec.layer_start
-        kept = self._header.kept[spec.token_start:spec.token_stop]
+        kept = self._header.kept[spec.token_start : spec.token_stop]
         self._tokens_ingested += int(np.count_nonzero((done == self._header.contract.n_layers) & kept))
         if self._on_chunk is not None:
             self._on_chunk(spec, self._header.slot_range(spec))
@@ -282,8 +292,9 @@ class EDKVReader:
         try:
             declared = zstandard.frame_content_size(item)
             if declared not in (-1, spec.raw_nbytes):
-                raise KVMalformedError(f"chunk {spec.index}", f"zstd frame declares {declared} bytes, "
-                                       f"the chunk table {spec.raw_nbytes}")
+                raise KVMalformedError(
+                    f"chunk {spec.index}", f"zstd frame declares {declared} bytes, the chunk table {spec.raw_nbytes}"
+                )
             got = 0
             with self._dctx.stream_reader(item) as stream:
                 while got < spec.raw_nbytes and (step := stream.readinto(raw[got:])):
@@ -292,8 +303,9 @@ class EDKVReader:
         except zstandard.ZstdError as e:
             raise KVMalformedError(f"chunk {spec.index}", f"zstd: {e}") from None
         if got != spec.raw_nbytes or extra:
-            raise KVMalformedError(f"chunk {spec.index}", f"{'more than ' if extra else ''}{got} raw bytes, "
-                                   f"expected {spec.raw_nbytes}")
+            raise KVMalformedError(
+                f"chunk {spec.index}", f"{'more than ' if extra else ''}{got} raw bytes, expected {spec.raw_nbytes}"
+            )
         return raw
 
     @staticmethod
@@ -309,15 +321,18 @@ class EDKVReader:
         what = "FP16 rows" if section.layout is None else "scales/zeros"
         bad = np.flatnonzero(((bits & 0x7C00) == 0x7C00).reshape(len(bits), -1).any(axis=1))
         layer = section.layer_start + int(bad[0])
-        raise KVValueError(f"chunk {spec.index}", f"{section.tier.name} {('keys', 'values')[section.kv]} "
-                           f"{what} of layer {layer} hold inf or NaN; nothing of the chunk was written")
+        raise KVValueError(
+            f"chunk {spec.index}",
+            f"{section.tier.name} {('keys', 'values')[section.kv]} "
+            f"{what} of layer {layer} hold inf or NaN; nothing of the chunk was written",
+        )
 
     def _write(self, section: Section, arrays: list[np.ndarray]) -> None:
         """Decode one section into its compacted slots: slices when they are contiguous, else one scatter.
 
         Runs of layers go in blocks of about BLOCK_VALUES values, so the float32 staging stays in cache.
         """
-        dest = self._target[section.layer_start:section.layer_stop, section.kv]  # [layers, H, slots, D]
+        dest = self._target[section.layer_start : section.layer_stop, section.kv]  # [layers, H, slots, D]
         slots = self._header.slots_before[section.tokens]
         first, last = int(slots[0]), int(slots[-1])
         contiguous = last - first + 1 == len(slots)
@@ -327,11 +342,14 @@ class EDKVReader:
             block = slice(start, start + step)
             parts = [a[block] for a in arrays]
             if contiguous:
-                self._decode(section, parts, dest[block, :, first:last + 1])
+                self._decode(section, parts, dest[block, :, first : last + 1])
                 continue
             shape = (len(dest[block]), dest.shape[1], len(slots), dest.shape[3])
-            staged = (self._scratch[: int(np.prod(shape))].reshape(shape) if dest.dtype == np.float32
-                      else np.empty(shape, dest.dtype))
+            staged = (
+                self._scratch[: int(np.prod(shape))].reshape(shape)
+                if dest.dtype == np.float32
+                else np.empty(shape, dest.dtype)
+            )
             self._decode(section, parts, staged)
             rows = np.dtype((np.void, dest.shape[3] * dest.itemsize))  # a head_dim row as one item: cheaper scatter
             dest[block].view(rows)[..., 0][:, :, slots] = staged.view(rows)[..., 0]
@@ -376,16 +394,30 @@ def decode_snapshot(
     reader = EDKVReader(expected, max_tokens=max_tokens, target_factory=compact)
     reader.feed(payload)
     header = reader.finish()
-    return KVSnapshot(header.contract, header.token_ids[header.kept], header.positions[header.kept],
-                      buffers[0][:, 0], buffers[0][:, 1], header.producer)
+    return KVSnapshot(
+        header.contract,
+        header.token_ids[header.kept],
+        header.positions[header.kept],
+        buffers[0][:, 0],
+        buffers[0][:, 1],
+        header.producer,
+    )
 
 
 def _checked_target(target: np.ndarray, header: EDKVHeader) -> np.ndarray:
     c = header.contract
-    if (not isinstance(target, np.ndarray) or target.dtype not in (np.float32, np.float16) or target.ndim != 5
-            or target.shape[:3] != (c.n_layers, 2, c.n_kv_heads) or target.shape[4] != c.head_dim
-            or target.shape[3] < header.n_kept or target.size and target.strides[4] != target.itemsize):
+    if (
+        not isinstance(target, np.ndarray)
+        or target.dtype not in (np.float32, np.float16)
+        or target.ndim != 5
+        or target.shape[:3] != (c.n_layers, 2, c.n_kv_heads)
+        or target.shape[4] != c.head_dim
+        or target.shape[3] < header.n_kept
+        or (target.size and target.strides[4] != target.itemsize)
+    ):
         got = f"{target.dtype} {list(target.shape)}" if isinstance(target, np.ndarray) else type(target).__name__
-        raise ValueError(f"target_factory must return a float32/float16 array [{c.n_layers}, 2, {c.n_kv_heads}, "
-                         f">= {header.n_kept}, {c.head_dim}] with contiguous head_dim rows, got {got}")
+        raise ValueError(
+            f"target_factory must return a float32/float16 array [{c.n_layers}, 2, {c.n_kv_heads}, "
+            f">= {header.n_kept}, {c.head_dim}] with contiguous head_dim rows, got {got}"
+        )
     return target

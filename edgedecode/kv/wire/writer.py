@@ -96,12 +96,14 @@ def _build_header(
     shape = (c.n_layers, c.n_kv_heads, n, c.head_dim)
     for name, array in (("keys", snapshot.keys), ("values", snapshot.values)):
         if array.shape != shape or array.dtype not in (np.float16, np.float32):
-            raise KVMalformedError(name, f"expected float16/float32 {list(shape)} for the contract, "
-                                   f"got {array.dtype} {list(array.shape)}")
+            raise KVMalformedError(
+                name, f"expected float16/float32 {list(shape)} for the contract, got {array.dtype} {list(array.shape)}"
+            )
     tiers = np.asarray(tiers)
     if tiers.shape not in ((n,), (c.n_layers, n)) or tiers.dtype.kind not in "ui":
-        raise KVMalformedError("tiers", f"tier map must be uint8 [{n}] or [{c.n_layers}, {n}], "
-                               f"got {tiers.dtype} {list(tiers.shape)}")
+        raise KVMalformedError(
+            "tiers", f"tier map must be uint8 [{n}] or [{c.n_layers}, {n}], got {tiers.dtype} {list(tiers.shape)}"
+        )
     tiers = np.ascontiguousarray(np.broadcast_to(tiers.astype(np.uint8), (c.n_layers, n)))
     check_tier_map(tiers, c.n_layers, n)
     check_layouts(tiers, layouts, c.head_dim)
@@ -113,16 +115,20 @@ def _build_header(
     used = {tier: layouts[tier] for tier in QUANTIZED_TIERS if (tiers == tier).any()}
     count = -(-c.n_layers // chunk_layers) * -(-n // chunk_tokens)
     if count > max_chunks(n, c.n_layers):
-        raise ValueError(f"chunk_tokens {chunk_tokens} and chunk_layers {chunk_layers} make {count} chunks, more "
-                         f"than a reader accepts for {n} tokens × {c.n_layers} layers "
-                         f"({max_chunks(n, c.n_layers)}); use larger chunks")
+        raise ValueError(
+            f"chunk_tokens {chunk_tokens} and chunk_layers {chunk_layers} make {count} chunks, more "
+            f"than a reader accepts for {n} tokens × {c.n_layers} layers "
+            f"({max_chunks(n, c.n_layers)}); use larger chunks"
+        )
     rects = chunk_rects(c.n_layers, n, chunk_layers, chunk_tokens)
     plans = [plan_chunk(tiers, used, c.n_kv_heads, c.head_dim, rect) for rect in rects]
     sections = sum(len(plan.sections) for plan in plans)
     if sections > max_sections(n, c.n_layers):
-        raise ValueError(f"chunk_tokens {chunk_tokens} and chunk_layers {chunk_layers} make {sections} sections "
-                         f"with this tier map, more than a reader accepts ({max_sections(n, c.n_layers)}); "
-                         "use larger chunks")
+        raise ValueError(
+            f"chunk_tokens {chunk_tokens} and chunk_layers {chunk_layers} make {sections} sections "
+            f"with this tier map, more than a reader accepts ({max_sections(n, c.n_layers)}); "
+            "use larger chunks"
+        )
     header = EDKVHeader(
         contract=c,
         producer=snapshot.producer,
@@ -162,15 +168,17 @@ def _raw_chunk(snapshot: KVSnapshot, plan: ChunkPlan) -> bytearray:
     raw = bytearray(plan.raw_nbytes)
     c = snapshot.contract
     for section in plan.sections:
-        source = (snapshot.keys, snapshot.values)[section.kv][section.layer_start:section.layer_stop]
+        source = (snapshot.keys, snapshot.values)[section.kv][section.layer_start : section.layer_stop]
         rows = source[:, :, section.tokens, :]  # [layers, H, m, D]
         arrays = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
         if section.layout is None:
             with np.errstate(over="ignore"):  # refused just below, with the layers named
                 arrays[0][...] = rows
             if not np.isfinite(arrays[0]).all():
-                raise ValueError(f"FP16 {('keys', 'values')[section.kv]} of layers [{section.layer_start}, "
-                                 f"{section.layer_stop}) hold values that are not finite in float16")
+                raise ValueError(
+                    f"FP16 {('keys', 'values')[section.kv]} of layers [{section.layer_start}, "
+                    f"{section.layer_stop}) hold values that are not finite in float16"
+                )
             continue
         for array, part in zip(arrays, quantize(rows, section.layout)):
             array[...] = part
