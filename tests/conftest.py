@@ -17,6 +17,14 @@ import pytest
 VECTORS_DIR = Path(__file__).parent / "vectors" / "smollm2-135m-instruct"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that needs the real model (any fixture chain reaching ``smollm2_gguf``) with
+    ``model``, so ``pytest -m "not model"`` runs the fast half."""
+    for item in items:
+        if "smollm2_gguf" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.model)
+
+
 TEST_THREADS = 2
 TEST_CONTEXT = 2048
 
