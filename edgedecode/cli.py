@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import typer
 
@@ -118,6 +119,14 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool, system: str | None) -> list[
     return tokenizer.encode_chat(messages)
 
 
+class _EngineArgs(TypedDict):
+    """The Engine keyword arguments ``generate`` gives both its engines."""
+
+    max_context: int | None
+    threads: int | None
+    device: str
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user message with --chat); '-' reads standard input."),
@@ -149,7 +158,7 @@ def generate(
     from edgedecode.runtime.engine import Engine
     from edgedecode.runtime.sampler import SamplingParams
 
-    engine_args = dict(max_context=max_context, threads=threads, device=device)
+    engine_args = _EngineArgs(max_context=max_context, threads=threads, device=device)
     handoff_seconds = 0.0
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -162,12 +171,14 @@ def generate(
         decoder = Engine(loaded, decode_options, **engine_args)
         kv, encoded = None, None
         if handoff:
+            import numpy as np
+
             from edgedecode.kv.policy import TierProfile, profile_path
             from edgedecode.prefill.pipeline import prefill_and_score, through_wire
 
             prefiller = Engine(loaded, prefill_options, **engine_args)
             started = time.perf_counter()
-            scored = prefill_and_score(prefiller, prompt_ids)
+            scored = prefill_and_score(prefiller, np.asarray(prompt_ids, np.int64))
             kv, encoded = through_wire(
                 scored, budget, policy, loaded.spec.kv_contract, profile=TierProfile.load(profile_path(loaded))
             )

@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from edgedecode.client.process import ServerStartError, start_server, stop_server
 from edgedecode.errors import EdgeDecodeError
@@ -85,7 +85,10 @@ class ChatClient:
             "session_id": self.session_id,
             "stream_options": {"include_usage": True},
         }
-        started, pieces, report, completion = time.perf_counter(), [], {}, 0
+        started = time.perf_counter()
+        pieces: list[str] = []
+        report: dict[str, Any] = {}
+        completion = 0
         try:
             for event in stream_events(self.url, "/v1/chat/completions", body, self.token, self.timeout):
                 if "error" in event:

@@ -35,6 +35,7 @@ def start_server(
     command = [*launcher, sys.executable, "-m", "edgedecode", *args, "--port", "0"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, env=full_env)
     deadline = time.monotonic() + timeout
+    assert process.stdout is not None  # stdout=PIPE
     for line in process.stdout:
         match = LISTENING.search(line)
         if match:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import cast
 
 from aiohttp import web
 
@@ -74,7 +76,8 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
         if parsed.stream:
             return await _stream(request, turn, shape, parsed.include_usage)
         try:
-            async with aclosing(turn.pieces()) as pieces:
+            # Turn.pieces is an async generator, which service.py annotates as the wider AsyncIterator
+            async with aclosing(cast("AsyncGenerator[str, None]", turn.pieces())) as pieces:
                 text = "".join([piece async for piece in pieces])
         except Exception as exc:
             logger.exception("generation failed")

@@ -66,11 +66,18 @@ class EmbeddedPrefill:
         logger.info("embedded prefill server at %s (pid %d)", self.url, self._process.pid)
         return self.url
 
+    def _child(self) -> tuple[asyncio.subprocess.Process, asyncio.StreamReader]:
+        """The child start() made last and its stdout pipe."""
+        process = self._process
+        assert process is not None and process.stdout is not None, "start() made the child with stdout=PIPE"
+        return process, process.stdout
+
     async def _read_url(self) -> str:
+        process, stdout = self._child()
         while True:
-            line = await self._process.stdout.readline()
+            line = await stdout.readline()
             if not line:
-                raise EmbeddedPrefillError(f"it exited with status {await self._process.wait()}")
+                raise EmbeddedPrefillError(f"it exited with status {await process.wait()}")
             match = LISTENING.search(line.decode(errors="replace"))
             if match:
                 return match.group(1)
@@ -78,9 +85,10 @@ class EmbeddedPrefill:
     async def _supervise(self) -> None:
         """Drain the child's output; restart it when it exits on its own."""
         while not self._stopping:
-            while await self._process.stdout.readline():
+            process, stdout = self._child()
+            while await stdout.readline():
                 pass
-            status = await self._process.wait()
+            status = await process.wait()
             self.url = None
             if self._stopping:
                 return

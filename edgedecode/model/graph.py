@@ -272,11 +272,16 @@ class _Emitter:
         shape = self.const("embed_shape", np.array([0, 0, hidden], np.int64))
         return self.g.op1("Reshape", [blocks, shape], name="embed.reshape")
 
+    def _tied_table(self) -> str:
+        """The embedding's initializer, which a tied LM head reuses."""
+        assert self.embed_table is not None, "embedding() runs before a tied lm_head"
+        return self.embed_table
+
     def lm_head(self, h: str, tensors: ModelTensors) -> str:
         tied = tensors.lm_head is None
-        table = tensors.embedding if tied else tensors.lm_head
+        table = tensors.embedding if tensors.lm_head is None else tensors.lm_head
         if isinstance(table, BlockQuantized):
-            data = self.embed_table if tied else self.const("lm_head.qweight", table.packed())
+            data = self._tied_table() if tied else self.const("lm_head.qweight", table.packed())
             vocab, hidden = table.shape
             return self.g.op1(
                 "MatMulNBits",
@@ -290,7 +295,7 @@ class _Emitter:
                 accuracy_level=self.opt.accuracy_level,
                 outputs=["logits"],
             )
-        weight = self.embed_table if tied else self.weight("lm_head.weight", table)
+        weight = self._tied_table() if tied else self.weight("lm_head.weight", table)
         flat = self.g.op1("Reshape", [h, self.const("head_flat", np.array([-1, self.spec.hidden_size], np.int64))])
         logits = self.g.op1("Gemm", [flat, weight], name="lm_head", transB=1)
         batch_seq = self.g.op1("Slice", [self.g.op1("Shape", [h]), self.shared("zero", [0]), self.shared("two", [2])])

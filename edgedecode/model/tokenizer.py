@@ -117,8 +117,8 @@ class Tokenizer:
         tokens = field_value(reader, "tokenizer.ggml.tokens")
         if not tokens:
             raise TokenizerError("GGUF metadata lacks tokenizer.ggml.tokens")
-        types = field_array(reader, "tokenizer.ggml.token_type")
-        types = [_NORMAL] * len(tokens) if types is None else types.tolist()
+        type_array = field_array(reader, "tokenizer.ggml.token_type")
+        types: list[int] = [_NORMAL] * len(tokens) if type_array is None else type_array.tolist()
         merges = field_value(reader, "tokenizer.ggml.merges") or []
         return cls(spec, tokens, types, merges)
 

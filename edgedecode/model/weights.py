@@ -14,6 +14,7 @@ undo that here, so every graph uses HF (rotate-half) order and the KV layout is 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 from gguf import GGMLQuantizationType as QType
@@ -202,26 +203,29 @@ def check_tensor_types(reader: GGUFReader) -> None:
         raise ModelFileError(f"unsupported tensor types {', '.join(bad)}; supported: {supported}")
 
 
+Weight: TypeAlias = BlockQuantized | np.ndarray  # a matrix in either form
+
+
 @dataclass(frozen=True)
 class LayerTensors:
     """One transformer block's tensors; matrices are [N, K] with Q/K rows in HF order."""
 
     attn_norm: np.ndarray
-    qkv: list  # [q, k, v], each BlockQuantized or dense
-    o: object
+    qkv: list[Weight]  # [q, k, v]
+    o: Weight
     ffn_norm: np.ndarray
-    gate_up: list  # [gate, up]
-    down: object
+    gate_up: list[Weight]  # [gate, up]
+    down: Weight
 
 
 @dataclass(frozen=True)
 class ModelTensors:
     """All weights of a model in one form (block-quantized or dense)."""
 
-    embedding: object  # BlockQuantized (8-bit) or dense [V, hidden]
+    embedding: Weight  # BlockQuantized (8-bit) or dense [V, hidden]
     layers: list[LayerTensors]
     output_norm: np.ndarray
-    lm_head: object | None  # None when tied to the embedding
+    lm_head: Weight | None  # None when tied to the embedding
 
 
 def load_tensors(reader: GGUFReader, spec: ModelSpec, dense: bool) -> ModelTensors:
@@ -234,15 +238,15 @@ def load_tensors(reader: GGUFReader, spec: ModelSpec, dense: bool) -> ModelTenso
             raise ModelFileError(f"GGUF lacks tensor {name!r}")
         return table[name]
 
-    def matrix(name: str, heads: int | None = None):
+    def matrix(name: str, heads: int | None = None) -> Weight:
         tensor = get(name)
-        weight = load_dense(tensor) if dense else load_block_quantized(tensor)
-        if heads is None:
-            return weight
-        order = unpermute_rows(int(tensor.shape[1]), heads)
-        return weight[order] if dense else weight.with_rows(order)
+        if dense:
+            rows = load_dense(tensor)
+            return rows if heads is None else rows[unpermute_rows(int(tensor.shape[1]), heads)]
+        blocks = load_block_quantized(tensor)
+        return blocks if heads is None else blocks.with_rows(unpermute_rows(int(tensor.shape[1]), heads))
 
-    def embedding_table(name: str):
+    def embedding_table(name: str) -> Weight:
         tensor = get(name)
         if dense:
             return load_dense(tensor)

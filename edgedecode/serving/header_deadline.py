@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -148,8 +148,10 @@ class HeaderDeadlineSite(web.BaseSite):
     @property
     def port(self) -> int:
         """The bound port once started (the real one when 0 was asked for), the asked one before."""
-        if self._server is not None and self._server.sockets:
-            return self._server.sockets[0].getsockname()[1]
+        # start() stores what loop.create_server returned (a Server); BaseSite types it as AbstractServer
+        server = cast("asyncio.Server | None", self._server)
+        if server is not None and server.sockets:
+            return server.sockets[0].getsockname()[1]
         return self._port
 
     async def start(self) -> None:

@@ -318,7 +318,7 @@ def check_meta(meta: dict[str, Any]) -> None:
                 raise KVTooLargeError("meta", f"more than {MAX_META_VALUES} values")
             if is_dict:
                 chars += sum(len(key) for key in value if isinstance(key, str))
-            stack.extend((item, depth + 1) for item in (value.values() if is_dict else value))
+            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
         if chars > MAX_META_CHARS:
             raise KVTooLargeError("meta", f"more than {MAX_META_CHARS} characters of keys and strings")
 
@@ -379,15 +379,16 @@ def _array(doc: dict[str, Any], key: str, dtype: str, count: int) -> np.ndarray:
 
 def _layouts(doc: dict[str, Any]) -> dict[Tier, tuple[QuantLayout, QuantLayout]]:
     """{"int4": {"keys": {axis, group, bits}, "values": {...}}, ...} -> {Tier.INT4: (keys, values), ...}"""
-    layouts = {}
+    layouts: dict[Tier, tuple[QuantLayout, QuantLayout]] = {}
     for name in doc:
         tier = Tier.__members__.get(name.upper())
         if tier not in QUANTIZED_TIERS:
             raise KVMalformedError("layouts", f"{name!r} is not a quantized tier")
         pair = doc_field(doc, name, dict, "layouts.")
-        layouts[tier] = tuple(
+        keys, values = (
             _layout(doc_field(pair, part, dict, f"layouts.{name}."), f"layouts.{name}.{part}") for part in KV_PARTS
         )
+        layouts[tier] = (keys, values)
     return layouts
 
 

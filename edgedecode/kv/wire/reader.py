@@ -145,6 +145,18 @@ class EDKVReader:
         return self._header
 
     @property
+    def _parsed(self) -> EDKVHeader:
+        """The header, in every stage after HEADER_BODY (which sets it together with the target)."""
+        assert self._header is not None, "past the header stage"
+        return self._header
+
+    @property
+    def _dest(self) -> np.ndarray:
+        """The target_factory's array, set together with the header."""
+        assert self._target is not None, "past the header stage"
+        return self._target
+
+    @property
     def progress(self) -> ReadProgress:
         total = None if self._header is None else len(self._header.chunks)
         return ReadProgress(self._bytes_in, self._chunks_done, total, self._tokens_ingested)
@@ -175,7 +187,7 @@ class EDKVReader:
         if self._stage is not _Stage.DONE:
             self._failure = KVTruncatedError(self._cut_at(), f"the stream ended after {self._bytes_in} bytes")
             raise self._failure
-        return self._header
+        return self._parsed
 
     def _parse(self, view: memoryview) -> int:
         """Handle every complete item at the front of `view`; return the bytes consumed."""
@@ -245,28 +257,29 @@ class EDKVReader:
 
     def _chunk_prefix(self, item: memoryview) -> None:
         _, index, length, self._chunk_crc = CHUNK_PREFIX.unpack(item)
-        if self._chunks_done == len(self._header.chunks):
+        if self._chunks_done == len(self._parsed.chunks):
             raise KVMalformedError(
                 "chunk index", f"chunk {index} after all {self._chunks_done} chunks of the table; expected the trailer"
             )
         if index != self._chunks_done:
             raise KVMalformedError(
-                "chunk index", f"expected chunk {self._chunks_done} of {len(self._header.chunks)}, got {index}"
+                "chunk index", f"expected chunk {self._chunks_done} of {len(self._parsed.chunks)}, got {index}"
             )
         if length > self.max_chunk_bytes:
             raise KVTooLargeError(f"chunk {index}", f"{length} compressed bytes, limit {self.max_chunk_bytes}")
         self._expect(_Stage.CHUNK_BODY, length)
 
     def _chunk_body(self, item: memoryview) -> None:
-        spec = self._header.chunks[self._chunks_done]
+        header = self._parsed
+        spec = header.chunks[self._chunks_done]
         crc = zlib.crc32(item)
         if crc != self._chunk_crc:
             raise KVChecksumError(f"chunk {spec.index}", f"CRC-32 {crc:08x} != {self._chunk_crc:08x}")
         raw = self._decompress(item, spec)
-        c = self._header.contract
+        c = header.contract
         plan = plan_chunk(
-            self._header.tiers,
-            self._header.layouts,
+            header.tiers,
+            header.layouts,
             c.n_kv_heads,
             c.head_dim,
             (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop),
@@ -280,10 +293,10 @@ class EDKVReader:
         self._chunks_done += 1
         done = self._layers_done[spec.token_start : spec.token_stop]
         done += spec.layer_stop - spec.layer_start
-        kept = self._header.kept[spec.token_start : spec.token_stop]
-        self._tokens_ingested += int(np.count_nonzero((done == self._header.contract.n_layers) & kept))
+        kept = header.kept[spec.token_start : spec.token_stop]
+        self._tokens_ingested += int(np.count_nonzero((done == header.contract.n_layers) & kept))
         if self._on_chunk is not None:
-            self._on_chunk(spec, self._header.slot_range(spec))
+            self._on_chunk(spec, header.slot_range(spec))
         self._expect(_Stage.FRAME, MAGIC_NBYTES)
 
     def _decompress(self, item: memoryview, spec: ChunkSpec) -> memoryview:
@@ -332,8 +345,8 @@ class EDKVReader:
 
         Runs of layers go in blocks of about BLOCK_VALUES values, so the float32 staging stays in cache.
         """
-        dest = self._target[section.layer_start : section.layer_stop, section.kv]  # [layers, H, slots, D]
-        slots = self._header.slots_before[section.tokens]
+        dest = self._dest[section.layer_start : section.layer_stop, section.kv]  # [layers, H, slots, D]
+        slots = self._parsed.slots_before[section.tokens]
         first, last = int(slots[0]), int(slots[-1])
         contiguous = last - first + 1 == len(slots)
         per_layer = dest.shape[1] * len(slots) * dest.shape[3]
@@ -358,11 +371,12 @@ class EDKVReader:
         if section.layout is None:
             widen_fp16_into(arrays[0], out, self._scratch)
         else:
-            dequantize_into(*arrays, section.layout, out, self._scratch)
+            codes, scales, zeros = arrays
+            dequantize_into(codes, scales, zeros, section.layout, out, self._scratch)
 
     def _trailer(self, item: memoryview) -> None:
         _, count, digest = TRAILER.unpack(item)
-        total = len(self._header.chunks)
+        total = len(self._parsed.chunks)
         if self._chunks_done < total:
             raise KVTruncatedError(f"chunk {self._chunks_done}", f"trailer after {self._chunks_done} of {total} chunks")
         if count != total:
@@ -375,7 +389,7 @@ class EDKVReader:
         """What the stream was cut inside (or before): header, chunk i or trailer."""
         if self._stage in (_Stage.HEADER_PREFIX, _Stage.HEADER_BODY):
             return "header"
-        if self._stage is _Stage.TRAILER or self._chunks_done == len(self._header.chunks):
+        if self._stage is _Stage.TRAILER or self._chunks_done == len(self._parsed.chunks):
             return "trailer"
         return f"chunk {self._chunks_done}"
 
