@@ -126,9 +126,9 @@ def load_config(
         section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
         if section in _SECTION_TYPES and key:
             values[section][key] = (raw, f"environment variable {name}")
-    for section, items in (overrides or {}).items():
+    for section, flags in (overrides or {}).items():
         values[section].update(
-            {key: (value, f"option --{key.replace('_', '-')}") for key, value in items.items() if value is not None}
+            {key: (value, f"option --{key.replace('_', '-')}") for key, value in flags.items() if value is not None}
         )
     sections = {section: _build(_SECTION_TYPES[section], section, items) for section, items in values.items()}
     config = Config(**sections, source=source)
@@ -163,7 +163,7 @@ def _suggest(name: str, choices) -> str:
 
 def _build(cls, section: str, items: dict[str, tuple[Any, str]]):
     """An instance of the section dataclass from (value, where) pairs, each coerced to its field's type."""
-    types = {f.name: f.type for f in fields(cls)}
+    types = {f.name: f.type if isinstance(f.type, str) else f.type.__name__ for f in fields(cls)}
     kwargs = {}
     for key, (value, where) in items.items():
         if key not in types:
