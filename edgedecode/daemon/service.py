@@ -27,10 +27,10 @@ from edgedecode.daemon.openai_api import CompletionRequest, StopText
 from edgedecode.daemon.slots import Slot, SlotPool
 from edgedecode.daemon.worker import DecodeWorker, Generation
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.kv.wire import EDKVReader
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.handoff import StreamedKV
 
 logger = logging.getLogger(__name__)
 WORKER_STALL_SECONDS = 60.0  # a step taking longer than this marks the daemon unhealthy (watchdog)
@@ -150,7 +150,7 @@ class DecodeService:
                 f"{available >> 20} MiB are available and {reserve >> 20} MiB are kept in reserve"
             )
 
-    async def _pull(self, slot: Slot, prompt_ids: np.ndarray, keep: int, report: TurnReport) -> EDKVReader | None:
+    async def _pull(self, slot: Slot, prompt_ids: np.ndarray, keep: int, report: TurnReport) -> StreamedKV | None:
         """Pull the KV of the prompt after ``keep`` into the slot; None (reason in ``report``) to prefill locally."""
         url = self.prefill_url()
         reason, message = None, ""
@@ -161,7 +161,7 @@ class DecodeService:
         elif not self.breaker.allow():
             reason, message = "breaker_open", f"the circuit breaker skips {url} after repeated failures"
         else:
-            reader = slot.engine.open_kv_stream(prompt_ids, keep)
+            stream = slot.engine.open_kv_stream(prompt_ids, keep)
             d = self.config.daemon
             report.budget = self.budget_for(len(prompt_ids) - keep)
             settings = PullSettings(
@@ -180,7 +180,7 @@ class DecodeService:
                     settings,
                     prompt_ids,
                     keep,
-                    reader,
+                    stream,
                     self._ingest,
                     self.model.spec.kv_bytes_per_token_fp16,
                 )
@@ -191,7 +191,7 @@ class DecodeService:
             else:
                 self.breaker.record_success()
                 self._record_pull(result, report)
-                return reader
+                return stream
         report.fallback_reason = reason
         self.metrics.fallbacks.labels(reason).inc()
         logger.warning("prefilling locally (%s): %s", reason, message)
@@ -247,11 +247,11 @@ class Turn:
             keep = engine.reusable_prefix(request.prompt_ids) if slot.resumed else 0
             service._admit(len(request.prompt_ids) - keep + request.params.max_tokens)
             self.report.reused_tokens, self.report.slot = keep, slot.index
-            reader = await service._pull(slot, request.prompt_ids, keep, self.report)
+            stream = await service._pull(slot, request.prompt_ids, keep, self.report)
         except BaseException:
             service._release_after_ingest(slot)
             raise
-        steps = engine.generate(request.prompt_ids, request.params, kv=reader, keep=keep)
+        steps = engine.generate(request.prompt_ids, request.params, kv=stream, keep=keep)
         self._slot = slot
         self._generation = service.worker.submit(steps, on_done=lambda: service.pool.release(slot))
 
