@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,12 +24,10 @@ from edgedecode.daemon.breaker import CircuitBreaker
 from edgedecode.daemon.kv_pull import KVPullError, PullResult, PullSettings, pull_kv
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest, StopText
-from edgedecode.daemon.slots import Slot, SlotPool
+from edgedecode.daemon.slots import DecodeEngine, Slot, SlotPool
 from edgedecode.daemon.worker import DecodeWorker, Generation
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
-from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.handoff import StreamedKV
 
 logger = logging.getLogger(__name__)
@@ -81,34 +79,33 @@ class TurnReport:
 
 
 class DecodeService:
-    """The decode engines (one per slot, one onnxruntime session), the worker thread, the slot pool
-    and the link to the prefill server."""
+    """The worker thread, the slot pool over the decode engines it is given (one per slot) and the
+    link to the prefill server.
+
+    ``model`` gives the tokenizer, the model's name and its KV size; ``engines`` (``daemon.run.
+    build_engines`` makes the real ones, on one onnxruntime session) are the slots' engines, all of
+    the same ``max_context``.
+    """
 
     def __init__(
         self,
         model: LoadedModel,
+        engines: Sequence[DecodeEngine],
         config: Config,
         metrics: DaemonMetrics,
         prefill_url: Callable[[], str | None],
         prefill_token: str,
     ) -> None:
+        if not engines:
+            raise ValueError("the decode service needs at least one engine")
         self.model = model
         self.config = config
         self.metrics = metrics
         self.prefill_url = prefill_url  # the prefill server now (None while it is down)
         self._prefill_token = prefill_token
-        d, m = config.daemon, config.model
-        options = GraphOptions.for_device("decode", m.device)
-        threads = m.threads or None
-        first = Engine(model, options, max_context=d.max_context, device=m.device, threads=threads)
-        engines = [first] + [
-            Engine(model, options, max_context=d.max_context, device=m.device, threads=threads, share=first)
-            for _ in range(d.slots - 1)
-        ]
-        self.max_context = first.max_context
-        self.kv_bytes_per_slot_token = (
-            first.cache.dtype.itemsize * 2 * model.spec.n_layers * model.spec.n_kv_heads * model.spec.head_dim
-        )
+        d = config.daemon
+        self.max_context = engines[0].max_context
+        self.kv_bytes_per_slot_token = engines[0].kv_bytes_per_slot
         self.pool = SlotPool(engines, d.max_queue)
         self.worker = DecodeWorker()
         self.breaker = CircuitBreaker(d.breaker_failures, d.breaker_reset_s)
