@@ -158,6 +158,8 @@ class DecodeService:
         elif not self.breaker.allow():
             reason, message = "breaker_open", f"the circuit breaker skips {url} after repeated failures"
         else:
+            if self._http is None:
+                raise RuntimeError("the decode service was not started (await start() first)")
             stream = slot.engine.open_kv_stream(prompt_ids, keep)
             d = self.config.daemon
             report.budget = self.budget_for(len(prompt_ids) - keep)
@@ -256,11 +258,14 @@ class Turn:
         """The generated text as it comes (stop strings cut it); then ``finish_reason``,
         ``completion_tokens`` and ``report`` are final."""
         service, metrics = self.service, self.service.metrics
+        generation, slot = self._generation, self._slot
+        if generation is None or slot is None:
+            raise RuntimeError("the turn was not opened (await open() first)")
         tokenizer = service.model.tokenizer
         decoder, stop = tokenizer.stream_decoder(), StopText(self.request.stop)
         previous = None
         try:
-            async for token in self._generation:
+            async for token in generation:
                 now = time.perf_counter()
                 if previous is None:
                     self.report.ttft_seconds = now - self.arrived
@@ -279,11 +284,11 @@ class Turn:
             tail = stop.feed(decoder.flush()) + stop.flush()
             if tail:
                 yield tail
-            stats = self._slot.engine.stats
+            stats = slot.engine.stats
             self.finish_reason = "stop" if stop.stopped or stats.finish_reason == "stop" else "length"
             self.report.decode_tokens_per_second = stats.decode_tokens_per_second
         finally:
-            self._generation.cancel()  # a no-op once it has ended; stops it when the client went away
+            generation.cancel()  # a no-op once it has ended; stops it when the client went away
             self._account()
 
     def _account(self) -> None:
