@@ -56,6 +56,7 @@ class FakeEngine:
         self.hold: threading.Event | None = None
         self.header_arrived = threading.Event()
         self.ingesting = 0  # feeds in progress on the ingest thread
+        self.reader_finishes = 0  # calls of the EDKV readers' finish()
         self.generated_while_ingesting = False
 
     def reusable_prefix(self, prompt_ids: np.ndarray) -> int:
@@ -79,6 +80,13 @@ class FakeEngine:
             return self.buffer[:, :, :, keep:]
 
         reader = EDKVReader(CONTRACT, max_tokens=self.max_context - keep, target_factory=target)
+        finish = reader.finish
+
+        def counted_finish() -> EDKVHeader:
+            self.reader_finishes += 1
+            return finish()
+
+        reader.finish = counted_finish  # type: ignore[method-assign]
         return _TrackedStream(self, reader, prompt_ids, keep)
 
     def generate(self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0):
@@ -279,6 +287,7 @@ def test_a_good_pull_is_used(prefill):
     assert report.pulled_tokens == len(PROMPT) and report.tiers == {"FP16": len(PROMPT)}
     assert report.wire_bytes == len(payload_for(PROMPT, 0)) and report.server_seconds == 0.001
     assert engine.used == [("stream", len(PROMPT), 0)]
+    assert engine.reader_finishes == 1  # the pull confirmed the stream; the engine reused its header
     np.testing.assert_array_equal(prefill.bodies[0]["token_ids"], PROMPT)
     assert fallbacks(service) == {} and service.breaker.state == "closed"
     assert (turn.finish_reason, turn.completion_tokens) == ("length", len(TOKENS))
