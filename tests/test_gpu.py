@@ -166,7 +166,7 @@ def test_streamed_compacted_kv_steps_alike_with_and_without_cuda_graphs(cuda_dec
     for engine in (cuda_plain_decoder, cuda_decoder):  # the graph engine decodes the plain engine's picks
         reader = engine.open_kv_stream(long_prompt)
         reader.feed(payload)
-        logits = [engine.prefill_streamed(long_prompt, reader).astype(np.float32)]
+        logits = [engine.prefill(long_prompt, reader).astype(np.float32)]
         assert engine.next_position == len(long_prompt) > engine.length
         for i in range(8):
             if len(tokens) < 8:

@@ -45,7 +45,7 @@ def _stream(engine, prompt, payload: bytes, piece: int = 7777):
     reader = engine.open_kv_stream(prompt)
     for start in range(0, len(payload), piece):
         reader.feed(payload[start : start + piece])
-    return engine.prefill_streamed(prompt, reader)
+    return engine.prefill(prompt, reader)
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.3, 0.15])
@@ -156,7 +156,7 @@ def test_a_streamed_suffix_lands_after_the_kept_prefix(exact_decoder, scorer, lo
 def _stream_after(engine, prompt, payload: bytes, keep: int):
     reader = engine.open_kv_stream(prompt, keep)
     reader.feed(payload)
-    return engine.prefill_streamed(prompt, reader)
+    return engine.prefill(prompt, reader)
 
 
 def test_engines_sharing_a_session_keep_separate_kv(smollm2_model, exact_decoder, long_prompt):

@@ -682,6 +682,7 @@ def test_admission_refuses_a_turn_that_would_eat_the_memory_reserve(smollm2_mode
     from edgedecode.config import load_config
     from edgedecode.daemon.metrics import DaemonMetrics
     from edgedecode.daemon.openai_api import parse_request
+    from edgedecode.daemon.run import build_engines
     from edgedecode.daemon.service import AdmissionError, DecodeService
 
     config = load_config(
@@ -689,7 +690,9 @@ def test_admission_refuses_a_turn_that_would_eat_the_memory_reserve(smollm2_mode
         env={},
         overrides={"daemon": {"slots": 1, "max_context": 512, "memory_reserve_mb": 1 << 30}, "model": {"threads": 2}},
     )
-    service = DecodeService(smollm2_model, config, DaemonMetrics(), lambda: None, "")
+    service = DecodeService(
+        smollm2_model, build_engines(smollm2_model, config), config, DaemonMetrics(), lambda: None, ""
+    )
     request = parse_request(
         {"messages": QUESTION, "temperature": 0}, "chat", smollm2_model, default_max_tokens=8, session_header=None
     )

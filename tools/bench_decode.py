@@ -194,7 +194,7 @@ def ingest_ms(engine: Engine, ids: np.ndarray, kv, payload: bytes | None) -> dic
         started = time.perf_counter()
         reader = engine.open_kv_stream(ids)
         reader.feed(payload)
-        engine.prefill_streamed(ids, reader)
+        engine.prefill(ids, reader)
         times["edkv_int4_stream_and_resume_ms"] = (time.perf_counter() - started) * 1e3
     return times
 

@@ -1,9 +1,10 @@
 """Pull a prompt's KV from the prefill server into a decode engine's buffers while it downloads.
 
-The response body is fed to the engine's EDKV reader chunk by chunk on a separate ingest thread,
-one network read ahead: verification, decompression and dequantization of one piece overlap the
-download of the next. Every way this can fail ends in a ``KVPullError`` with a short ``reason``
-(the label of the fallback metric) and a message saying what happened.
+The response body is fed to the engine's KV handoff (``StreamedKV``) chunk by chunk on a separate
+ingest thread, one network read ahead: verification, decompression and dequantization of one piece
+overlap the download of the next; the ingest thread then confirms the stream's end (``finish``).
+Every way this can fail ends in a ``KVPullError`` with a short ``reason`` (the label of the
+fallback metric) and a message saying what happened.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.tiers import Tier
-from edgedecode.kv.wire import EDKVReader, KVFormatError, KVTooLargeError, KVTruncatedError
+from edgedecode.kv.wire import EDKVHeader, KVFormatError, KVTooLargeError, KVTruncatedError
+from edgedecode.runtime.handoff import StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError
 
 FEED_BYTES = 1 << 20  # hand the ingest thread at least this much at a time (fewer thread hops)
@@ -76,11 +78,12 @@ async def pull_kv(
     settings: PullSettings,
     prompt_ids: np.ndarray,
     held_tokens: int,
-    reader: EDKVReader,
+    stream: StreamedKV,
     ingest: Executor,
     kv_bytes_per_token_fp16: int,
 ) -> PullResult:
-    """POST the prompt to the prefill server and stream the answer into ``reader``.
+    """POST the prompt to the prefill server and stream the answer into ``stream``; on success the
+    stream is complete (``stream.finish()`` has returned its header).
 
     Raises:
         KVPullError: unreachable, timeout, an HTTP error, a payload cut short, too large or invalid.
@@ -118,11 +121,11 @@ async def pull_kv(
                     if pending is not None:
                         await pending
                     # hand the buffer itself over (no copy) and gather the next piece in a fresh one
-                    pending, buffered = loop.run_in_executor(ingest, reader.feed, buffered), bytearray()
+                    pending, buffered = loop.run_in_executor(ingest, stream.feed, buffered), bytearray()
             if pending is not None:
                 await pending
-            pending = loop.run_in_executor(ingest, _feed_and_finish, reader, buffered)
-            await pending
+            pending = loop.run_in_executor(ingest, _feed_and_finish, stream, buffered)
+            header = await pending
     except KVPullError:
         raise
     except KVTruncatedError as exc:
@@ -143,7 +146,6 @@ async def pull_kv(
     finally:
         if pending is not None and not pending.done():
             await asyncio.wait([pending])  # the caller reuses the KV buffers: the ingest thread must be done
-    header = reader.header
     best = header.tiers.min(axis=0, initial=max(Tier))  # a token's best tier over its layers (none: no tokens)
     counts = np.bincount(best, minlength=len(Tier))
     return PullResult(
@@ -162,7 +164,7 @@ def _header_seconds(value: str | None) -> float | None:
         return None
 
 
-def _feed_and_finish(reader: EDKVReader, data: bytearray) -> None:
+def _feed_and_finish(stream: StreamedKV, data: bytearray) -> EDKVHeader:
     if data:
-        reader.feed(data)
-    reader.finish()
+        stream.feed(data)
+    return stream.finish()

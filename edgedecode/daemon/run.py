@@ -13,11 +13,26 @@ from edgedecode.daemon.app import create_app
 from edgedecode.daemon.embedded import EmbeddedPrefill
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.service import DecodeService
+from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
+from edgedecode.runtime.engine import Engine
 from edgedecode.serving import systemd
 from edgedecode.serving.http import serve_until_stopped
 
 logger = logging.getLogger(__name__)
+
+
+def build_engines(model: LoadedModel, config: Config) -> list[Engine]:
+    """The decode engines of ``config.daemon.slots`` slots: one onnxruntime session of the INT4 decode
+    graph, each engine with its own KV buffers of ``config.daemon.max_context`` tokens."""
+    d, m = config.daemon, config.model
+    options = GraphOptions.for_device("decode", m.device)
+    threads = m.threads or None
+    first = Engine(model, options, max_context=d.max_context, device=m.device, threads=threads)
+    return [first] + [
+        Engine(model, options, max_context=d.max_context, device=m.device, threads=threads, share=first)
+        for _ in range(d.slots - 1)
+    ]
 
 
 def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, announce: Callable[[str], None]) -> None:
@@ -37,7 +52,7 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
             await embedded.start()
             prefill_url, prefill_token = (lambda: embedded.url), embedded.token
         metrics = DaemonMetrics()
-        service = DecodeService(model, config, metrics, prefill_url, prefill_token)
+        service = DecodeService(model, build_engines(model, config), config, metrics, prefill_url, prefill_token)
         await service.start()
         background: list[asyncio.Task] = []
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,13 +24,11 @@ from edgedecode.daemon.breaker import CircuitBreaker
 from edgedecode.daemon.kv_pull import KVPullError, PullResult, PullSettings, pull_kv
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest, StopText
-from edgedecode.daemon.slots import Slot, SlotPool
+from edgedecode.daemon.slots import DecodeEngine, Slot, SlotPool
 from edgedecode.daemon.worker import DecodeWorker, Generation
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.kv.wire import EDKVReader
-from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
-from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.handoff import StreamedKV
 
 logger = logging.getLogger(__name__)
 WORKER_STALL_SECONDS = 60.0  # a step taking longer than this marks the daemon unhealthy (watchdog)
@@ -81,34 +79,33 @@ class TurnReport:
 
 
 class DecodeService:
-    """The decode engines (one per slot, one onnxruntime session), the worker thread, the slot pool
-    and the link to the prefill server."""
+    """The worker thread, the slot pool over the decode engines it is given (one per slot) and the
+    link to the prefill server.
+
+    ``model`` gives the tokenizer, the model's name and its KV size; ``engines`` (``daemon.run.
+    build_engines`` makes the real ones, on one onnxruntime session) are the slots' engines, all of
+    the same ``max_context``.
+    """
 
     def __init__(
         self,
         model: LoadedModel,
+        engines: Sequence[DecodeEngine],
         config: Config,
         metrics: DaemonMetrics,
         prefill_url: Callable[[], str | None],
         prefill_token: str,
     ) -> None:
+        if not engines:
+            raise ValueError("the decode service needs at least one engine")
         self.model = model
         self.config = config
         self.metrics = metrics
         self.prefill_url = prefill_url  # the prefill server now (None while it is down)
         self._prefill_token = prefill_token
-        d, m = config.daemon, config.model
-        options = GraphOptions.for_device("decode", m.device)
-        threads = m.threads or None
-        first = Engine(model, options, max_context=d.max_context, device=m.device, threads=threads)
-        engines = [first] + [
-            Engine(model, options, max_context=d.max_context, device=m.device, threads=threads, share=first)
-            for _ in range(d.slots - 1)
-        ]
-        self.max_context = first.max_context
-        self.kv_bytes_per_slot_token = (
-            first.cache.dtype.itemsize * 2 * model.spec.n_layers * model.spec.n_kv_heads * model.spec.head_dim
-        )
+        d = config.daemon
+        self.max_context = engines[0].max_context
+        self.kv_bytes_per_slot_token = engines[0].kv_bytes_per_slot
         self.pool = SlotPool(engines, d.max_queue)
         self.worker = DecodeWorker()
         self.breaker = CircuitBreaker(d.breaker_failures, d.breaker_reset_s)
@@ -150,7 +147,7 @@ class DecodeService:
                 f"{available >> 20} MiB are available and {reserve >> 20} MiB are kept in reserve"
             )
 
-    async def _pull(self, slot: Slot, prompt_ids: np.ndarray, keep: int, report: TurnReport) -> EDKVReader | None:
+    async def _pull(self, slot: Slot, prompt_ids: np.ndarray, keep: int, report: TurnReport) -> StreamedKV | None:
         """Pull the KV of the prompt after ``keep`` into the slot; None (reason in ``report``) to prefill locally."""
         url = self.prefill_url()
         reason, message = None, ""
@@ -161,7 +158,9 @@ class DecodeService:
         elif not self.breaker.allow():
             reason, message = "breaker_open", f"the circuit breaker skips {url} after repeated failures"
         else:
-            reader = slot.engine.open_kv_stream(prompt_ids, keep)
+            if self._http is None:
+                raise RuntimeError("the decode service was not started (await start() first)")
+            stream = slot.engine.open_kv_stream(prompt_ids, keep)
             d = self.config.daemon
             report.budget = self.budget_for(len(prompt_ids) - keep)
             settings = PullSettings(
@@ -180,7 +179,7 @@ class DecodeService:
                     settings,
                     prompt_ids,
                     keep,
-                    reader,
+                    stream,
                     self._ingest,
                     self.model.spec.kv_bytes_per_token_fp16,
                 )
@@ -191,7 +190,7 @@ class DecodeService:
             else:
                 self.breaker.record_success()
                 self._record_pull(result, report)
-                return reader
+                return stream
         report.fallback_reason = reason
         self.metrics.fallbacks.labels(reason).inc()
         logger.warning("prefilling locally (%s): %s", reason, message)
@@ -247,11 +246,11 @@ class Turn:
             keep = engine.reusable_prefix(request.prompt_ids) if slot.resumed else 0
             service._admit(len(request.prompt_ids) - keep + request.params.max_tokens)
             self.report.reused_tokens, self.report.slot = keep, slot.index
-            reader = await service._pull(slot, request.prompt_ids, keep, self.report)
+            stream = await service._pull(slot, request.prompt_ids, keep, self.report)
         except BaseException:
             service._release_after_ingest(slot)
             raise
-        steps = engine.generate(request.prompt_ids, request.params, kv=reader, keep=keep)
+        steps = engine.generate(request.prompt_ids, request.params, kv=stream, keep=keep)
         self._slot = slot
         self._generation = service.worker.submit(steps, on_done=lambda: service.pool.release(slot))
 
@@ -259,11 +258,14 @@ class Turn:
         """The generated text as it comes (stop strings cut it); then ``finish_reason``,
         ``completion_tokens`` and ``report`` are final."""
         service, metrics = self.service, self.service.metrics
+        generation, slot = self._generation, self._slot
+        if generation is None or slot is None:
+            raise RuntimeError("the turn was not opened (await open() first)")
         tokenizer = service.model.tokenizer
         decoder, stop = tokenizer.stream_decoder(), StopText(self.request.stop)
         previous = None
         try:
-            async for token in self._generation:
+            async for token in generation:
                 now = time.perf_counter()
                 if previous is None:
                     self.report.ttft_seconds = now - self.arrived
@@ -282,11 +284,11 @@ class Turn:
             tail = stop.feed(decoder.flush()) + stop.flush()
             if tail:
                 yield tail
-            stats = self._slot.engine.stats
+            stats = slot.engine.stats
             self.finish_reason = "stop" if stop.stopped or stats.finish_reason == "stop" else "length"
             self.report.decode_tokens_per_second = stats.decode_tokens_per_second
         finally:
-            self._generation.cancel()  # a no-op once it has ended; stops it when the client went away
+            generation.cancel()  # a no-op once it has ended; stops it when the client went away
             self._account()
 
     def _account(self) -> None:

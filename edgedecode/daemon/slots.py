@@ -14,10 +14,44 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.engine import GenerationStats
+from edgedecode.runtime.handoff import KVSource, StreamedKV
+from edgedecode.runtime.sampler import SamplingParams
+
+
+class DecodeEngine(Protocol):
+    """What the daemon's pipeline uses of a slot's engine (``runtime.engine.Engine`` is the real one)."""
+
+    @property
+    def max_context(self) -> int: ...
+
+    @property
+    def length(self) -> int:
+        """Cache slots in use (resident KV)."""
+        ...
+
+    @property
+    def kv_bytes_per_slot(self) -> int: ...
+
+    @property
+    def stats(self) -> GenerationStats:
+        """What the last generation did (complete once its iterator is exhausted)."""
+        ...
+
+    def reusable_prefix(self, prompt_ids: np.ndarray) -> int: ...
+
+    def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> StreamedKV: ...
+
+    def generate(
+        self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0
+    ) -> Iterator[int]: ...
 
 
 class QueueFullError(EdgeDecodeError):
@@ -28,7 +62,7 @@ class QueueFullError(EdgeDecodeError):
 class Slot:
     """One engine's KV buffers and the conversation that holds them."""
 
-    engine: Engine
+    engine: DecodeEngine
     index: int
     session_id: str | None = None
     resumed: bool = False  # taken by the conversation that held it before: its KV may be reused
@@ -45,7 +79,7 @@ class _Waiter:
 class SlotPool:
     """Hands out slots to requests, fairly across clients, with at most ``max_queue`` waiting."""
 
-    def __init__(self, engines: list[Engine], max_queue: int) -> None:
+    def __init__(self, engines: Sequence[DecodeEngine], max_queue: int) -> None:
         self.slots = [Slot(engine, i) for i, engine in enumerate(engines)]
         self.max_queue = max_queue
         self._waiting: OrderedDict[str, deque[_Waiter]] = OrderedDict()  # by client, in turn order

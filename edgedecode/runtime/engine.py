@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from edgedecode.kv.wire import EDKVHeader, EDKVReader
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.cuda_graph import CAPTURED_GRAPH_ID, UNCAPTURED_GRAPH_ID, CudaGraphStep
+from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.kvcache import KVCache, KVInjectionError
 from edgedecode.runtime.sampler import Sampler, SamplingParams
 from edgedecode.runtime.session import create_session, graph_run_options
@@ -94,6 +96,11 @@ class GenerationStats:
 class Engine:
     """Runs one built graph over a preallocated KV cache (batch 1)."""
 
+    session: Any  # onnxruntime.InferenceSession
+    cuda_graph: bool  # single-token steps replay a captured CUDA graph
+    cache: KVCache
+    _graph_ids: Iterator[int]
+
     def __init__(
         self,
         model: LoadedModel,
@@ -132,7 +139,6 @@ class Engine:
         self._tokens = np.zeros(self.max_context, np.int64)  # token id held by each cache slot
         self._positions = np.zeros((1, self.max_context), np.int64)  # its true position (RoPE)
         self._history = np.zeros(self.spec.context_length, np.int64)  # token id at every position before next_position
-        self._stream_keep = 0  # `keep` of the last open_kv_stream
         self._ramp = np.arange(self.max_context, dtype=np.int64)
         self._mask = np.ones((1, self.max_context), np.int64)
         self._last_position = np.array([-1], np.int64)
@@ -181,6 +187,12 @@ class Engine:
         return self.cache.length
 
     @property
+    def kv_bytes_per_slot(self) -> int:
+        """Bytes of KV one cache slot holds (K and V of every layer)."""
+        s = self.spec
+        return self.cache.dtype.itemsize * 2 * s.n_layers * s.n_kv_heads * s.head_dim
+
+    @property
     def next_position(self) -> int:
         """True position of the next token appended."""
         return int(self._positions[0, self.length - 1]) + 1 if self.length else 0
@@ -195,7 +207,7 @@ class Engine:
         That is the prompt's common prefix with the tokens at positions before ``next_position``
         (prompt, KV received, tokens generated and run), cut back to end at a held slot (a dropped
         token at the end of the prefix is processed again) and to leave the prompt's last token to
-        run here. Pass it as ``keep`` to ``prefill``/``open_kv_stream``/``generate``.
+        run here. Pass it as ``keep`` to ``open_kv_stream``/``prefill``/``generate``.
         """
         prompt_ids = np.asarray(prompt_ids, np.int64)
         common = min(self.next_position, len(prompt_ids) - 1)
@@ -240,8 +252,9 @@ class Engine:
     def _run(self, n: int, all_logits: bool) -> np.ndarray:
         """Run the n tokens already written at ``_tokens[length:length + n]`` through the graph."""
         start = self.length
-        if self._graph_step is not None and n == 1 and not all_logits:
-            return self._replay_step(start)
+        graph_step = self._graph_step
+        if graph_step is not None and n == 1 and not all_logits:
+            return self._replay_step(graph_step, start)
         io = self._io
         position = self.next_position
         np.add(self._ramp[:n], position, out=self._positions[0, start : start + n])
@@ -266,25 +279,37 @@ class Engine:
         self.cache.length = start + n
         return logits[0] if all_logits else logits[0, 0]
 
-    def _replay_step(self, slot: int) -> np.ndarray:
+    def _replay_step(self, graph_step: CudaGraphStep, slot: int) -> np.ndarray:
         """The token at ``_tokens[slot]`` through the captured CUDA graph; returns its logits [vocab]."""
         position = self.next_position
         self._positions[0, slot] = position
         self._history[position] = self._tokens[slot]
-        logits = self._graph_step.run(int(self._tokens[slot]), slot, position)
+        logits = graph_step.run(int(self._tokens[slot]), slot, position)
         self.cache.length = slot + 1
         return logits
 
-    def prefill(self, prompt_ids: np.ndarray, kv: KVSnapshot | None = None, keep: int = 0) -> np.ndarray:
-        """Process the prompt, from injected ``kv`` for (part of) it if given; returns the next-token
-        logits [vocab].
+    def step(self, token: int) -> np.ndarray:
+        """Append ``token`` after what is cached and run it (a decode step: through the captured CUDA
+        graph where there is one); returns its logits [vocab], a view the next run overwrites."""
+        if self.length >= self.max_context:
+            raise ContextOverflowError(f"{self.length + 1} tokens exceed the context of {self.max_context}")
+        self._tokens[self.length] = token
+        return self._run(1, False)
 
-        ``keep`` leading positions are kept from this engine's previous use (at most
-        ``reusable_prefix(prompt_ids)``; 0 starts afresh); ``kv`` then holds KV of positions after
-        them. At least the last prompt token is always run through this engine's graph, so the
-        returned logits are this graph's own.
+    def prefill(self, prompt_ids: np.ndarray, kv: KVSource = None, keep: int = 0) -> np.ndarray:
+        """Process the prompt, its KV taken from ``kv`` for (part of) it; returns the next-token logits [vocab].
+
+        ``kv`` (a ``KVSource``): None computes the whole prompt here; a ``KVSnapshot`` is injected; a
+        ``StreamedKV`` from this engine's ``open_kv_stream`` has its stream confirmed complete and what
+        it wrote adopted. ``keep`` leading positions are kept from this engine's previous use (at
+        most ``reusable_prefix(prompt_ids)``; 0 starts afresh); ``kv`` then holds KV of positions
+        after them. A stream brings the ``keep`` it was opened with (``keep`` here is 0 or that).
+        At least the last prompt token is always run through this engine's graph, so the returned
+        logits are this graph's own.
         """
         prompt_ids = self._checked_prompt(prompt_ids)
+        if isinstance(kv, StreamedKV):
+            return self._adopt_stream(prompt_ids, kv, keep)
         kept = self._keep(prompt_ids, keep)
         if kv is None:
             return self._process_prompt(prompt_ids, kept, keep, np.zeros(0, np.int64), np.zeros(0, np.int64))
@@ -294,38 +319,42 @@ class Engine:
         self.cache.update(kept, kv.keys[:, :, :injected], kv.values[:, :, :injected])
         return self._process_prompt(prompt_ids, kept, keep, kv.token_ids[:injected], kv.positions[:injected])
 
-    def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> EDKVReader:
-        """A reader for an EDKV stream holding KV of (part of) ``prompt_ids`` after the ``keep``
-        positions kept from this engine's previous use (see ``prefill``).
+    def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> StreamedKV:
+        """The handoff of an EDKV stream holding KV of (part of) ``prompt_ids`` after the ``keep``
+        positions kept from this engine's previous use (see ``prefill``); those are kept from now on.
 
         Feed it the stream as it arrives: each chunk is verified, then dequantized straight into this
-        engine's KV buffers (on CUDA, into a host staging buffer uploaded at the end). Then call
-        ``prefill_streamed``. A stream for another model, another prompt or too many tokens fails
-        with a typed error at its header, before anything is written.
+        engine's KV buffers (on CUDA, into a host staging buffer uploaded at the end). Then pass it
+        as ``kv`` to ``prefill`` or ``generate`` with the same prompt. A stream for another model,
+        another prompt or too many tokens fails with a typed error at its header, before anything
+        is written.
         """
         prompt_ids = self._checked_prompt(prompt_ids)
         kept = self._keep(prompt_ids, keep)
-        self._stream_keep = keep
 
         def target(header: EDKVHeader) -> np.ndarray:
             self.cache.check_prompt_match(header.token_ids, header.positions, prompt_ids)
             self._check_after_kept(header.positions, keep, kept)
             return self.cache.ingest_target(kept, header.n_kept)
 
-        return EDKVReader(self.spec.kv_contract, max_tokens=self.max_context - kept, target_factory=target)
+        reader = EDKVReader(self.spec.kv_contract, max_tokens=self.max_context - kept, target_factory=target)
+        return StreamedKV(reader, prompt_ids, keep, kept, owner=self)
 
-    def prefill_streamed(self, prompt_ids: np.ndarray, reader: EDKVReader) -> np.ndarray:
-        """Adopt what ``reader`` (from ``open_kv_stream``) wrote, once its stream is complete, and
-        process the rest of the prompt; returns the next-token logits like ``prefill``."""
-        prompt_ids = self._checked_prompt(prompt_ids)
-        header = reader.finish()
-        kept_slots = self.length
+    def _adopt_stream(self, prompt_ids: np.ndarray, stream: StreamedKV, keep: int) -> np.ndarray:
+        """Adopt what ``stream`` wrote, once it is complete, and process the rest of the prompt."""
+        if stream.owner is not self:
+            raise KVInjectionError("the KV stream was opened by another engine")
+        if keep not in (0, stream.keep):
+            raise KVInjectionError(f"the KV stream was opened keeping {stream.keep} positions, not {keep}")
+        if not np.array_equal(prompt_ids, stream.prompt_ids):
+            raise KVInjectionError("the KV stream was opened for another prompt")
+        header = stream.finish()
         kept = header.kept
         token_ids, positions = header.token_ids[kept], header.positions[kept]
         injected = self._injectable_count(positions, prompt_ids)
-        self.cache.commit_ingest(kept_slots, injected)
+        self.cache.commit_ingest(stream.kept_slots, injected)
         return self._process_prompt(
-            prompt_ids, kept_slots, self._stream_keep, token_ids[:injected], positions[:injected]
+            prompt_ids, stream.kept_slots, stream.keep, token_ids[:injected], positions[:injected]
         )
 
     def _check_after_kept(self, positions: np.ndarray, keep: int, kept_slots: int) -> None:
@@ -410,7 +439,7 @@ class Engine:
             if head - injected == 1 and injected:  # run the last two rows before the window, not one alone
                 injected -= 1
         self.reset()
-        if injected:
+        if injected and kv is not None:
             self.cache.update(0, kv.keys[:, :, :injected], kv.values[:, :, :injected])
         self._tokens[:injected] = prompt_ids[:injected]
         self._positions[0, :injected] = self._ramp[:injected]
@@ -430,20 +459,16 @@ class Engine:
             raise KVInjectionError("nothing to export: no prompt has been processed")
         return self.cache.snapshot(self._tokens[: self.length], self._positions[0, : self.length], self.producer)
 
-    def generate(
-        self, prompt_ids, params: SamplingParams, kv: KVSnapshot | EDKVReader | None = None, keep: int = 0
-    ) -> Iterator[int]:
-        """Process the prompt (optionally from injected KV: a snapshot, or a reader from
-        ``open_kv_stream`` whose stream is complete) and yield generated token ids one by one.
-        ``keep`` is as in ``prefill`` (a reader brings the ``keep`` given to ``open_kv_stream``).
+    def generate(self, prompt_ids, params: SamplingParams, kv: KVSource = None, keep: int = 0) -> Iterator[int]:
+        """Process the prompt as ``prefill`` does (its KV from ``kv``: computed here, a snapshot, or a
+        stream from ``open_kv_stream``, which brings its own ``keep``) and yield generated token ids
+        one by one.
 
         Stop tokens end the generation and are not yielded; ``self.stats`` is complete once the
         iterator is exhausted.
         """
         started = time.perf_counter()
-        logits = (
-            self.prefill_streamed(prompt_ids, kv) if isinstance(kv, EDKVReader) else self.prefill(prompt_ids, kv, keep)
-        )
+        logits = self.prefill(prompt_ids, kv, keep)
         stats = self.stats
         stops = frozenset(self.spec.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids)
         sampler = Sampler(params)
@@ -462,8 +487,7 @@ class Engine:
             if self.length >= self.max_context:
                 stats.finish_reason = "context"
                 break
-            self._tokens[self.length] = token
-            logits = self._run(1, False)
+            logits = self.step(token)
             stats.decode_steps += 1
         stats.decode_seconds = time.perf_counter() - first_token_at
 

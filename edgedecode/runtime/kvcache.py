@@ -10,6 +10,7 @@ committed as they are written.
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
@@ -30,7 +31,9 @@ class KVCache:
     export copies whole layer buffers back (onnxruntime's Python API has no partial device copy).
     """
 
-    def __init__(self, spec: ModelSpec, max_context: int, dtype: np.dtype = np.float32, device: str = "cpu") -> None:
+    def __init__(
+        self, spec: ModelSpec, max_context: int, dtype: npt.DTypeLike = np.float32, device: str = "cpu"
+    ) -> None:
         ort = import_onnxruntime()
         self.spec = spec
         self.max_context = max_context
@@ -106,6 +109,8 @@ class KVCache:
             self.length = start + n_slots
         else:
             staged, self._staging = self._staging, None
+            if staged is None:
+                raise KVInjectionError("nothing was ingested: no EDKV stream wrote into this cache")
             self.update(start, staged[:, 0, :, :n_slots], staged[:, 1, :, :n_slots])
 
     def check_prompt_match(self, token_ids: np.ndarray, positions: np.ndarray, prompt_ids: np.ndarray) -> None:

@@ -1,0 +1,411 @@
+"""The decode daemon's pipeline (DecodeService) without the model: fake engines in the slots, a real
+aiohttp prefill endpoint on 127.0.0.1 serving real EDKV payloads (good or broken), the real pull
+client, breaker, slot pool and worker thread. Runs in seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from aiohttp import web
+from serving_helpers import ThreadedApp
+
+from edgedecode.config import load_config
+from edgedecode.daemon.kv_pull import KVPullError
+from edgedecode.daemon.metrics import DaemonMetrics
+from edgedecode.daemon.openai_api import CompletionRequest
+from edgedecode.daemon.service import DecodeService, Turn
+from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import EDKVHeader, EDKVReader, encode_payload
+from edgedecode.model.spec import DECODER_KV_LAYOUT, KVContract
+from edgedecode.runtime.engine import GenerationStats
+from edgedecode.runtime.handoff import KVSource, StreamedKV
+from edgedecode.runtime.kvcache import KVInjectionError
+from edgedecode.runtime.sampler import SamplingParams
+
+LAYERS, HEADS, HEAD_DIM = 2, 2, 16
+CONTRACT = KVContract("llama", LAYERS, HEADS, HEAD_DIM, 10000.0, DECODER_KV_LAYOUT, "tok")
+TOKENS = [101, 102, 103]  # what every fake generation yields
+PROMPT = np.arange(1, 41, dtype=np.int64)
+
+
+# --- a fake engine, and the model around it ---------------------------------------------------------
+
+
+class FakeEngine:
+    """Generates TOKENS; a stream opened on it is a real EDKV reader writing into a numpy buffer.
+
+    ``hold``: while not set, a stream's header waits in the ingest thread (a slow ingest).
+    ``used``: (kv source, tokens adopted from a stream, keep) of every generation.
+    """
+
+    def __init__(self, max_context: int = 128) -> None:
+        self.max_context = max_context
+        self.kv_bytes_per_slot = 4 * 2 * LAYERS * HEADS * HEAD_DIM
+        self.stats = GenerationStats()
+        self.length = 0
+        self.buffer = np.zeros((LAYERS, 2, HEADS, max_context, HEAD_DIM), np.float32)
+        self.history = np.zeros(0, np.int64)
+        self.used: list[tuple[str, int, int]] = []
+        self.hold: threading.Event | None = None
+        self.header_arrived = threading.Event()
+        self.ingesting = 0  # feeds in progress on the ingest thread
+        self.reader_finishes = 0  # calls of the EDKV readers' finish()
+        self.generated_while_ingesting = False
+
+    def reusable_prefix(self, prompt_ids: np.ndarray) -> int:
+        n = min(len(self.history), len(prompt_ids) - 1)
+        differ = np.flatnonzero(self.history[:n] != prompt_ids[:n])
+        return int(differ[0]) if len(differ) else max(n, 0)
+
+    def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> StreamedKV:
+        prompt_ids = np.asarray(prompt_ids, np.int64)
+        self.length = keep
+
+        def target(header: EDKVHeader) -> np.ndarray:
+            self.header_arrived.set()
+            if self.hold is not None:
+                self.hold.wait(10)
+            if len(header.positions) and (
+                header.positions[-1] >= len(prompt_ids)
+                or not np.array_equal(header.token_ids, prompt_ids[header.positions])
+            ):
+                raise KVInjectionError("the KV's token ids are not the prompt's tokens at the KV's positions")
+            return self.buffer[:, :, :, keep:]
+
+        reader = EDKVReader(CONTRACT, max_tokens=self.max_context - keep, target_factory=target)
+        finish = reader.finish
+
+        def counted_finish() -> EDKVHeader:
+            self.reader_finishes += 1
+            return finish()
+
+        reader.finish = counted_finish  # type: ignore[method-assign]
+        return _TrackedStream(self, reader, prompt_ids, keep)
+
+    def generate(self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0):
+        if self.ingesting:
+            self.generated_while_ingesting = True
+        if isinstance(kv, StreamedKV):
+            assert kv.owner is self and np.array_equal(kv.prompt_ids, prompt_ids)
+            header = kv.finish()
+            used = ("stream", header.n_kept, kv.keep)
+        else:
+            assert kv is None
+            used = ("local", 0, keep)
+        self.used.append(used)
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=used[1], reused_tokens=used[2])
+        self.history, self.length = np.asarray(prompt_ids, np.int64), len(prompt_ids)
+        self.stats.finish_reason = "length"
+        tokens = TOKENS[: params.max_tokens]
+        for i, token in enumerate(tokens):
+            self.stats.generated_tokens += 1
+            yield token
+            if i + 1 < len(tokens):  # a token runs when the next one is asked for; the last never does
+                self.history = np.append(self.history, token)
+
+
+class _TrackedStream(StreamedKV):
+    """A StreamedKV that tells its engine while the ingest thread feeds it."""
+
+    def __init__(self, engine: FakeEngine, reader: EDKVReader, prompt_ids: np.ndarray, keep: int) -> None:
+        super().__init__(reader, prompt_ids, keep, keep, owner=engine)
+        self.engine = engine
+
+    def feed(self, data) -> None:
+        self.engine.ingesting += 1
+        try:
+            time.sleep(0.05)  # the ingest thread is still busy a while after the header
+            super().feed(data)
+        finally:
+            self.engine.ingesting -= 1
+
+
+class _Decoder:
+    def feed(self, token: int) -> str:
+        return f"<{token}>"
+
+    def flush(self) -> str:
+        return ""
+
+
+MODEL = SimpleNamespace(
+    spec=SimpleNamespace(kv_bytes_per_token_fp16=2 * 2 * LAYERS * HEADS * HEAD_DIM),
+    tokenizer=SimpleNamespace(stream_decoder=_Decoder),
+    record=SimpleNamespace(name="fake"),
+)
+EXPECTED_TEXT = "".join(f"<{token}>" for token in TOKENS)
+
+
+# --- a prefill endpoint serving real EDKV payloads -------------------------------------------------
+
+
+def payload_for(token_ids: np.ndarray, held: int) -> bytes:
+    """A real EDKV payload with KV of ``token_ids`` from position ``held`` on (all FP16)."""
+    n = len(token_ids) - held
+    rng = np.random.default_rng(n)
+    snapshot = KVSnapshot(
+        CONTRACT,
+        token_ids[held:],
+        np.arange(held, len(token_ids)),
+        rng.standard_normal((LAYERS, HEADS, n, HEAD_DIM)).astype(np.float32),
+        rng.standard_normal((LAYERS, HEADS, n, HEAD_DIM)).astype(np.float32),
+        KVProducer("fake", "ab" * 32, "float32"),
+    )
+    return b"".join(encode_payload(snapshot, np.full(n, Tier.FP16, np.uint8)))
+
+
+class PrefillEndpoint:
+    """POST /v1/prefill answering as ``mode`` says; counts the requests and keeps their bodies."""
+
+    def __init__(self) -> None:
+        self.mode = "good"
+        self.bodies: list[dict] = []
+        app = web.Application()
+        app.router.add_post("/v1/prefill", self.prefill)
+        self.server = ThreadedApp(app)
+        self.url = self.server.url
+
+    async def prefill(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        token_ids, held = np.asarray(body["token_ids"], np.int64), body["held_tokens"]
+        if self.mode == "http_error":
+            return web.Response(status=500, text="the prefill graph failed")
+        if self.mode == "rejected":
+            return web.Response(status=400, text="bad request")
+        if self.mode == "slow":
+            await asyncio.sleep(1.0)
+        payload = bytearray(payload_for(token_ids + (self.mode == "other-prompt"), held))
+        if self.mode == "trickle":  # two quick pieces (the header in the first), then the rest after a pause
+            response = web.StreamResponse(headers={"Content-Type": "application/x-edkv"})
+            await response.prepare(request)
+            half = len(payload) // 2
+            for piece in (payload[:half], payload[half : half + 16]):
+                await response.write(bytes(piece))
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)
+            await response.write(bytes(payload[half + 16 :]))
+            return response
+        if self.mode == "corrupt":
+            payload[len(payload) // 2] ^= 0x40
+        elif self.mode == "truncated":
+            payload = payload[: len(payload) // 2]
+        return web.Response(
+            body=bytes(payload), content_type="application/x-edkv", headers={"X-Prefill-Seconds": "0.001"}
+        )
+
+
+@pytest.fixture(scope="module")
+def endpoint():
+    served = PrefillEndpoint()
+    yield served
+    served.server.stop()
+
+
+@pytest.fixture
+def prefill(endpoint):
+    endpoint.mode, endpoint.bodies = "good", []
+    return endpoint
+
+
+def closed_port_url() -> str:
+    """A URL on 127.0.0.1 where nothing listens (connections are refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+# --- the pipeline ------------------------------------------------------------------------------------
+
+
+def make_service(url: str | None, engines: list[FakeEngine] | None = None, **daemon) -> DecodeService:
+    settings = {"slots": 1, "memory_reserve_mb": 0, "fetch_timeout_s": 0.4, "breaker_failures": 3} | daemon
+    config = load_config(None, env={}, overrides={"daemon": settings})
+    engines = engines or [FakeEngine()]
+    return DecodeService(MODEL, engines, config, DaemonMetrics(), lambda: url, "")  # type: ignore[arg-type]
+
+
+def request(prompt: np.ndarray = PROMPT, session: str | None = None) -> CompletionRequest:
+    params = SamplingParams(max_tokens=len(TOKENS), stop_token_ids=())
+    return CompletionRequest("text", prompt, params, False, False, (), session, None)
+
+
+async def run_turn(service: DecodeService, prompt: np.ndarray = PROMPT, session: str | None = None) -> Turn:
+    turn = service.turn(request(prompt, session), "client", time.perf_counter())
+    await turn.open()
+    text = "".join([piece async for piece in turn.pieces()])
+    assert text == EXPECTED_TEXT
+    return turn
+
+
+def drive(service: DecodeService, scenario):
+    """Run ``scenario()`` on a fresh event loop with the service started, then close it."""
+
+    async def main():
+        await service.start()
+        try:
+            return await scenario()
+        finally:
+            await service.close()
+
+    return asyncio.run(main())
+
+
+def fallbacks(service: DecodeService) -> dict[str, float]:
+    """The fallback metric's non-zero counts by reason."""
+    registry = service.metrics.registry
+    values = {
+        reason: registry.get_sample_value("edgedecode_prefill_fallbacks_total", {"reason": reason})
+        for reason in KVPullError.REASONS
+    }
+    return {reason: value for reason, value in values.items() if value}
+
+
+async def wait_until(condition, seconds: float = 3.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+def test_a_good_pull_is_used(prefill):
+    engine = FakeEngine()
+    service = make_service(prefill.url, [engine])
+    turn = drive(service, lambda: run_turn(service))
+    report = turn.report
+    assert (report.kv_source, report.fallback_reason) == ("prefill_server", None)
+    assert report.pulled_tokens == len(PROMPT) and report.tiers == {"FP16": len(PROMPT)}
+    assert report.wire_bytes == len(payload_for(PROMPT, 0)) and report.server_seconds == 0.001
+    assert engine.used == [("stream", len(PROMPT), 0)]
+    assert engine.reader_finishes == 1  # the pull confirmed the stream; the engine reused its header
+    np.testing.assert_array_equal(prefill.bodies[0]["token_ids"], PROMPT)
+    assert fallbacks(service) == {} and service.breaker.state == "closed"
+    assert (turn.finish_reason, turn.completion_tokens) == ("length", len(TOKENS))
+    assert not engine.generated_while_ingesting
+
+
+@pytest.mark.parametrize(
+    "mode, reason",
+    [
+        ("corrupt", "bad_payload"),
+        ("truncated", "truncated"),
+        ("other-prompt", "bad_payload"),  # the engine's stream target refuses it at the header
+        ("slow", "timeout"),
+        ("http_error", "http_error"),
+        ("rejected", "rejected"),
+        ("refused", "unreachable"),
+    ],
+)
+def test_a_failed_pull_falls_back_to_local_prefill_with_its_reason(prefill, mode, reason):
+    prefill.mode = mode
+    engine = FakeEngine()
+    service = make_service(closed_port_url() if mode == "refused" else prefill.url, [engine])
+    report = drive(service, lambda: run_turn(service)).report
+    assert (report.kv_source, report.fallback_reason) == ("local", reason)
+    assert engine.used == [("local", 0, 0)]
+    assert fallbacks(service) == {reason: 1.0}
+    assert len(prefill.bodies) == (mode != "refused")
+    assert not engine.generated_while_ingesting  # the fallback waited for the ingest thread
+
+
+def test_no_prefill_server_falls_back_as_unreachable(prefill):
+    service = make_service(None)
+    assert drive(service, lambda: run_turn(service)).report.fallback_reason == "unreachable"
+    assert fallbacks(service) == {"unreachable": 1.0} and prefill.bodies == []
+
+
+def test_the_breaker_opens_after_n_failures_and_skips_the_endpoint(prefill):
+    prefill.mode = "http_error"
+    service = make_service(prefill.url, breaker_failures=2, breaker_reset_s=60.0)
+
+    async def scenario():
+        return [(await run_turn(service)).report.fallback_reason for _ in range(4)]
+
+    assert drive(service, scenario) == ["http_error", "http_error", "breaker_open", "breaker_open"]
+    assert len(prefill.bodies) == 2  # the open breaker sent nothing to the endpoint
+    assert fallbacks(service) == {"http_error": 2.0, "breaker_open": 2.0}
+    assert service.metrics.registry.get_sample_value("edgedecode_prefill_breaker_open") == 1.0
+
+
+def test_refused_requests_do_not_open_the_breaker(prefill):
+    prefill.mode = "rejected"  # the endpoint is healthy; it refused this request
+    service = make_service(prefill.url, breaker_failures=2)
+
+    async def scenario():
+        return [(await run_turn(service)).report.fallback_reason for _ in range(3)]
+
+    assert drive(service, scenario) == ["rejected"] * 3
+    assert len(prefill.bodies) == 3 and service.breaker.state == "closed"
+
+
+def test_a_slot_is_released_after_a_failed_pull_only_once_the_ingest_thread_is_done(prefill):
+    engine = FakeEngine()
+    engine.hold = threading.Event()  # the ingest thread stops at the stream's header
+    service = make_service(prefill.url, [engine])
+
+    async def scenario():
+        opening = asyncio.create_task(service.turn(request(), "client", time.perf_counter()).open())
+        assert await asyncio.to_thread(engine.header_arrived.wait, 5)
+        opening.cancel()  # the request goes away while its KV is being ingested
+        await asyncio.sleep(0.2)
+        held_while_ingesting = service.pool.busy
+        assert engine.hold is not None
+        engine.hold.set()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        released = await wait_until(lambda: service.pool.busy == 0)
+        return held_while_ingesting, released
+
+    held_while_ingesting, released = drive(service, scenario)
+    assert held_while_ingesting == 1  # the ingest thread may still write into the slot's buffers
+    assert released
+    assert engine.used == []  # nothing generated from the abandoned turn
+
+
+def test_a_pull_timing_out_while_the_ingest_thread_works_falls_back_only_once_it_is_done(prefill, monkeypatch):
+    monkeypatch.setattr("edgedecode.daemon.kv_pull.FEED_BYTES", 1)  # each network read goes to the ingest thread
+    prefill.mode = "trickle"
+    engine = FakeEngine()
+    engine.hold = threading.Event()  # the ingest thread is stuck in the first piece past the pull's timeout
+    service = make_service(prefill.url, [engine], fetch_timeout_s=0.3)
+    release = threading.Timer(0.8, engine.hold.set)
+    release.start()
+    try:
+        report = drive(service, lambda: run_turn(service)).report
+    finally:
+        release.cancel()
+        engine.hold.set()
+    assert (report.kv_source, report.fallback_reason) == ("local", "timeout")
+    assert engine.used == [("local", 0, 0)]
+    assert not engine.generated_while_ingesting
+
+
+def test_a_session_keeps_its_slot_and_its_kv(prefill):
+    engines = [FakeEngine(), FakeEngine()]
+    service = make_service(prefill.url, engines, slots=2)
+    follow_up = np.concatenate([PROMPT, TOKENS, np.arange(200, 210)])
+
+    async def scenario():
+        other = await run_turn(service, np.arange(50, 70), session="b")
+        first = await run_turn(service, session="a")  # b's slot is now the least recently used
+        again = await run_turn(service, follow_up, session="a")
+        return first.report, other.report, again.report
+
+    first, other, again = drive(service, scenario)
+    assert other.slot != first.slot == again.slot
+    keep = len(PROMPT) + len(TOKENS) - 1  # the last generated token never ran
+    assert (first.reused_tokens, other.reused_tokens, again.reused_tokens) == (0, 0, keep)
+    assert prefill.bodies[2]["held_tokens"] == keep  # only the rest of the prompt is asked for
+    assert again.kv_source == "prefill_server" and again.pulled_tokens == len(follow_up) - keep
+    assert engines[first.slot].used[-1] == ("stream", len(follow_up) - keep, keep)
+    assert service.pool.busy == 0
