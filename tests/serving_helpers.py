@@ -8,7 +8,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from edgedecode.client.process import ServerStartError, start_server, stop_server
+from edgedecode.serving.process import ServerStartError, start_server, stop_server
 
 START_TIMEOUT = 600
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 
 from edgedecode.client.chat import stream_events
-from edgedecode.client.process import start_server, stop_server
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.model.loader import load_model
+from edgedecode.serving.process import start_server, stop_server
 
 LOCAL = "local prefill"
 

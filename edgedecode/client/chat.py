@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from edgedecode.client.process import ServerStartError, start_server, stop_server
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.serving.process import ServerStartError, start_server, stop_server
 
 
 class ChatError(EdgeDecodeError):

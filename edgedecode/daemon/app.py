@@ -19,9 +19,8 @@ from aiohttp import web
 
 from edgedecode.config import Config
 from edgedecode.daemon.metrics import DaemonMetrics
-from edgedecode.daemon.openai_api import APIRequestError, ResponseShape, parse_request, usage
-from edgedecode.daemon.service import AdmissionError, DecodeService
-from edgedecode.daemon.slots import QueueFullError
+from edgedecode.daemon.openai_api import ResponseShape, parse_request, usage
+from edgedecode.daemon.service import DecodeService
 from edgedecode.serving.http import (
     OUTCOME,
     add_common_routes,
@@ -52,26 +51,18 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
 
     async def completions(request: web.Request, kind: str) -> web.StreamResponse:
         arrived = time.perf_counter()
-        try:
-            parsed = parse_request(
-                await read_json(request, settings.client_timeout_s),
-                kind,
-                service.model,
-                default_max_tokens=settings.max_tokens,
-                session_header=request.headers.get("X-Session-Id"),
-                max_context=service.max_context,
-                allow_special_tokens=settings.allow_special_tokens,
-            )
-            turn = service.turn(parsed, parsed.user or request.remote or "unknown", arrived)
-            await turn.open()
-        except APIRequestError as exc:
-            return json_error(400, str(exc), param=exc.param, code=exc.code)
-        except QueueFullError as exc:
-            return json_error(429, str(exc), kind="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-        except AdmissionError as exc:
-            return json_error(
-                503, str(exc), kind="server_error", code="insufficient_memory", headers={"Retry-After": "5"}
-            )
+        # A bad request (400), a full queue (429) or short memory (503) raises; the middleware answers.
+        parsed = parse_request(
+            await read_json(request, settings.client_timeout_s),
+            kind,
+            service.model,
+            default_max_tokens=settings.max_tokens,
+            session_header=request.headers.get("X-Session-Id"),
+            max_context=service.max_context,
+            allow_special_tokens=settings.allow_special_tokens,
+        )
+        turn = service.turn(parsed, parsed.user or request.remote or "unknown", arrived)
+        await turn.open()
         shape = ResponseShape(kind, model_name)
         if parsed.stream:
             return await _stream(request, turn, shape, parsed.include_usage)

@@ -29,7 +29,7 @@ class APIRequestError(RequestError):
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message, param)
-        self.code = code
+        self.http_code = code
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import Engine
 from edgedecode.serving import systemd
-from edgedecode.serving.http import serve_until_stopped
+from edgedecode.serving.lifecycle import serve_as_service
 
 logger = logging.getLogger(__name__)
 
@@ -54,27 +54,17 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
         metrics = DaemonMetrics()
         service = DecodeService(model, build_engines(model, config), config, metrics, prefill_url, prefill_token)
         await service.start()
-        background: list[asyncio.Task] = []
-
-        async def listening(url: str) -> None:
-            announce(url)
-            systemd.notify("READY=1", f"STATUS=serving {model.record.name} at {url}; KV from {prefill_url()}")
-            interval = systemd.watchdog_interval()
-            if interval is not None:
-                background.append(asyncio.create_task(systemd.run_watchdog(service.healthy, interval)))
-
         try:
-            await serve_until_stopped(
+            await serve_as_service(
                 create_app(service, config, metrics),
                 settings.host,
                 settings.port,
                 header_timeout=settings.header_timeout_s,
-                on_listening=listening,
+                announce=announce,
+                status=lambda url: f"serving {model.record.name} at {url}; KV from {prefill_url()}",
+                healthy=service.healthy,
             )
         finally:
-            systemd.notify("STOPPING=1")
-            for task in background:
-                task.cancel()
             await service.close()
             if embedded is not None:
                 await embedded.stop()

@@ -37,6 +37,10 @@ WORKER_STALL_SECONDS = 60.0  # a step taking longer than this marks the daemon u
 class AdmissionError(EdgeDecodeError):
     """Not enough memory to take the request now (answered with 503)."""
 
+    http_status = 503
+    http_code = "insufficient_memory"
+    retry_after_s = 5
+
 
 @dataclass
 class TurnReport:

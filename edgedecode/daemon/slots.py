@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edgedecode.errors import EdgeDecodeError
+from edgedecode.errors import ServerBusyError
 from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.sampler import SamplingParams
@@ -54,7 +54,7 @@ class DecodeEngine(Protocol):
     ) -> Iterator[int]: ...
 
 
-class QueueFullError(EdgeDecodeError):
+class QueueFullError(ServerBusyError):
     """Too many requests are waiting for a slot."""
 
 

@@ -43,6 +43,11 @@ _PIN_FACTOR = 10.0  # a pinned token weighs this much more than the most importa
 class BudgetError(EdgeDecodeError, ValueError):
     """A budget that the allowed tiers cannot meet, or a policy that does not exist."""
 
+    http_status = 422
+    http_type = "invalid_request_error"
+    http_code = "unprocessable"
+    param = "budget"
+
 
 @dataclass(frozen=True)
 class TierProfile:

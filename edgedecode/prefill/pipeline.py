@@ -85,6 +85,8 @@ class BudgetTooSmallError(BudgetError):
     """A budget below the smallest payload possible for the tokens asked (all dropped: header and
     framing alone); ``minimum`` is that payload's b."""
 
+    http_code = "budget_too_small"
+
     def __init__(self, budget: float, minimum: float, n_tokens: int) -> None:
         super().__init__(
             f"budget {budget:.3g} is below the smallest EDKV payload for these {n_tokens} tokens "

@@ -11,8 +11,7 @@ from edgedecode.config import Config
 from edgedecode.model.loader import LoadedModel
 from edgedecode.prefill.server import create_app
 from edgedecode.prefill.service import PrefillService
-from edgedecode.serving import systemd
-from edgedecode.serving.http import serve_until_stopped
+from edgedecode.serving.lifecycle import serve_as_service
 
 logger = logging.getLogger(__name__)
 
@@ -31,26 +30,17 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
     )
 
     async def main() -> None:
-        async def listening(url: str) -> None:
-            announce(url)
-            systemd.notify("READY=1", f"STATUS=prefilling {model.record.name} at {url}")
-            interval = systemd.watchdog_interval()
-            if interval is not None:
-                watchdog.append(asyncio.create_task(systemd.run_watchdog(lambda: True, interval)))
-
-        watchdog: list[asyncio.Task] = []
         try:
-            await serve_until_stopped(
+            await serve_as_service(
                 create_app(service, config),
                 settings.host,
                 settings.port,
                 header_timeout=settings.header_timeout_s,
-                on_listening=listening,
+                announce=announce,
+                status=lambda url: f"prefilling {model.record.name} at {url}",
+                healthy=service.healthy,
             )
         finally:
-            systemd.notify("STOPPING=1")
-            for task in watchdog:
-                task.cancel()
             service.close()
 
     asyncio.run(main())

@@ -17,17 +17,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from edgedecode.config import Config
-from edgedecode.errors import EdgeDecodeError
-from edgedecode.kv.policy import BudgetError
+from edgedecode.errors import ServerBusyError
 from edgedecode.kv.tiers import Tier
-from edgedecode.prefill.pipeline import BudgetTooSmallError
 from edgedecode.prefill.service import PrefillService
-from edgedecode.runtime.engine import ContextOverflowError
 from edgedecode.serving.http import (
     OUTCOME,
     add_common_routes,
     error_middleware,
-    json_error,
     process_gauges,
     read_json,
     write_within,
@@ -94,12 +90,7 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
     async def prefill(request: web.Request) -> web.StreamResponse:
         nonlocal waiting
         if waiting >= settings.max_queue:
-            return json_error(
-                429,
-                f"{waiting} prefill requests are queued (limit {settings.max_queue}); retry later",
-                kind="rate_limit_error",
-                code="queue_full",
-            )
+            raise ServerBusyError(f"{waiting} prefill requests are queued (limit {settings.max_queue}); retry later")
         waiting += 1
         metrics.queue.inc()
         try:
@@ -109,18 +100,9 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
             metrics.queue.dec()
 
     async def _prefill(request: web.Request) -> web.StreamResponse:
-        parsed = service.parse(await read_json(request, settings.client_timeout_s))  # RequestError: a 400
-        try:
-            result = await service.prefill(parsed)
-        except BudgetTooSmallError as exc:
-            return json_error(422, str(exc), param="budget", code="budget_too_small")
-        except BudgetError as exc:
-            return json_error(422, str(exc), param="budget", code="unprocessable")
-        except ContextOverflowError as exc:
-            return json_error(422, str(exc), code="unprocessable")
-        except EdgeDecodeError as exc:
-            logger.exception("prefill failed")
-            return json_error(500, f"prefill failed: {exc}", kind="server_error")
+        # A bad request (400), a budget no payload meets or a prompt too long (422) raises; the middleware answers.
+        parsed = service.parse(await read_json(request, settings.client_timeout_s))
+        result = await service.prefill(parsed)
         encoded = result.encoded
         metrics.seconds.observe(result.seconds)
         metrics.tokens.labels("prefix_cache").inc(result.reused_tokens)

@@ -32,6 +32,7 @@ from edgedecode.prefill.prefix_cache import PrefixCache
 from edgedecode.runtime.engine import Engine
 
 CHAT_ROLES = ("system", "user", "assistant")
+PREFILL_STALL_SECONDS = 300.0  # one prefill running longer than this marks the server unhealthy (watchdog)
 
 
 class PrefillRequestError(RequestError):
@@ -156,6 +157,7 @@ class PrefillService:
         self.cache = PrefixCache(prefix_cache_bytes)
         self.profile = TierProfile.load(profile_path(model))
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-prefill")
+        self._busy_since: float | None = None  # when the running prefill started (monotonic)
 
     def parse(self, body: dict) -> PrefillRequest:
         """A validated request (PrefillRequestError names the field at fault)."""
@@ -166,7 +168,7 @@ class PrefillService:
         (BudgetTooSmallError), at once and without waiting for the worker."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.check_budget, request)
-        return await loop.run_in_executor(self._worker, self._prefill, request)
+        return await loop.run_in_executor(self._worker, self._watched, request)
 
     def check_budget(self, request: PrefillRequest) -> None:
         """Raise BudgetTooSmallError when ``request.budget`` is below the smallest payload for its
@@ -187,6 +189,19 @@ class PrefillService:
         smallest = smallest_payload(shell, meta).b_wire
         if smallest > request.budget:
             raise BudgetTooSmallError(request.budget, smallest, shell.n_tokens)
+
+    def healthy(self) -> bool:
+        """No prefill has been running for more than PREFILL_STALL_SECONDS (what the systemd
+        watchdog pings on: a worker stuck in one request is restarted, not left to hold the queue)."""
+        since = self._busy_since
+        return since is None or time.monotonic() - since < PREFILL_STALL_SECONDS
+
+    def _watched(self, request: PrefillRequest) -> PrefillResult:
+        self._busy_since = time.monotonic()
+        try:
+            return self._prefill(request)
+        finally:
+            self._busy_since = None
 
     def _prefill(self, request: PrefillRequest) -> PrefillResult:
         started = time.perf_counter()

@@ -65,6 +65,10 @@ def lone_row_free(n: int) -> bool:
 class ContextOverflowError(EdgeDecodeError):
     """The prompt does not fit the context window."""
 
+    http_status = 422
+    http_type = "invalid_request_error"
+    http_code = "unprocessable"
+
 
 class CudaGraphError(EdgeDecodeError):
     """The decode step could not be captured as a CUDA graph (construct the Engine with cuda_graph=False)."""

@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from edgedecode.errors import RequestError
+from edgedecode.errors import EdgeDecodeError
 from edgedecode.serving.header_deadline import start_site
 from edgedecode.serving.json_body import parse_json_object
 
@@ -48,9 +48,9 @@ ResponseCounter = Callable[[web.Request, str], None]
 
 def error_middleware(auth_token: str, count: ResponseCounter | None = None):
     """Middleware: bearer-token auth (when ``auth_token`` is set), every error answered as JSON
-    (including aiohttp's own: 413 for an oversized body, 404, 405; a ``RequestError`` is a 400
-    naming its param), and ``count(request, status)`` called exactly once per request with the
-    status it ended with ("499" when the client went away first)."""
+    (aiohttp's own too: 413 for an oversized body, 404, 405; an ``EdgeDecodeError`` as its class
+    declares, see ``error_response``), and ``count(request, status)`` called exactly once per
+    request with the status it ended with ("499" when the client went away first)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler):
@@ -80,8 +80,8 @@ async def _answer(request: web.Request, handler, auth_token: str) -> web.StreamR
             )
     try:
         return await handler(request)
-    except RequestError as exc:
-        return json_error(400, str(exc), param=exc.param)
+    except EdgeDecodeError as exc:
+        return error_response(exc, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -92,6 +92,17 @@ async def _answer(request: web.Request, handler, auth_token: str) -> web.StreamR
     except Exception as exc:  # a bug: the client gets a JSON 500, the log the traceback, the server goes on
         logger.exception("unhandled error serving %s %s", request.method, request.path)
         return json_error(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
+
+
+def error_response(exc: EdgeDecodeError, request: web.Request) -> web.Response:
+    """The one mapping from an edgedecode error to an HTTP answer: the status, OpenAI error type,
+    code, param and Retry-After its class declares (``errors.py``); a 5xx is logged with its traceback."""
+    if exc.http_status >= 500:
+        logger.error("%s %s failed: %s", request.method, request.path, exc, exc_info=exc)
+    headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None else None
+    return json_error(
+        exc.http_status, str(exc), kind=exc.http_type, code=exc.http_code, param=exc.param, headers=headers
+    )
 
 
 async def read_json(request: web.Request, timeout: float) -> dict:
