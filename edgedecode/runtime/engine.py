@@ -454,45 +454,6 @@ class Engine:
         # gets the same answer (a run's lone last row rounds differently, see chunk_sizes).
         return self.forward(prompt_ids[-1:])
 
-    def prefill_observed(
-        self, prompt_ids: np.ndarray, window: int, kv: KVSnapshot | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Process the prompt (from ``kv`` of a prefix of it if given, e.g. from a prefix cache) and
-        return the pre-RoPE queries [layers, w, heads*head_dim] of its last w tokens and their positions.
-
-        The last w tokens run as their own pass, which outputs their queries, so the prompt is
-        processed once. Needs a graph built with ``emit_queries``; the prefill side scores token
-        importance from these queries.
-
-        Reproducible: the KV, queries and logits are bitwise those of the same prompt without ``kv``
-        when ``kv`` was computed this way too (by this graph, prompts from position 0, as a prefix
-        cache holds them). Of ``kv``, the leading positions 0, 1, 2, ... before the window are used;
-        the window always runs (with the token before it for a window of 1, 129, ... tokens); the rest of
-        the prompt in runs that leave no row alone (``chunk_sizes``), reusing one token fewer where
-        only one would be left to run.
-        """
-        if not self.options.emit_queries:
-            raise EdgeDecodeError("this engine's graph was built without emit_queries")
-        if not 0 < window <= PREFILL_CHUNK_TOKENS:
-            raise ValueError(f"window must be in 1..{PREFILL_CHUNK_TOKENS}")
-        prompt_ids = np.asarray(prompt_ids, np.int64)
-        w = min(window, len(prompt_ids))
-        # The last pass: the window, with the token before it where the window would leave a row
-        # alone in its attention tile (a window of 1, 129, ... tokens).
-        observed = w if lone_row_free(w) or w == len(prompt_ids) else w + 1
-        head = len(prompt_ids) - observed
-        injected = 0
-        if kv is not None and head:
-            injected = _leading_run(kv.positions, head)
-            if head - injected == 1 and injected:  # run the last two rows before the window, not one alone
-                injected -= 1
-        self.start(prompt_ids, kv if head else None, injected)
-        if head > injected:
-            self.forward(prompt_ids[injected:head])
-        queries, positions = self.run_with_queries(prompt_ids[head:])
-        skip = observed - w
-        return queries[:, skip:], positions[skip:]
-
     def export_kv(self) -> KVSnapshot:
         """A copy of the cached KV with its token ids, positions, layout contract and producer."""
         if self.length == 0:
@@ -530,10 +491,3 @@ class Engine:
             logits = self.step(token)
             stats.decode_steps += 1
         stats.decode_seconds = time.perf_counter() - first_token_at
-
-
-def _leading_run(positions: np.ndarray, limit: int) -> int:
-    """How many of ``positions`` are 0, 1, 2, ... from the start, below ``limit``."""
-    n = int(np.searchsorted(positions, limit))
-    gaps = np.flatnonzero(positions[:n] != np.arange(n))
-    return int(gaps[0]) if len(gaps) else n
