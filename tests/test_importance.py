@@ -19,13 +19,14 @@ def observer(smollm2_model):
 def test_observed_queries_and_scores_match_the_reference(observer, smollm2_model, smollm2_reader, logit_vectors):
     from edgedecode.model.reference import reference_forward
     from edgedecode.model.weights import load_tensors
+    from edgedecode.prefill.pipeline import prefill_observed
 
     spec = smollm2_model.spec
     ids = logit_vectors["prose_ids"]
     reference = reference_forward(spec, load_tensors(smollm2_reader, spec, dense=False), ids.tolist())
     observer.prefill(ids)
     whole = observer.export_kv()
-    queries, positions = observer.prefill_observed(ids, 8)
+    queries, positions = prefill_observed(observer, ids, 8)
     after = observer.export_kv()
 
     np.testing.assert_array_equal(positions, np.arange(len(ids) - 8, len(ids)))

@@ -6,7 +6,7 @@ run of 1, 129, 257, ... rows computes its last row (alone in its 128-row tile) o
 rounds differently, so that token's KV, and everything after it, differed in the last bits from the
 same prompt processed in other runs; a cache hit used to leave such runs (the token before the
 observation window alone, or 257 rows where the cold path ran 256 and more). The engine never runs
-such a row now (``chunk_sizes``, ``Engine.prefill_observed``).
+such a row now (``chunk_sizes``, ``prefill.pipeline.prefill_observed``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 position-only prior for comparison.
 
 The prefill side runs the prompt's last w tokens as their own pass with query outputs
-(``Engine.prefill_observed``) and scores every cached token by the softmax attention those queries
+(``prefill.pipeline.prefill_observed``) and scores every cached token by the softmax attention those queries
 give it, summed over query heads and window queries, per layer. Sinks and the window itself are
 pinned by the policy, not here.
 """

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
 from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
@@ -18,7 +19,7 @@ from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import decode_snapshot, encode_payload
 from edgedecode.model.spec import KVContract
-from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_free
 
 _FIT_ATTEMPTS = 6
 _CLOSE_ENOUGH = 0.99  # stop refitting once the payload uses this share of the budget
@@ -63,13 +64,61 @@ class EncodedKV:
         return {tier.name: int(counts[tier]) for tier in Tier}
 
 
+def prefill_observed(
+    engine: Engine, prompt_ids: np.ndarray, window: int, kv: KVSnapshot | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Process the prompt on ``engine`` (from ``kv`` of a prefix of it if given, e.g. from a prefix
+    cache) and return the pre-RoPE queries [layers, w, heads*head_dim] of its last w tokens and
+    their positions.
+
+    The last w tokens run as their own pass, which outputs their queries, so the prompt is
+    processed once. Needs a graph built with ``emit_queries``; the prefill side scores token
+    importance from these queries.
+
+    Reproducible: the KV, queries and logits are bitwise those of the same prompt without ``kv``
+    when ``kv`` was computed this way too (by this graph, prompts from position 0, as a prefix
+    cache holds them). Of ``kv``, the leading positions 0, 1, 2, ... before the window are used;
+    the window always runs (with the token before it for a window of 1, 129, ... tokens); the rest of
+    the prompt in runs that leave no row alone (``chunk_sizes``), reusing one token fewer where
+    only one would be left to run.
+    """
+    if not engine.options.emit_queries:
+        raise EdgeDecodeError("this engine's graph was built without emit_queries")
+    if not 0 < window <= PREFILL_CHUNK_TOKENS:
+        raise ValueError(f"window must be in 1..{PREFILL_CHUNK_TOKENS}")
+    prompt_ids = np.asarray(prompt_ids, np.int64)
+    w = min(window, len(prompt_ids))
+    # The last pass: the window, with the token before it where the window would leave a row
+    # alone in its attention tile (a window of 1, 129, ... tokens).
+    observed = w if lone_row_free(w) or w == len(prompt_ids) else w + 1
+    head = len(prompt_ids) - observed
+    injected = 0
+    if kv is not None and head:
+        injected = _leading_run(kv.positions, head)
+        if head - injected == 1 and injected:  # run the last two rows before the window, not one alone
+            injected -= 1
+    engine.start(prompt_ids, kv if head else None, injected)
+    if head > injected:
+        engine.forward(prompt_ids[injected:head])
+    queries, positions = engine.run_with_queries(prompt_ids[head:])
+    skip = observed - w
+    return queries[:, skip:], positions[skip:]
+
+
+def _leading_run(positions: np.ndarray, limit: int) -> int:
+    """How many of ``positions`` are 0, 1, 2, ... from the start, below ``limit``."""
+    n = int(np.searchsorted(positions, limit))
+    gaps = np.flatnonzero(positions[:n] != np.arange(n))
+    return int(gaps[0]) if len(gaps) else n
+
+
 def prefill_and_score(
     engine: Engine, prompt_ids: np.ndarray, window: int = OBSERVATION_WINDOW, kv: KVSnapshot | None = None
 ) -> ScoredPrefill:
     """Run the prompt through ``engine`` (built with emit_queries), from ``kv`` of a prefix of it if
     given (e.g. from a prefix cache), and score every token. With ``kv`` from this engine the result
-    is bitwise the one without it (see ``Engine.prefill_observed``)."""
-    queries, query_positions = engine.prefill_observed(prompt_ids, window, kv)
+    is bitwise the one without it (see ``prefill_observed``)."""
+    queries, query_positions = prefill_observed(engine, prompt_ids, window, kv)
     snapshot = engine.export_kv()
     per_layer = attention_importance(engine.spec, queries, query_positions, snapshot.keys, snapshot.positions)
     return ScoredPrefill(snapshot, per_layer.sum(axis=0))

@@ -10,7 +10,7 @@ exceed the limit.
 
 A hit saves time, never changes an answer: the prefill engine reuses cached KV so that every
 position's KV, the importance and so the payload are bitwise what an empty cache gives
-(``Engine.prefill_observed``; tests/test_prefill_reproducible.py).
+(``prefill.pipeline.prefill_observed``; tests/test_prefill_reproducible.py).
 """
 
 from __future__ import annotations

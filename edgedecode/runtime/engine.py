@@ -104,6 +104,7 @@ class Engine:
     cuda_graph: bool  # single-token steps replay a captured CUDA graph
     cache: KVCache
     _graph_ids: Iterator[int]
+    _queries: np.ndarray  # the last run's queries output (graphs built with emit_queries)
 
     def __init__(
         self,
@@ -243,15 +244,38 @@ class Engine:
         """
         token_ids = np.asarray(token_ids, np.int64)
         start, n = self.length, len(token_ids)
-        if start + n > self.max_context:
-            raise ContextOverflowError(f"{start + n} tokens exceed the context of {self.max_context}")
+        self._check_room(n)
+        self._tokens[start : start + n] = token_ids
+        outputs = [self._run(size, all_logits) for size in chunk_sizes(n)]
+        return np.concatenate(outputs) if all_logits else outputs[-1]
+
+    def run_with_queries(self, token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Append tokens at the current position in one graph run that also outputs their queries;
+        returns the pre-RoPE queries [layers, n, heads*head_dim] and the tokens' positions [n].
+
+        Needs a graph built with ``emit_queries``. One run of 1..PREFILL_CHUNK_TOKENS rows, as given:
+        its rows are computed as in any other run unless it leaves its last row alone in an attention
+        tile (see ``lone_row_free``), which the caller avoids by choosing the tokens.
+        """
+        if not self.options.emit_queries:
+            raise EdgeDecodeError("this engine's graph was built without emit_queries")
+        token_ids = np.asarray(token_ids, np.int64)
+        start, n = self.length, len(token_ids)
+        if not 0 < n <= PREFILL_CHUNK_TOKENS:
+            raise ValueError(f"one run takes 1..{PREFILL_CHUNK_TOKENS} tokens, not {n}")
+        self._check_room(n)
+        self._tokens[start : start + n] = token_ids
+        self._run(n, True)  # every row's logits: the queries output has a row for each logits row
+        return self._queries[:, 0], self._positions[0, start : start + n].copy()
+
+    def _check_room(self, n: int) -> None:
+        """Raise ContextOverflowError unless ``n`` more tokens fit the cache and the model's positions."""
+        if self.length + n > self.max_context:
+            raise ContextOverflowError(f"{self.length + n} tokens exceed the context of {self.max_context}")
         if self.next_position + n > self.spec.context_length:
             raise ContextOverflowError(
                 f"position {self.next_position + n} exceeds the model's {self.spec.context_length}"
             )
-        self._tokens[start : start + n] = token_ids
-        outputs = [self._run(size, all_logits) for size in chunk_sizes(n)]
-        return np.concatenate(outputs) if all_logits else outputs[-1]
 
     def _run(self, n: int, all_logits: bool) -> np.ndarray:
         """Run the n tokens already written at ``_tokens[length:length + n]`` through the graph."""
@@ -322,6 +346,31 @@ class Engine:
         injected = self._injectable_count(kv.positions, prompt_ids)
         self.cache.update(kept, kv.keys[:, :, :injected], kv.values[:, :, :injected])
         return self._process_prompt(prompt_ids, kept, keep, kv.token_ids[:injected], kv.positions[:injected])
+
+    def start(self, prompt_ids: np.ndarray, kv: KVSnapshot | None = None, injected: int = 0) -> None:
+        """Begin ``prompt_ids`` afresh: forget the cached context and take the KV of its first
+        ``injected`` positions from the first slots of ``kv`` (which must hold positions 0, 1, 2, ...
+        there, e.g. a prefix cache's); run the rest of the prompt with ``forward`` or
+        ``run_with_queries``. ``stats`` count the prompt and the injected tokens.
+
+        ``kv``, when given, must fit the prompt (KVInjectionError otherwise), even with ``injected`` 0.
+        At least the prompt's last token is left to run here.
+        """
+        prompt_ids = self._checked_prompt(prompt_ids)
+        if kv is not None:
+            self.cache.check_injectable(kv, prompt_ids)
+        if not 0 <= injected < len(prompt_ids):
+            raise ValueError(f"injected must be in 0..{len(prompt_ids) - 1}, not {injected}")
+        if injected and (kv is None or not np.array_equal(kv.positions[:injected], self._ramp[:injected])):
+            raise KVInjectionError(f"the KV does not hold positions 0..{injected - 1} in its first slots")
+        self.reset()
+        if injected and kv is not None:
+            self.cache.update(0, kv.keys[:, :, :injected], kv.values[:, :, :injected])
+        self._tokens[:injected] = prompt_ids[:injected]
+        self._positions[0, :injected] = self._ramp[:injected]
+        self._history[: len(prompt_ids)] = prompt_ids
+        self.cache.length = injected
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected)
 
     def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> StreamedKV:
         """The handoff of an EDKV stream holding KV of (part of) ``prompt_ids`` after the ``keep``
@@ -409,54 +458,6 @@ class Engine:
         # gets the same answer (a run's lone last row rounds differently, see chunk_sizes).
         return self.forward(prompt_ids[-1:])
 
-    def prefill_observed(
-        self, prompt_ids: np.ndarray, window: int, kv: KVSnapshot | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Process the prompt (from ``kv`` of a prefix of it if given, e.g. from a prefix cache) and
-        return the pre-RoPE queries [layers, w, heads*head_dim] of its last w tokens and their positions.
-
-        The last w tokens run as their own pass, which outputs their queries, so the prompt is
-        processed once. Needs a graph built with ``emit_queries``; the prefill side scores token
-        importance from these queries.
-
-        Reproducible: the KV, queries and logits are bitwise those of the same prompt without ``kv``
-        when ``kv`` was computed this way too (by this graph, prompts from position 0, as a prefix
-        cache holds them). Of ``kv``, the leading positions 0, 1, 2, ... before the window are used;
-        the window always runs (with the token before it for a window of 1, 129, ... tokens); the rest of
-        the prompt in runs that leave no row alone (``chunk_sizes``), reusing one token fewer where
-        only one would be left to run.
-        """
-        if not self.options.emit_queries:
-            raise EdgeDecodeError("this engine's graph was built without emit_queries")
-        if not 0 < window <= PREFILL_CHUNK_TOKENS:
-            raise ValueError(f"window must be in 1..{PREFILL_CHUNK_TOKENS}")
-        prompt_ids = self._checked_prompt(prompt_ids)
-        w = min(window, len(prompt_ids))
-        # The last pass: the window, with the token before it where the window would leave a row
-        # alone in its attention tile (a window of 1, 129, ... tokens).
-        observed = w if lone_row_free(w) or w == len(prompt_ids) else w + 1
-        head = len(prompt_ids) - observed
-        injected = 0
-        if kv is not None and head:
-            self.cache.check_injectable(kv, prompt_ids)
-            injected = _leading_run(kv.positions, head)
-            if head - injected == 1 and injected:  # run the last two rows before the window, not one alone
-                injected -= 1
-        self.reset()
-        if injected and kv is not None:
-            self.cache.update(0, kv.keys[:, :, :injected], kv.values[:, :, :injected])
-        self._tokens[:injected] = prompt_ids[:injected]
-        self._positions[0, :injected] = self._ramp[:injected]
-        self._history[: len(prompt_ids)] = prompt_ids
-        self.cache.length = injected
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected)
-        if head > injected:
-            self.forward(prompt_ids[injected:head])
-        self._tokens[head : len(prompt_ids)] = prompt_ids[head:]
-        self._run(observed, True)
-        skip = observed - w
-        return self._queries[:, 0, skip:], self._positions[0, head + skip : len(prompt_ids)].copy()
-
     def export_kv(self) -> KVSnapshot:
         """A copy of the cached KV with its token ids, positions, layout contract and producer."""
         if self.length == 0:
@@ -494,10 +495,3 @@ class Engine:
             logits = self.step(token)
             stats.decode_steps += 1
         stats.decode_seconds = time.perf_counter() - first_token_at
-
-
-def _leading_run(positions: np.ndarray, limit: int) -> int:
-    """How many of ``positions`` are 0, 1, 2, ... from the start, below ``limit``."""
-    n = int(np.searchsorted(positions, limit))
-    gaps = np.flatnonzero(positions[:n] != np.arange(n))
-    return int(gaps[0]) if len(gaps) else n
