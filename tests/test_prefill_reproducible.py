@@ -155,3 +155,20 @@ def test_a_shared_prefix_ending_at_or_in_the_window_gives_the_payload_of_an_empt
     got, reused = _payload(service, b)
     assert 0 < reused <= length - W
     assert got == expected
+
+
+def test_a_prefill_running_past_the_stall_limit_marks_the_server_unhealthy(service, monkeypatch):
+    """The prefill server's watchdog pings only while healthy(): a request stuck in the single
+    worker stops them (systemd restarts the server) instead of holding every later request."""
+    import asyncio
+
+    import edgedecode.prefill.service as module
+
+    assert service.healthy()
+    seen: list[bool] = []
+    run = service._prefill
+    monkeypatch.setattr(module, "PREFILL_STALL_SECONDS", 0.0)  # any running prefill counts as stuck
+    monkeypatch.setattr(service, "_prefill", lambda request: seen.append(service.healthy()) or run(request))
+    asyncio.run(service.prefill(service.parse({"text": "The weather today"})))
+    assert seen == [False]
+    assert service.healthy()  # idle again
