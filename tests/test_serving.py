@@ -71,19 +71,19 @@ def prefill_server(smollm2_model, workdir):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def daemon(prefill_server, workdir):
-    server = ServerProcess(
-        [
-            "serve",
-            "--config",
-            _config(workdir, "daemon", client_timeout_s=2.0, header_timeout_s=1.0),
-            "--prefill-url",
-            prefill_server.url,
-        ],
-        workdir / "daemon.log",
+def _start_daemon(workdir, name: str, prefill_url: str, **daemon) -> ServerProcess:
+    """``edgedecode serve`` pulling from ``prefill_url``, with the test config plus ``daemon`` settings."""
+    config = _config(workdir, name, **daemon)
+    return ServerProcess(
+        ["serve", "--config", config, "--prefill-url", prefill_url],
+        workdir / f"{name}.log",
         env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
     )
+
+
+@pytest.fixture(scope="module")
+def daemon(prefill_server, workdir):
+    server = _start_daemon(workdir, "daemon", prefill_server.url, client_timeout_s=2.0, header_timeout_s=1.0)
     yield server
     server.stop()
 
@@ -591,17 +591,7 @@ def faulty(prefill_server, smollm2_model):
 
 @pytest.fixture(scope="module")
 def daemon_behind_faulty(faulty, workdir):
-    server = ServerProcess(
-        [
-            "serve",
-            "--config",
-            _config(workdir, "faulty", breaker_failures=2, breaker_reset_s=30.0),
-            "--prefill-url",
-            faulty.url,
-        ],
-        workdir / "daemon-faulty.log",
-        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
-    )
+    server = _start_daemon(workdir, "daemon-faulty", faulty.url, breaker_failures=2, breaker_reset_s=30.0)
     yield server
     server.stop()
 
