@@ -5,6 +5,10 @@ ingest thread, one network read ahead: verification, decompression and dequantiz
 overlap the download of the next; the ingest thread then confirms the stream's end (``finish``).
 Every way this can fail ends in a ``KVPullError`` with a short ``reason`` (the label of the
 fallback metric) and a message saying what happened.
+
+A pull also times itself for the link model (``daemon.link``): from sending the request to the
+response headers, and from the first to the last piece of the body with the bytes after the first
+(one clock reading per network read, nothing else per read).
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ class PullResult:
     tier_counts: dict[str, int]  # tokens per tier
     seconds: float
     server_seconds: float | None  # the prefill server's own time (its X-Prefill-Seconds header; informative)
+    headers_seconds: float = 0.0  # from sending the request to its response headers (round trip + server time)
+    transfer_seconds: float = 0.0  # from the body's first network read to its last
+    transfer_bytes: int = 0  # bytes of the reads after the first (0: the body came in one read)
 
 
 @dataclass(frozen=True)
@@ -98,8 +105,10 @@ async def pull_kv(
     headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
     loop = asyncio.get_running_loop()
     received = 0
+    first_bytes, first_at, last_at = 0, 0.0, 0.0  # the body's first read (bytes to its end, time); the last read
     pending: asyncio.Future | None = None  # the ingest thread's current piece of work
     try:
+        sent = time.perf_counter()
         async with http.post(
             settings.url.rstrip("/") + "/v1/prefill", json=body, headers=headers, timeout=settings.timeout
         ) as response:
@@ -108,10 +117,14 @@ async def pull_kv(
                 client_fault = 400 <= response.status < 500 and response.status not in (408, 429)
                 reason = "rejected" if client_fault else "http_error"
                 raise KVPullError(reason, f"the prefill server answered {response.status}: {detail}")
+            headers_seconds = time.perf_counter() - sent
             server_seconds = _header_seconds(response.headers.get("X-Prefill-Seconds"))
             buffered = bytearray()
             async for data in response.content.iter_any():
                 received += len(data)
+                last_at = time.perf_counter()
+                if not first_bytes:
+                    first_bytes, first_at = received, last_at
                 if received > settings.max_payload_bytes:
                     raise KVPullError(
                         "too_large", f"the KV payload exceeds max_payload_bytes ({settings.max_payload_bytes})"
@@ -154,6 +167,9 @@ async def pull_kv(
         {tier.name: int(counts[tier]) for tier in Tier},
         time.perf_counter() - started,
         server_seconds,
+        headers_seconds,
+        last_at - first_at,
+        received - first_bytes,
     )
 
 

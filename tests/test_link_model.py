@@ -1,0 +1,254 @@
+"""The link model (daemon.link): moving averages of goodput, round trip and server time per token,
+their idle decay, predictions and gauges; and the pull's own timings against a real aiohttp endpoint
+on 127.0.0.1 sending a real EDKV payload in timed pieces."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from serving_helpers import ThreadedApp
+
+from edgedecode.daemon.kv_pull import PullResult, PullSettings, pull_kv
+from edgedecode.daemon.link import LinkEstimate, LinkModel, LinkModels
+from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import EDKVReader, encode_payload
+from edgedecode.model.spec import DECODER_KV_LAYOUT, KVContract
+from edgedecode.runtime.handoff import StreamedKV
+
+MB = 1_000_000
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pull(goodput: float, rtt: float, server: float | None = 0.0, transfer_bytes: int = MB) -> PullResult:
+    """A pull whose body after its first read came at ``goodput`` bytes/s, headers after ``rtt`` + ``server``."""
+    return PullResult(
+        wire_bytes=transfer_bytes + 4096,
+        fp16_bytes=4 * transfer_bytes,
+        tier_counts={"FP16": 100},
+        seconds=rtt + (server or 0.0) + transfer_bytes / goodput,
+        server_seconds=server,
+        headers_seconds=rtt + (server or 0.0),
+        transfer_seconds=transfer_bytes / goodput,
+        transfer_bytes=transfer_bytes,
+    )
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_a_constant_link_is_learned_from_the_first_pull_and_stays(clock):
+    link = LinkModel("http://p", clock=clock)
+    assert link.estimate() == LinkEstimate(None, None, None)
+    for _ in range(20):
+        link.observe(pull(10 * MB, 0.02, server=0.1), tokens=1000)
+        estimate = link.estimate()
+        assert estimate.goodput_bps == pytest.approx(10 * MB)
+        assert estimate.rtt_s == pytest.approx(0.02)
+        assert estimate.server_s_per_token == pytest.approx(1e-4)
+        clock.now += 1.0
+
+
+def test_a_noisy_link_converges_to_its_mean_time_per_byte(clock):
+    link = LinkModel("http://p", clock=clock)
+    rates = [8 * MB, 12 * MB]  # alternating: the mean time per byte is that of 9.6 MB/s
+    for i in range(200):
+        link.observe(pull(rates[i % 2], 0.01 + 0.01 * (i % 2)), tokens=100)
+        clock.now += 0.5
+    estimate = link.estimate()
+    assert estimate.goodput_bps == pytest.approx(9.6 * MB, rel=0.1)
+    assert estimate.rtt_s == pytest.approx(0.015, rel=0.2)
+
+
+def test_a_step_change_is_followed_within_a_few_pulls(clock):
+    link = LinkModel("http://p", clock=clock)
+    for _ in range(10):
+        link.observe(pull(12.5 * MB, 0.02), tokens=100)  # 100 Mbit/s
+        clock.now += 1.0
+    link.observe(pull(1.25 * MB, 0.2), tokens=100)  # 10 Mbit/s, 10× the round trip
+    first = link.estimate()
+    assert first.goodput_bps is not None and first.rtt_s is not None
+    assert 1.25 * MB < first.goodput_bps < 0.5 * 12.5 * MB  # a collapse weighs by the time it costs
+    assert 0.02 < first.rtt_s < 0.2
+    for _ in range(12):
+        clock.now += 1.0
+        link.observe(pull(1.25 * MB, 0.2), tokens=100)
+    after = link.estimate()
+    assert after.goodput_bps == pytest.approx(1.25 * MB, rel=0.05)
+    assert after.rtt_s == pytest.approx(0.2, rel=0.05)
+
+
+def test_estimates_are_forgotten_after_a_long_idle_time(clock):
+    link = LinkModel("http://p", half_life_s=60.0, clock=clock)
+    link.observe(pull(10 * MB, 0.02, server=0.1), tokens=1000)
+    clock.now += 150  # 2.5 half-lives: still known
+    assert link.estimate().goodput_bps == pytest.approx(10 * MB)
+    clock.now += 100  # 4.2 half-lives of a lone pull
+    assert link.estimate() == LinkEstimate(None, None, None)
+    assert link.predict_fetch_s(MB, 100) is None
+    # after idleness the next pull is the estimate (the forgotten past does not dilute it)
+    link.observe(pull(1 * MB, 0.3, server=0.5), tokens=1000)
+    estimate = link.estimate()
+    assert estimate.goodput_bps == pytest.approx(1 * MB, rel=0.01)
+    assert estimate.rtt_s == pytest.approx(0.3, rel=0.01)
+    assert estimate.server_s_per_token == pytest.approx(5e-4, rel=0.01)
+
+
+def test_a_steady_history_is_trusted_longer_than_a_lone_pull(clock):
+    lone, steady = LinkModel("http://a", clock=clock), LinkModel("http://b", clock=clock)
+    for _ in range(10):
+        steady.observe(pull(10 * MB, 0.02), tokens=100)
+    lone.observe(pull(10 * MB, 0.02), tokens=100)
+    clock.now += 250
+    assert lone.estimate().goodput_bps is None and steady.estimate().goodput_bps is not None
+    clock.now += 100
+    assert steady.estimate().goodput_bps is None
+
+
+def test_short_pulls_teach_the_round_trip_but_not_the_goodput(clock):
+    link = LinkModel("http://p", clock=clock)
+    link.observe(pull(1 * MB, 0.02, transfer_bytes=0), tokens=10)  # the body came in one read
+    link.observe(pull(1 * MB, 0.02, transfer_bytes=60_000), tokens=10)  # under 64 KiB after the first read
+    estimate = link.estimate()
+    assert estimate.goodput_bps is None and estimate.rtt_s == pytest.approx(0.02)
+    assert link.predict_fetch_s(MB, 10) is None
+    link.observe(pull(1 * MB, 0.02, transfer_bytes=70_000), tokens=10)
+    assert link.estimate().goodput_bps == pytest.approx(1 * MB)
+
+
+def test_the_round_trip_excludes_the_servers_reported_time_and_is_floored_at_zero(clock):
+    link = LinkModel("http://p", clock=clock)
+    result = pull(10 * MB, 0.0, server=0.5)
+    link.observe(PullResult(**{**result.__dict__, "headers_seconds": 0.4}), tokens=100)  # a clock skew
+    assert link.estimate().rtt_s == 0.0
+    unreported = LinkModel("http://q", clock=clock)
+    unreported.observe(PullResult(**{**result.__dict__, "server_seconds": None}), tokens=100)
+    estimate = unreported.estimate()
+    assert estimate.rtt_s == pytest.approx(0.5)  # the server's time stays in the round trip
+    assert estimate.server_s_per_token is None
+    unreported.observe(pull(10 * MB, 0.0, server=0.5), tokens=0)  # no tokens asked: no time per token
+    assert unreported.estimate().server_s_per_token is None
+
+
+def test_predict_fetch_s_adds_round_trip_server_compute_and_transfer(clock):
+    link = LinkModel("http://p", clock=clock)
+    assert link.predict_fetch_s(MB, 100) is None
+    link.observe(pull(1 * MB, 0.02, server=0.1), tokens=1000)  # 1e-4 s per token
+    assert link.predict_fetch_s(2 * MB, 500) == pytest.approx(0.02 + 0.05 + 2.0)
+    assert link.predict_fetch_s(0, 0) == pytest.approx(0.02)
+    unreported = LinkModel("http://q", clock=clock)
+    unreported.observe(pull(1 * MB, 0.02, server=None), tokens=1000)
+    assert unreported.predict_fetch_s(MB, 500) == pytest.approx(0.02 + 1.0)  # compute counts as 0
+
+
+def test_link_models_export_goodput_and_rtt_per_endpoint(clock):
+    registry = CollectorRegistry()
+    links = LinkModels(registry, clock=clock)
+
+    def gauges(endpoint: str) -> tuple[float | None, float | None]:
+        labels = {"endpoint": endpoint}
+        return (
+            registry.get_sample_value("edgedecode_link_goodput_bytes_per_second", labels),
+            registry.get_sample_value("edgedecode_link_rtt_seconds", labels),
+        )
+
+    a = links.get("http://10.0.0.1:8000/")
+    assert links.get("http://10.0.0.1:8000") is a and "http://10.0.0.1:8000/" in links
+    assert gauges("http://10.0.0.1:8000") == (None, None)  # nothing learned: nothing exported (no NaN)
+    a.observe(pull(5 * MB, 0.03, server=0.2, transfer_bytes=1000), tokens=100)  # too short for goodput
+    assert gauges("http://10.0.0.1:8000") == (None, pytest.approx(0.03))
+    a.observe(pull(5 * MB, 0.03, server=0.2), tokens=100)
+    assert gauges("http://10.0.0.1:8000") == (pytest.approx(5 * MB), pytest.approx(0.03))
+    b = links.get("http://10.0.0.2:8000")
+    assert b is not a
+    b.observe(pull(50 * MB, 0.001), tokens=100)
+    assert gauges("http://10.0.0.2:8000") == (pytest.approx(50 * MB), pytest.approx(0.001))
+    assert gauges("http://10.0.0.1:8000") == (pytest.approx(5 * MB), pytest.approx(0.03))
+
+
+# --- the pull's timings against a real endpoint ----------------------------------------------------
+
+LAYERS, HEADS, HEAD_DIM, N_TOKENS = 4, 4, 64, 128  # 4 KiB per token at FP16: a 512 KiB payload
+CONTRACT = KVContract("llama", LAYERS, HEADS, HEAD_DIM, 10000.0, DECODER_KV_LAYOUT, "tok")
+PIECES, PIECE_GAP_S, SERVER_S = 8, 0.02, 0.05
+
+
+def edkv_payload(token_ids: np.ndarray) -> bytes:
+    rng = np.random.default_rng(0)
+    n = len(token_ids)
+    snapshot = KVSnapshot(
+        CONTRACT,
+        token_ids,
+        np.arange(n),
+        rng.standard_normal((LAYERS, HEADS, n, HEAD_DIM)).astype(np.float32),
+        rng.standard_normal((LAYERS, HEADS, n, HEAD_DIM)).astype(np.float32),
+        KVProducer("fake", "ab" * 32, "float32"),
+    )
+    return b"".join(encode_payload(snapshot, np.full(n, Tier.FP16, np.uint8)))
+
+
+def test_a_pull_times_its_round_trip_and_transfer_and_teaches_the_link(clock):
+    prompt = np.arange(1, N_TOKENS + 1, dtype=np.int64)
+    payload = edkv_payload(prompt)
+    bounds = np.linspace(0, len(payload), PIECES + 1).astype(int)
+
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        await asyncio.sleep(SERVER_S)  # the server's compute, reported in its header
+        response = web.StreamResponse(
+            headers={"Content-Type": "application/x-edkv", "X-Prefill-Seconds": f"{SERVER_S:.4f}"}
+        )
+        await response.prepare(request)
+        for i in range(PIECES):
+            if i:
+                await asyncio.sleep(PIECE_GAP_S)
+            await response.write(payload[bounds[i] : bounds[i + 1]])
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/prefill", prefill)
+    server = ThreadedApp(app)
+    buffer = np.zeros((LAYERS, 2, HEADS, N_TOKENS, HEAD_DIM), np.float32)
+    reader = EDKVReader(CONTRACT, max_tokens=N_TOKENS, target_factory=lambda header: buffer)
+    stream = StreamedKV(reader, prompt, 0, 0)
+    settings = PullSettings(server.url + "/", "", 1.0, "importance", 1 << 24, aiohttp.ClientTimeout(total=10))
+
+    async def run() -> PullResult:
+        async with aiohttp.ClientSession() as http:
+            return await pull_kv(http, settings, prompt, 0, stream, ingest, 4 * 1024)
+
+    try:
+        with ThreadPoolExecutor(1) as ingest:
+            result = asyncio.run(run())
+    finally:
+        server.stop()
+
+    assert stream.finished and result.wire_bytes == len(payload)
+    assert result.tier_counts["FP16"] == N_TOKENS and result.server_seconds == pytest.approx(SERVER_S)
+    assert result.headers_seconds >= SERVER_S  # the headers came after the server's compute
+    true_rate = (len(payload) - bounds[1]) / ((PIECES - 1) * PIECE_GAP_S)  # bytes after the first piece / time
+    assert (PIECES - 1) * PIECE_GAP_S * 0.9 <= result.transfer_seconds <= result.seconds
+    assert bounds[1] > 0 and 0 < result.transfer_bytes <= len(payload) - 1
+    links = LinkModels(CollectorRegistry(), clock=clock)
+    link = links.get(server.url)
+    link.observe(result, tokens=N_TOKENS)
+    estimate = link.estimate()
+    assert estimate.goodput_bps is not None and true_rate / 2 <= estimate.goodput_bps <= 2 * true_rate
+    assert estimate.rtt_s is not None and 0 <= estimate.rtt_s < 0.1
+    assert estimate.server_s_per_token == pytest.approx(SERVER_S / N_TOKENS)
