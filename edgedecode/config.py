@@ -51,7 +51,9 @@ class DaemonConfig:
     slots: int = 2  # conversations whose KV stays resident at once
     max_context: int = 4096  # KV buffer length per slot, tokens
     max_queue: int = 32  # requests waiting for a slot; more are refused with 429
-    budget: float = 0.3  # KV wire bytes / FP16 bytes asked of the prefill server
+    budget: float = 0.3  # KV wire bytes / FP16 bytes asked of the prefill server (while no TTFT target applies)
+    ttft_target_ms: float = 0.0  # time-to-first-token target: the KV plan adapts to the link; 0: the fixed budget
+    min_budget: float = 0.2  # quality floor of adaptive budgets (SmolLM2: lowest b with Δ PPL <= +2 %, kv-quality.md)
     min_wire_bytes: int = 64 << 10  # a payload this small is never squeezed below it (short prompts keep their tokens)
     policy: str = "ours"
     max_tokens: int = 256  # completion length when a request gives none
@@ -228,6 +230,10 @@ def _validate(config: Config) -> None:
         problems.append("daemon.max_context must be >= 64 tokens")
     if not 0 < d.budget <= 1:
         problems.append(f"daemon.budget must be in (0, 1] (wire bytes / FP16 bytes), not {d.budget}")
+    if d.ttft_target_ms < 0:
+        problems.append("daemon.ttft_target_ms must be >= 0 (0: no target, the fixed budget)")
+    if not 0 < d.min_budget <= 1:
+        problems.append(f"daemon.min_budget must be in (0, 1], not {d.min_budget}")
     if d.policy not in POLICIES:
         problems.append(f"daemon.policy must be one of {', '.join(POLICIES)}, not {d.policy!r}")
     if d.min_wire_bytes < 0:

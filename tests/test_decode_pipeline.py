@@ -5,6 +5,7 @@ client, breaker, slot pool and worker thread. Runs in seconds."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -16,7 +17,8 @@ from aiohttp import web
 from serving_helpers import ThreadedApp
 
 from edgedecode.config import load_config
-from edgedecode.daemon.kv_pull import KVPullError
+from edgedecode.daemon.kv_pull import KVPullError, PullResult
+from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest
 from edgedecode.daemon.service import DecodeService, Turn
@@ -409,3 +411,69 @@ def test_a_session_keeps_its_slot_and_its_kv(prefill):
     assert again.kv_source == "prefill_server" and again.pulled_tokens == len(follow_up) - keep
     assert engines[first.slot].used[-1] == ("stream", len(follow_up) - keep, keep)
     assert service.pool.busy == 0
+
+
+# --- adapting to the link under a time-to-first-token target ---------------------------------------
+
+FP16_PER_TOKEN = MODEL.spec.kv_bytes_per_token_fp16
+
+
+def teach_link(service: DecodeService, url: str, bytes_per_second: float, rtt_s: float = 0.01) -> None:
+    """The link model of ``url`` as if one pull had measured this goodput and round trip."""
+    transfer = 1 << 20
+    service.links.get(url).observe(
+        PullResult(transfer, transfer, {}, 1.0, 0.0, rtt_s, transfer / bytes_per_second, transfer), len(PROMPT)
+    )
+
+
+def targeted(ms: float) -> CompletionRequest:
+    return dataclasses.replace(request(), ttft_target_ms=ms)
+
+
+async def targeted_turn(service: DecodeService, ms: float) -> Turn:
+    turn = service.turn(targeted(ms), "client", time.perf_counter())
+    await turn.open()
+    assert "".join([piece async for piece in turn.pieces()]) == EXPECTED_TEXT
+    return turn
+
+
+def test_with_a_target_a_slower_link_gets_a_lower_budget(prefill):
+    fp16 = len(PROMPT) * FP16_PER_TOKEN  # 10 KiB
+    budgets = {}
+    for name, rate in (("fast", fp16 / 0.01), ("slow", fp16 / 0.6)):  # FP16 in 10 ms, or in 600 ms
+        prefill.bodies = []
+        service = make_service(prefill.url, min_wire_bytes=0)
+        service.local_speed = LocalPrefillModel([(16, 10.0), (128, 20.0)])  # local would take seconds
+        teach_link(service, prefill.url, rate)
+        turn = drive(service, lambda service=service: targeted_turn(service, 300.0))
+        report = turn.report
+        assert (report.kv_source, report.decision) == ("prefill_server", "remote")
+        assert report.predicted_seconds is not None and report.predicted_seconds <= 0.3
+        budgets[name] = prefill.bodies[0]["budget"]
+        assert report.budget == budgets[name]
+        assert service.metrics.registry.get_sample_value("edgedecode_kv_decisions_total", {"decision": "remote"}) == 1
+        assert report.to_json()["ttft_target_ms"] == 300.0
+    assert budgets["fast"] == 1.0 and 0.2 <= budgets["slow"] <= 0.4  # 0.3 of FP16 arrives in ~180 ms
+
+
+def test_a_link_too_slow_for_any_budget_goes_local_without_a_pull(prefill):
+    service = make_service(prefill.url, min_wire_bytes=0, ttft_target_ms=200.0)  # the daemon's own target
+    service.local_speed = LocalPrefillModel([(16, 0.01), (128, 0.02)])
+    teach_link(service, prefill.url, 1000.0)  # 1 kB/s: even the floor budget takes seconds
+    turn = drive(service, lambda: run_turn(service))
+    report = turn.report
+    assert (report.kv_source, report.decision, report.fallback_reason) == ("local", "local", None)
+    assert prefill.bodies == []  # nothing was asked of the endpoint
+    assert fallbacks(service) == {}
+    registry = service.metrics.registry
+    assert registry.get_sample_value("edgedecode_kv_decisions_total", {"decision": "local"}) == 1
+    assert registry.get_sample_value("edgedecode_ttft_target_total", {"met": "true"}) == 1
+    assert report.to_json()["ttft_target_met"] is True
+
+
+def test_an_unknown_link_asks_for_the_configured_budget_and_learns_from_the_pull(prefill):
+    service = make_service(prefill.url, min_wire_bytes=0, ttft_target_ms=300.0)
+    assert service.links.get(prefill.url).predict_fetch_s(1000, 10) is None
+    turn = drive(service, lambda: run_turn(service))
+    assert (turn.report.decision, prefill.bodies[0]["budget"]) == ("remote", 0.3)
+    assert service.links.get(prefill.url).estimate().rtt_s is not None  # the pull taught the link model

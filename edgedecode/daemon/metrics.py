@@ -68,6 +68,22 @@ class DaemonMetrics:
         )
         for reason in KVPullError.REASONS:
             self.fallbacks.labels(reason)
+        self.decisions = Counter(
+            "edgedecode_kv_decisions_total",
+            "Where turns planned to get their KV: pulled (remote) or computed here (local).",
+            ["decision"],
+            registry=registry,
+        )
+        for decision in ("remote", "local"):
+            self.decisions.labels(decision)
+        self.ttft_target = Counter(
+            "edgedecode_ttft_target_total",
+            "Turns with a time-to-first-token target, by whether their first token came in time.",
+            ["met"],
+            registry=registry,
+        )
+        for met in ("true", "false"):
+            self.ttft_target.labels(met)
         self.queue_depth = Gauge("edgedecode_queue_depth", "Requests waiting for a decode slot.", registry=registry)
         self.active = Gauge("edgedecode_active_generations", "Requests holding a decode slot.", registry=registry)
         self.resident_kv = Gauge(

@@ -3,8 +3,9 @@
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` with one choice (n = 1); ``stream``
 answers with server-sent events ending in ``data: [DONE]``. Beyond the OpenAI fields, requests may
 carry ``session_id`` (a conversation whose KV the daemon keeps between turns; the
-``X-Session-Id`` header works too) and ``top_k``; every final response or chunk carries an
-``edgedecode`` object with the turn's timings and where its KV came from.
+``X-Session-Id`` header works too), ``top_k`` and ``ttft_target_ms`` (a time-to-first-token
+target for this request, 0 for none, overriding ``daemon.ttft_target_ms``); every final response
+or chunk carries an ``edgedecode`` object with the turn's timings and where its KV came from.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class CompletionRequest:
     stop: tuple[str, ...]
     session_id: str | None
     user: str | None
+    ttft_target_ms: float | None = None  # this request's time-to-first-token target (None: the daemon's)
 
 
 def parse_request(
@@ -88,6 +90,7 @@ def parse_request(
     for name, value in (("session_id", session_id), ("user", user)):
         if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 256):
             raise APIRequestError(f"{name} must be a string of 1 to 256 characters", name)
+    target = body.get("ttft_target_ms")
     return CompletionRequest(
         kind,
         prompt_ids,
@@ -97,6 +100,7 @@ def parse_request(
         _stop(body.get("stop")),
         session_id,
         user,
+        None if target is None else _number(target, "ttft_target_ms", float, 0, 3_600_000),
     )
 
 

@@ -52,7 +52,9 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
             await embedded.start()
             prefill_url, prefill_token = (lambda: embedded.url), embedded.token
         metrics = DaemonMetrics()
-        service = DecodeService(model, build_engines(model, config), config, metrics, prefill_url, prefill_token)
+        engines = build_engines(model, config)
+        service = DecodeService(model, engines, config, metrics, prefill_url, prefill_token)
+        service.local_speed.calibrate(engines[0])  # ~1.5 s on 2 cores, before any request
         await service.start()
         try:
             await serve_as_service(

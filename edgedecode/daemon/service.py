@@ -20,8 +20,11 @@ import numpy as np
 import psutil
 
 from edgedecode.config import Config
+from edgedecode.daemon.adaptive import KVPlan, PlanInputs, plan_kv
 from edgedecode.daemon.breaker import CircuitBreaker
 from edgedecode.daemon.kv_pull import KVPullError, PullResult, PullSettings, pull_kv
+from edgedecode.daemon.link import LinkModels
+from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest, StopText
 from edgedecode.daemon.slots import DecodeEngine, Slot, SlotPool
@@ -60,6 +63,14 @@ class TurnReport:
     ttft_seconds: float = 0.0
     decode_tokens_per_second: float = 0.0
     slot: int = -1
+    decision: str | None = None  # the KV plan: "remote" or "local" (None: no plan, e.g. no server)
+    predicted_seconds: float | None = None  # the plan's predicted time to have the KV
+    ttft_target_seconds: float | None = None
+
+    @property
+    def target_met(self) -> bool | None:
+        """Whether the first token came within the target (None: no target)."""
+        return None if self.ttft_target_seconds is None else self.ttft_seconds <= self.ttft_target_seconds
 
     def to_json(self) -> dict:
         return {
@@ -75,7 +86,11 @@ class TurnReport:
                 "tiers": self.tiers,
                 "fetch_ms": round(self.fetch_seconds * 1e3, 2),
                 "prefill_server_ms": None if self.server_seconds is None else round(self.server_seconds * 1e3, 2),
+                "decision": self.decision,
+                "predicted_ms": None if self.predicted_seconds is None else round(self.predicted_seconds * 1e3, 2),
             },
+            "ttft_target_ms": None if self.ttft_target_seconds is None else round(self.ttft_target_seconds * 1e3, 2),
+            "ttft_target_met": self.target_met,
             "ttft_ms": round(self.ttft_seconds * 1e3, 2),
             "decode_tokens_per_second": round(self.decode_tokens_per_second, 2),
             "slot": self.slot,
@@ -115,6 +130,8 @@ class DecodeService:
         self.breaker = CircuitBreaker(d.breaker_failures, d.breaker_reset_s)
         self._ingest = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-ingest")
         self._http: aiohttp.ClientSession | None = None
+        self.links = LinkModels(metrics.registry)
+        self.local_speed = LocalPrefillModel()  # daemon/run.py calibrates it on a real engine before serving
         metrics.resident_kv.set_function(
             lambda: sum(slot.engine.length for slot in self.pool.slots) * self.kv_bytes_per_slot_token
         )
@@ -151,8 +168,12 @@ class DecodeService:
                 f"{available >> 20} MiB are available and {reserve >> 20} MiB are kept in reserve"
             )
 
-    async def _pull(self, slot: Slot, prompt_ids: np.ndarray, keep: int, report: TurnReport) -> StreamedKV | None:
-        """Pull the KV of the prompt after ``keep`` into the slot; None (reason in ``report``) to prefill locally."""
+    async def _pull(
+        self, slot: Slot, prompt_ids: np.ndarray, keep: int, report: TurnReport, target_s: float | None
+    ) -> StreamedKV | None:
+        """Pull the KV of the prompt after ``keep`` into the slot at the budget the plan picks for
+        ``target_s`` (the time left under the turn's target; None: none); None to prefill locally
+        (by plan, or as a fallback whose reason is in ``report``)."""
         url = self.prefill_url()
         reason, message = None, ""
         if self.config.daemon.local_prefill_only:
@@ -164,9 +185,16 @@ class DecodeService:
         else:
             if self._http is None:
                 raise RuntimeError("the decode service was not started (await start() first)")
+            tokens = len(prompt_ids) - keep
+            plan = self.plan(url, tokens, target_s)
+            report.decision, report.predicted_seconds = plan.decision, plan.predicted_s
+            self.metrics.decisions.labels(plan.decision).inc()
+            if plan.decision == "local" or plan.budget is None:
+                logger.info("prefilling %d tokens locally by plan: %s", tokens, plan.why)
+                return None
             stream = slot.engine.open_kv_stream(prompt_ids, keep)
             d = self.config.daemon
-            report.budget = self.budget_for(len(prompt_ids) - keep)
+            report.budget = self.budget_for(tokens, plan.budget)
             settings = PullSettings(
                 url,
                 self._prefill_token,
@@ -193,6 +221,7 @@ class DecodeService:
                 reason, message = exc.reason, str(exc)
             else:
                 self.breaker.record_success()
+                self.links.get(url).observe(result, tokens)
                 self._record_pull(result, report)
                 return stream
         report.fallback_reason = reason
@@ -200,12 +229,28 @@ class DecodeService:
         logger.warning("prefilling locally (%s): %s", reason, message)
         return None
 
-    def budget_for(self, tokens: int) -> float:
-        """The budget asked for ``tokens`` tokens' KV: the configured one, raised so the payload may
-        use at least ``min_wire_bytes`` (a few KB saved are not worth dropping a short prompt's tokens)."""
+    def budget_for(self, tokens: int, budget: float | None = None) -> float:
+        """The budget asked for ``tokens`` tokens' KV: ``budget`` (default: the configured one), raised
+        so the payload may use at least ``min_wire_bytes`` (a few KB saved are not worth dropping a
+        short prompt's tokens)."""
         d = self.config.daemon
         fp16_bytes = max(tokens, 1) * self.model.spec.kv_bytes_per_token_fp16
-        return min(1.0, max(d.budget, d.min_wire_bytes / fp16_bytes))
+        return min(1.0, max(d.budget if budget is None else budget, d.min_wire_bytes / fp16_bytes))
+
+    def plan(self, url: str, tokens: int, target_s: float | None) -> KVPlan:
+        """Where ``tokens`` tokens' KV should come from to arrive within ``target_s`` (see adaptive.py)."""
+        link = self.links.get(url)
+        fp16_bytes = max(tokens, 1) * self.model.spec.kv_bytes_per_token_fp16
+        return plan_kv(
+            PlanInputs(
+                target_s=target_s,
+                fixed_budget=self.config.daemon.budget,
+                wire_bytes=lambda budget: int(self.budget_for(tokens, budget) * fp16_bytes),
+                predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, tokens),
+                local_s=self.local_speed.predict_seconds(tokens),
+                min_budget=self.config.daemon.min_budget,
+            )
+        )
 
     def _record_pull(self, result: PullResult, report: TurnReport) -> None:
         report.kv_source = "prefill_server"
@@ -250,7 +295,12 @@ class Turn:
             keep = engine.reusable_prefix(request.prompt_ids) if slot.resumed else 0
             service._admit(len(request.prompt_ids) - keep + request.params.max_tokens)
             self.report.reused_tokens, self.report.slot = keep, slot.index
-            stream = await service._pull(slot, request.prompt_ids, keep, self.report)
+            target_ms = (
+                service.config.daemon.ttft_target_ms if request.ttft_target_ms is None else request.ttft_target_ms
+            )
+            self.report.ttft_target_seconds = target_ms / 1e3 if target_ms > 0 else None
+            left = None if target_ms <= 0 else target_ms / 1e3 - (time.perf_counter() - self.arrived)
+            stream = await service._pull(slot, request.prompt_ids, keep, self.report, left)
         except BaseException:
             service._release_after_ingest(slot)
             raise
@@ -274,6 +324,8 @@ class Turn:
                 if previous is None:
                     self.report.ttft_seconds = now - self.arrived
                     metrics.ttft.observe(self.report.ttft_seconds)
+                    if self.report.target_met is not None:
+                        metrics.ttft_target.labels(str(self.report.target_met).lower()).inc()
                 else:
                     metrics.inter_token.observe(now - previous)
                 previous = now
@@ -291,6 +343,9 @@ class Turn:
             stats = slot.engine.stats
             self.finish_reason = "stop" if stop.stopped or stats.finish_reason == "stop" else "length"
             self.report.decode_tokens_per_second = stats.decode_tokens_per_second
+            computed = len(self.request.prompt_ids) - self.report.reused_tokens
+            if self.report.kv_source == "local" and computed > 0:  # teach the local prefill model
+                service.local_speed.observe(computed, stats.prefill_seconds)
         finally:
             generation.cancel()  # a no-op once it has ended; stops it when the client went away
             self._account()
