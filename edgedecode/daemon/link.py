@@ -149,27 +149,11 @@ class LinkModels:
     """A ``LinkModel`` per prefill endpoint URL (made on first use), exported on ``registry`` as
     ``edgedecode_link_goodput_bytes_per_second{endpoint}`` and ``edgedecode_link_rtt_seconds{endpoint}``.
 
-    The keyword arguments are those of every ``LinkModel`` made.
+    ``clock`` is every ``LinkModel``'s (the others keep their defaults).
     """
 
-    def __init__(
-        self,
-        registry: CollectorRegistry,
-        *,
-        half_life_s: float = 60.0,
-        alpha: float = 0.3,
-        min_weight: float = 0.1,
-        min_transfer_bytes: int = MIN_TRANSFER_BYTES,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._make = functools.partial(
-            LinkModel,
-            half_life_s=half_life_s,
-            alpha=alpha,
-            min_weight=min_weight,
-            min_transfer_bytes=min_transfer_bytes,
-            clock=clock,
-        )
+    def __init__(self, registry: CollectorRegistry, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._make = functools.partial(LinkModel, clock=clock)
         self._models: dict[str, LinkModel] = {}
         self.goodput = Gauge(
             "edgedecode_link_goodput_bytes_per_second",
