@@ -1,0 +1,268 @@
+"""The daemon under a time-to-first-token target over a shaped link (issue 13): the link shaper on
+its own, then one prefill server and two daemons, one pulling through a 10 Mbit/s shaper, the other
+straight: the shaped one asks a lower budget and meets a target b 1.0 misses; over a link too slow
+for any budget it prefills locally without asking the prefill server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+from serving_helpers import ServerProcess
+
+from edgedecode.evaluation.link_shaper import LinkShaper
+
+TOKEN, PREFILL_TOKEN = "daemon-secret", "prefill-secret"
+BUDGET = 0.3
+RATE = 1.25e6  # 10 Mbit/s
+DELAY_S = 0.010
+PROMPT = [
+    {
+        "role": "user",
+        "content": "Summarize: "
+        + " ".join(["The lighthouse keeper wrote down the weather every morning before dawn."] * 34),
+    }
+]
+
+
+# --- the shaper on its own ----------------------------------------------------------------------
+
+
+class _Upstream:
+    """A TCP server on 127.0.0.1: to ``b"send <n>\\n"`` it answers n bytes and closes; to anything
+    else it echoes the line."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(10)
+            with conn:
+                line = conn.makefile("rb").readline()
+                if line.startswith(b"send "):
+                    conn.sendall(b"x" * int(line.split()[1]))
+                else:
+                    conn.sendall(line)
+
+    def close(self) -> None:
+        self._closed = True
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture
+def upstream():
+    server = _Upstream()
+    yield server
+    server.close()
+
+
+def _receive(port: int, request: bytes, expect: int) -> tuple[bytes, float]:
+    """Send ``request`` through 127.0.0.1:``port``; what came back (until EOF) and how long it took."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        started = time.perf_counter()
+        conn.sendall(request)
+        got = bytearray()
+        while len(got) < expect:
+            piece = conn.recv(1 << 16)
+            if not piece:
+                break
+            got += piece
+        return bytes(got), time.perf_counter() - started
+
+
+def test_the_shaper_paces_the_download_at_its_rate(upstream):
+    size, rate = 1_000_000, 2e6
+    with LinkShaper("127.0.0.1", upstream.port, rate_bytes_per_s=rate, delay_s=0.0) as shaper:
+        data, seconds = _receive(shaper.port, f"send {size}\n".encode(), size)
+        assert data == b"x" * size
+        assert 0.7 * size / rate <= seconds <= 1.3 * size / rate, seconds
+        assert shaper.connections == 1 and shaper.bytes_down == size
+
+        shaper.set_rate(8e6)  # a new rate takes effect on the next transfer
+        _, faster = _receive(shaper.port, f"send {size}\n".encode(), size)
+        assert faster < seconds / 2, (faster, seconds)
+
+
+def test_the_shaper_delays_each_way(upstream):
+    _, direct = _receive(upstream.port, b"ping\n", 5)
+    with LinkShaper("127.0.0.1", upstream.port, rate_bytes_per_s=1e6, delay_s=0.1) as shaper:
+        data, seconds = _receive(shaper.port, b"ping\n", 5)
+    assert data == b"ping\n"
+    assert 0.2 <= seconds - direct <= 0.5, (seconds, direct)  # a round trip: 2 x 100 ms
+
+
+def test_the_shaper_rate_can_change_mid_transfer(upstream):
+    size, switch_at = 600_000, 200_000
+    with (
+        LinkShaper("127.0.0.1", upstream.port, rate_bytes_per_s=4e6) as shaper,
+        socket.create_connection(("127.0.0.1", shaper.port), timeout=10) as conn,
+    ):
+        conn.sendall(f"send {size}\n".encode())
+        got, switched = 0, None
+        while got < size:
+            piece = conn.recv(1 << 16)
+            if not piece:
+                break
+            got += len(piece)
+            if switched is None and got >= switch_at:
+                shaper.set_rate(1e6)
+                switched = time.perf_counter()
+        assert got == size and switched is not None
+        after = time.perf_counter() - switched
+    assert 0.7 * 0.4 <= after <= 1.5 * 0.4, after  # the last 400 KB at 1 MB/s (0.1 s at 4 MB/s)
+
+
+# --- a prefill server and two daemons, one behind the shaper ------------------------------------
+
+
+def _config(tmp_path, name: str, **daemon) -> str:
+    """A TOML config for the test servers (threads and context sized for the CI machine)."""
+    settings = {"slots": 2, "max_context": 2048, "budget": BUDGET, "prefill_token": PREFILL_TOKEN, **daemon}
+    lines = ["[model]", "threads = 2", "[daemon]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
+    lines += ["[prefill]", "prefix_cache_mb = 64", "max_prompt_tokens = 2048"]
+    path = tmp_path / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_model, tmp_path_factory):
+    """(prefill server, shaper, shaped daemon, unshaped daemon)."""
+    workdir = tmp_path_factory.mktemp("adaptive_link")
+    started: list = []
+    try:
+        prefill = ServerProcess(
+            ["prefill-server", "--config", _config(workdir, "prefill")],
+            workdir / "prefill.log",
+            env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN},
+        )
+        started.append(prefill)
+        port = int(prefill.url.rsplit(":", 1)[1])
+        shaper = LinkShaper("127.0.0.1", port, rate_bytes_per_s=RATE, delay_s=DELAY_S)
+        started.append(shaper)
+        daemons = []
+        for name, url in (("shaped", shaper.url), ("direct", prefill.url)):
+            daemons.append(
+                ServerProcess(
+                    ["serve", "--config", _config(workdir, name), "--prefill-url", url],
+                    workdir / f"{name}.log",
+                    env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+                )
+            )
+            started.append(daemons[-1])
+        yield prefill, shaper, daemons[0], daemons[1]
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+def _metrics(server, token: str = TOKEN) -> dict[str, float]:
+    """Every sample of /metrics, by name and labels."""
+    request = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def _prefill_requests(prefill) -> float:
+    samples = _metrics(prefill, PREFILL_TOKEN)
+    return sum(v for k, v in samples.items() if k.startswith("edgedecode_prefill_requests_total{"))
+
+
+def _turn(server, messages=PROMPT, **extra) -> dict:
+    client = OpenAI(base_url=server.url + "/v1", api_key=TOKEN, timeout=60, max_retries=0)
+    completion = client.chat.completions.create(
+        model="smollm2-135m-instruct", messages=messages, temperature=0, max_tokens=4, extra_body=extra or None
+    )
+    assert completion.choices[0].message.content
+    return completion.model_extra["edgedecode"]
+
+
+def test_over_a_slow_link_the_daemon_asks_a_lower_budget_and_meets_the_target(servers):
+    _, shaper, shaped, direct = servers
+    # Teach each link model with a turn without a target (the configured budget, 0.3).
+    first_direct = _turn(direct)
+    first_shaped = _turn(shaped)
+    for report in (first_direct, first_shaped):
+        assert report["kv"]["source"] == "prefill_server" and report["kv"]["budget"] == BUDGET, report
+    assert first_shaped["kv"]["fetch_ms"] > 1e3 * 0.9 * first_shaped["kv"]["wire_bytes"] / RATE, first_shaped
+    assert shaper.bytes_down >= first_shaped["kv"]["wire_bytes"]  # the shaped daemon pulls through the shaper
+
+    # b 1.0 takes > 7 s over 10 Mbit/s; b 0.5 ~4 s, b 0.3 ~2 s (and the server's compute time).
+    target_ms = 6000
+    before = {"shaped": _metrics(shaped), "direct": _metrics(direct)}
+    assert first_shaped["kv"]["fp16_bytes"] / RATE * 1e3 > 1.3 * target_ms
+    slow = _turn(shaped, ttft_target_ms=target_ms)
+    fast = _turn(direct, ttft_target_ms=target_ms)
+    assert slow["kv"]["decision"] == "remote" and slow["kv"]["source"] == "prefill_server", slow
+    assert 0.2 <= slow["kv"]["budget"] < 1.0 and slow["ttft_target_met"] is True, slow
+    assert slow["kv"]["predicted_ms"] <= target_ms, slow
+    assert fast["kv"]["decision"] == "remote" and fast["kv"]["budget"] == 1.0 and fast["ttft_target_met"], fast
+
+    shaped_metrics, direct_metrics = _metrics(shaped), _metrics(direct)
+    for name, samples in (("shaped", shaped_metrics), ("direct", direct_metrics)):
+        for key, added in (
+            ("edgedecode_kv_decisions_total{decision=remote}", 1),
+            ("edgedecode_kv_decisions_total{decision=local}", 0),
+            ("edgedecode_ttft_target_total{met=true}", 1),
+            ("edgedecode_ttft_target_total{met=false}", 0),
+        ):
+            assert samples[key] - before[name][key] == added, (name, key)
+
+    def goodput(samples):
+        (value,) = [v for k, v in samples.items() if k.startswith("edgedecode_link_goodput_bytes_per_second{")]
+        return value
+
+    assert 0.5 * RATE <= goodput(shaped_metrics) <= 1.5 * RATE, goodput(shaped_metrics)
+    assert goodput(direct_metrics) > 5 * goodput(shaped_metrics)
+
+    # Fixed b 1.0 over the same link misses that target.
+    fixed = _turn(shaped, ttft_target_ms=30_000)  # b 1.0 makes 30 s: the best budget is asked
+    assert fixed["kv"]["budget"] == 1.0 and fixed["ttft_ms"] > target_ms, fixed
+
+
+def test_over_a_link_too_slow_for_any_budget_the_daemon_prefills_locally_without_a_pull(servers):
+    prefill, shaper, shaped, _ = servers
+    shaper.set_rate(100e3)  # 0.8 Mbit/s: b 0.2 of the prompt (~2 MB) takes ~20 s
+    try:
+        teach = _turn(shaped, messages=[{"role": "user", "content": "Hi"}])  # a short pull teaches the link
+        assert teach["kv"]["source"] == "prefill_server", teach
+        requests = _prefill_requests(prefill)
+        decided = _metrics(shaped)["edgedecode_kv_decisions_total{decision=local}"]
+        forwarded = (shaper.bytes_down, shaper.bytes_up)
+        target_ms = 4000  # local prefill of the prompt: ~0.3-1 s on 2 cores; b 0.2 now predicted > 7 s
+        report = _turn(shaped, ttft_target_ms=target_ms)
+    finally:
+        shaper.set_rate(RATE)
+    assert report["kv"]["decision"] == "local" and report["kv"]["source"] == "local", report
+    assert report["kv"]["budget"] is None and report["kv"]["pulled_tokens"] == 0, report
+    assert report["kv"]["predicted_ms"] <= target_ms and report["ttft_target_met"] is True, report
+    assert _prefill_requests(prefill) == requests  # no pull was asked
+    assert (shaper.bytes_down, shaper.bytes_up) == forwarded  # nothing went over the link
+    assert _metrics(shaped)["edgedecode_kv_decisions_total{decision=local}"] - decided == 1
