@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 
@@ -11,6 +12,18 @@ from aiohttp import web
 from edgedecode.serving.process import ServerStartError, start_server, stop_server
 
 START_TIMEOUT = 600
+
+
+def server_config(directory: Path, name: str, *, prefill_token: str, budget: float, **daemon) -> str:
+    """A TOML config for test servers (threads and context sized for the CI machine); ``daemon``
+    adds or overrides [daemon] keys. Returns its path."""
+    settings = {"slots": 2, "max_context": 2048, "budget": budget, "prefill_token": prefill_token, **daemon}
+    lines = ["[model]", "threads = 2", "[daemon]"]
+    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
+    lines += ["[prefill]", "prefix_cache_mb = 64", "max_prompt_tokens = 2048"]
+    path = directory / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
 
 
 class ServerProcess:

@@ -5,7 +5,6 @@ for any budget it prefills locally without asking the prefill server."""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -15,7 +14,7 @@ import urllib.request
 import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import ServerProcess
+from serving_helpers import ServerProcess, server_config
 
 from edgedecode.evaluation.link_shaper import LinkShaper
 
@@ -136,14 +135,7 @@ def test_the_shaper_rate_can_change_mid_transfer(upstream):
 
 
 def _config(tmp_path, name: str, **daemon) -> str:
-    """A TOML config for the test servers (threads and context sized for the CI machine)."""
-    settings = {"slots": 2, "max_context": 2048, "budget": BUDGET, "prefill_token": PREFILL_TOKEN, **daemon}
-    lines = ["[model]", "threads = 2", "[daemon]"]
-    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
-    lines += ["[prefill]", "prefix_cache_mb = 64", "max_prompt_tokens = 2048"]
-    path = tmp_path / f"{name}.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+    return server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, budget=BUDGET, **daemon)
 
 
 @pytest.fixture(scope="module")

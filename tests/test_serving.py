@@ -23,7 +23,7 @@ import zstandard
 from aiohttp import web
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import ServerProcess, ThreadedApp
+from serving_helpers import ServerProcess, ThreadedApp, server_config
 from test_kv_format import join_frames, rechunk, split_frames
 
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
@@ -38,21 +38,9 @@ LONG_TEXT = " ".join(["The lighthouse keeper wrote down the weather every mornin
 
 
 def _config(tmp_path, name: str, **daemon) -> str:
-    """A TOML config for the test servers (threads and context sized for the CI machine)."""
-    settings = {
-        "slots": 2,
-        "max_context": 2048,
-        "budget": BUDGET,
-        "max_body_bytes": 64 * 1024,
-        "prefill_token": PREFILL_TOKEN,
-        **daemon,
-    }
-    lines = ["[model]", "threads = 2", "[daemon]"]
-    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
-    lines += ["[prefill]", "prefix_cache_mb = 64", "max_prompt_tokens = 2048"]
-    path = tmp_path / f"{name}.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return str(path)
+    """The test servers' config: a 64 KiB body limit (the 413 test), then ``daemon``'s settings."""
+    daemon = {"max_body_bytes": 64 * 1024, **daemon}
+    return server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, budget=BUDGET, **daemon)
 
 
 @pytest.fixture(scope="module")
