@@ -14,7 +14,13 @@ from edgedecode.kv.wire import (
     decode_snapshot,
     encode_payload,
 )
-from edgedecode.prefill.pipeline import encode_within_budget, prefill_and_score
+from edgedecode.prefill.pipeline import (
+    BudgetTooSmallError,
+    encode_within_budget,
+    payload_meta,
+    prefill_and_score,
+    smallest_payload,
+)
 from edgedecode.runtime.kvcache import KVInjectionError
 from edgedecode.runtime.sampler import SamplingParams
 
@@ -58,6 +64,18 @@ def test_every_policy_fits_the_wire_budget(scored, budget):
     assert ours.b_wire > 0.9 * budget  # the refit uses the budget, not just the raw estimate
     all_int4 = len(b"".join(encode_payload(scored.snapshot, np.full(scored.snapshot.n_tokens, Tier.INT4, np.uint8))))
     assert (ours.tier_counts()["DROP"] > 0) == (all_int4 > budget * ours.fp16_bytes)  # DROP only when required
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_budget_below_the_smallest_payload_is_refused_naming_it_and_the_floor_is_served(scored, policy):
+    """Header and framing alone (every token dropped) set the smallest payload; a budget below it is
+    a BudgetTooSmallError naming that b at once (it used to loop forever), and that b is served."""
+    smallest = smallest_payload(scored.snapshot, payload_meta(policy, 1e-6)).b_wire
+    with pytest.raises(BudgetTooSmallError, match=f"ask for at least {smallest:.4f}") as refused:
+        encode_within_budget(scored, 1e-6, policy)
+    assert refused.value.minimum > 1e-6
+    floor = encode_within_budget(scored, smallest * 1.01, policy)
+    assert floor.b_wire <= smallest * 1.01 and floor.tier_counts()["DROP"] > 0
 
 
 def test_streamed_ingest_equals_snapshot_injection_and_fp16_is_lossless(

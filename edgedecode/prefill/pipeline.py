@@ -183,9 +183,6 @@ def encode_within_budget(
         raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
         return EncodedKV(list(encode_payload(snapshot, tiers, meta=meta, workers=workers)), tiers, fp16_bytes, raw)
 
-    smallest = smallest_payload(snapshot, meta).b_wire
-    if smallest > budget:
-        raise BudgetTooSmallError(budget, smallest, snapshot.n_tokens)
     best: EncodedKV | None = None
     target = budget
     encoded = encode(tiers_at(target))
@@ -205,8 +202,13 @@ def encode_within_budget(
         target *= _CLOSE_ENOUGH * budget / encoded.b_wire
         encoded = encode(tiers_at(target))
         best = encoded if encoded.b_wire <= budget else None
-    # Still over: as small as the policy goes (every token dropped, which fits; BudgetError without DROP).
-    return best if best is not None else encode(tiers_at(0.0))
+    if best is not None:
+        return best
+    # Still over: as small as the policy goes (every token dropped; BudgetError where DROP is not allowed).
+    smallest = encode(tiers_at(0.0))
+    if smallest.b_wire > budget:
+        raise BudgetTooSmallError(budget, smallest.b_wire, snapshot.n_tokens)
+    return smallest
 
 
 def through_wire(
