@@ -5,13 +5,28 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import urllib.request
 from pathlib import Path
 
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from edgedecode.serving.process import ServerStartError, start_server, stop_server
 
 START_TIMEOUT = 600
+
+
+def metric_samples(url: str, token: str) -> dict[str, float]:
+    """Every sample of a server's /metrics (parsed by prometheus-client), keyed ``name{k=v,...}``."""
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
 
 
 def server_config(directory: Path, name: str, *, prefill_token: str, budget: float, **daemon) -> str:

@@ -8,13 +8,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import ServerProcess, server_config
+from serving_helpers import ServerProcess, metric_samples, server_config
 
 from edgedecode.evaluation.link_shaper import LinkShaper
 
@@ -170,16 +167,7 @@ def servers(smollm2_model, tmp_path_factory):
 
 
 def _metrics(server, token: str = TOKEN) -> dict[str, float]:
-    """Every sample of /metrics, by name and labels."""
-    request = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
+    return metric_samples(server.url, token)
 
 
 def _prefill_requests(prefill) -> float:

@@ -22,8 +22,7 @@ import pytest
 import zstandard
 from aiohttp import web
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import ServerProcess, ThreadedApp, server_config
+from serving_helpers import ServerProcess, ThreadedApp, metric_samples, server_config
 from test_kv_format import join_frames, rechunk, split_frames
 
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
@@ -99,15 +98,7 @@ def _post(url: str, body: bytes, token: str | None = TOKEN) -> tuple[int, dict]:
 
 
 def _metrics(server) -> dict[str, float]:
-    """Every sample of /metrics (parsed by prometheus-client), by name and labels."""
-    status, text = _get(server.url + "/metrics")
-    assert status == 200
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
+    return metric_samples(server.url, TOKEN)
 
 
 def _chat(server, messages, **extra):
