@@ -28,6 +28,7 @@ from edgedecode.kv.wire import (
     KVTooLargeError,
     KVTruncatedError,
     KVVersionError,
+    TransferRef,
     decode_snapshot,
     encode_payload,
 )
@@ -303,7 +304,7 @@ def test_meta_producer_and_layouts_travel_in_the_header() -> None:
     assert header.meta == {"policy": "sink+recent", "budget": 0.3}
     assert header.producer == snap.producer
     assert set(header.layouts) == {Tier.INT4}  # only the tiers actually used
-    assert header.minor == 0
+    assert header.minor == 1 and header.transfer is None
 
 
 @pytest.mark.parametrize(
@@ -344,6 +345,83 @@ def test_a_minor_bump_with_an_unknown_header_field_is_accepted() -> None:
     reader, target = read(bumped, snap.contract, 8)
     assert reader.finish().minor == 7
     np.testing.assert_array_equal(target, read(payload, snap.contract, 8)[1])
+
+
+def test_a_transfer_reference_travels_in_the_header_and_a_1_0_reader_ignores_it() -> None:
+    snap = snapshot(8)
+    payload = encode(snap, np.full(8, Tier.INT8, np.uint8), transfer=TransferRef("t-1_A", 30.0))
+    reader, target = read(payload, snap.contract, 8)
+    assert reader.finish().transfer == TransferRef("t-1_A", 30.0)
+    # the same bytes under a 1.0 prefix: the field is an unknown one, ignored (what a 1.0 reader does)
+    as_1_0 = rewrite_header(payload, lambda doc: None, minor=0)
+    np.testing.assert_array_equal(read(as_1_0, snap.contract, 8)[1], target)
+
+
+@pytest.mark.parametrize(
+    "transfer, field",
+    [
+        ({"id": "", "ttl_s": 1}, "transfer.id"),
+        ({"id": "a/b", "ttl_s": 1}, "transfer.id"),
+        ({"id": "x" * 65, "ttl_s": 1}, "transfer.id"),
+        ({"id": "ok", "ttl_s": 0}, "transfer.ttl_s"),
+        ({"id": "ok", "ttl_s": 1e9}, "transfer.ttl_s"),
+        ({"id": "ok", "ttl_s": 10**400}, "transfer.ttl_s"),
+        ({"id": "ok"}, "transfer.ttl_s"),
+        ({"ttl_s": 5}, "transfer.id"),
+        ([1], "transfer"),
+    ],
+)
+def test_a_bad_transfer_reference_is_malformed(transfer, field) -> None:
+    snap = snapshot(8)
+    payload = rewrite_header(encode(snap, np.full(8, Tier.INT8, np.uint8)), lambda doc: doc.update(transfer=transfer))
+    with pytest.raises(KVMalformedError) as err:
+        read(payload, snap.contract, 8)
+    assert err.value.field == field
+
+
+def test_a_cut_stream_keeps_the_tokens_of_its_verified_chunks() -> None:
+    snap = snapshot(40)
+    tiers = np.full(40, Tier.INT4, np.uint8)
+    tiers[[3, 11, 12]] = Tier.DROP
+    payload = encode(snap, tiers, chunk_tokens=8)
+    whole = read(payload, snap.contract, 40)[1]
+    header_frame, chunks, _ = split_frames(payload)
+    # two whole chunks and half of the third arrive, then the stream is cut
+    reader, target = read(header_frame + b"".join(chunks[:2]) + chunks[2][:20], snap.contract, 40)
+    assert reader.progress.tokens_verified == 16
+    assert reader.cut() == 16
+    slots = int(reader.header.slots_before[16])  # 13 kept tokens of the first 16
+    assert slots == 13
+    np.testing.assert_array_equal(target[:, :, :, :slots], whole[:, :, :, :slots])
+    assert np.isnan(target[:, :, :, slots:]).all()  # nothing of the cut chunk was written
+    with pytest.raises(KVFormatError):
+        reader.feed(chunks[2][20:])  # a cut stream takes nothing more
+    with pytest.raises(KVFormatError):
+        reader.finish()
+
+
+def test_a_cut_keeps_only_tokens_every_layer_of_which_arrived() -> None:
+    snap = snapshot(24)
+    payload = encode(snap, np.full(24, Tier.INT8, np.uint8), chunk_tokens=8, chunk_layers=2)  # layer groups outermost
+    header_frame, chunks, _ = split_frames(payload)
+    reader, _ = read(header_frame + b"".join(chunks[:4]), snap.contract, 24)  # layers 0-1 of all, layer 2 of 8
+    assert reader.cut() == 8
+
+
+def test_a_complete_stream_cut_keeps_every_token_and_a_failed_one_what_it_verified() -> None:
+    snap = snapshot(24)
+    payload = encode(snap, np.full(24, Tier.INT8, np.uint8), chunk_tokens=8)
+    reader, _ = read(payload, snap.contract, 24)
+    assert reader.cut() == 24 and reader.finish().n_tokens == 24
+    header_frame, chunks, _ = split_frames(payload)
+    broken = bytearray(chunks[1])
+    broken[-1] ^= 0xFF
+    reader = EDKVReader(
+        snap.contract, max_tokens=64, target_factory=lambda h: np.zeros((LAYERS, 2, HEADS, 24, 16), np.float32)
+    )
+    with pytest.raises(KVChecksumError):
+        reader.feed(header_frame + chunks[0] + bytes(broken))
+    assert reader.cut() == 8
 
 
 @pytest.mark.parametrize("k", [0, 2])

@@ -10,7 +10,7 @@ from edgedecode.kv.wire.errors import (
     KVValueError,
     KVVersionError,
 )
-from edgedecode.kv.wire.header import ChunkSpec, EDKVHeader
+from edgedecode.kv.wire.header import ChunkSpec, EDKVHeader, TransferRef
 from edgedecode.kv.wire.reader import EDKVReader, ReadProgress, decode_snapshot
 from edgedecode.kv.wire.writer import encode_payload
 
@@ -27,6 +27,7 @@ __all__ = [
     "KVValueError",
     "KVVersionError",
     "ReadProgress",
+    "TransferRef",
     "decode_snapshot",
     "encode_payload",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 MAJOR = 1
-MINOR = 0
+MINOR = 1  # 1.1: the optional header field `transfer`, and cut streams keep their verified prefix
 
 HEADER_MAGIC = b"EDKV"
 CHUNK_MAGIC = b"EDKC"
@@ -30,6 +30,7 @@ MAX_META_DEPTH = 8  # nesting of `meta` below its own object
 MAX_META_CHARS = 4096  # characters of all keys and strings inside `meta`
 HEADER_BASE_BYTES = 128 << 10  # contract, producer, layouts, meta, zstd_level, room for new fields; even \u-escaped
 CHUNK_ROW_BYTES = 64  # one chunk-table row, spaced or indented JSON included ("[0,30,0,256,1474560]," is 21)
+MAX_TRANSFER_TTL_S = 3600.0  # a `transfer` reference lives at most this long
 FIXED_CONTAINERS = 64  # JSON arrays and objects of a header besides chunk rows and meta (about 15 today)
 
 

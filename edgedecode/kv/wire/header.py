@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import math
+import re
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -21,6 +23,7 @@ from edgedecode.kv.wire.frames import (
     MAX_META_DEPTH,
     MAX_META_VALUES,
     MAX_NAME_CHARS,
+    MAX_TRANSFER_TTL_S,
     MINOR,
     max_chunks,
     max_sections,
@@ -28,6 +31,7 @@ from edgedecode.kv.wire.frames import (
 from edgedecode.model.spec import KVContract, KVLayout
 
 KV_PARTS = ("keys", "values")
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 PRODUCER_FIELDS = ("model", "weights_sha256", "precision")
 
 
@@ -41,6 +45,30 @@ class ChunkSpec:
     token_start: int
     token_stop: int
     raw_nbytes: int
+
+
+@dataclass(frozen=True)
+class TransferRef:
+    """EDKV 1.1: the sender keeps the prefill this payload was cut from under ``id`` for ``ttl_s``
+    seconds after sending it, so a receiver may ask for the KV of any later positions of the same
+    prompt (a resume, at a budget of its choice) without the prompt being processed again."""
+
+    id: str  # 1..64 characters of [A-Za-z0-9_-]
+    ttl_s: float  # > 0, at most MAX_TRANSFER_TTL_S
+
+    def __post_init__(self) -> None:
+        if not _TRANSFER_ID.fullmatch(self.id):
+            raise KVMalformedError("transfer.id", "must be 1 to 64 characters of A-Z, a-z, 0-9, '_' and '-'")
+        if not (math.isfinite(self.ttl_s) and 0 < self.ttl_s <= MAX_TRANSFER_TTL_S):
+            raise KVMalformedError("transfer.ttl_s", f"must be in (0, {MAX_TRANSFER_TTL_S:g}] seconds")
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any]) -> TransferRef:
+        ttl = doc_field(doc, "ttl_s", float, "transfer.")
+        try:
+            return cls(doc_field(doc, "id", str, "transfer."), float(ttl))
+        except OverflowError:  # an integer beyond the float range
+            raise KVMalformedError("transfer.ttl_s", "beyond the float range") from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,6 +85,7 @@ class EDKVHeader:
     zstd_level: int
     meta: dict[str, Any]
     minor: int = MINOR  # of the stream it came from; the writer writes the current one
+    transfer: TransferRef | None = None  # 1.1: where the rest of this prefill can be asked for
 
     def __post_init__(self) -> None:
         self._check_arrays()
@@ -111,6 +140,8 @@ class EDKVHeader:
             "zstd_level": self.zstd_level,
             "meta": self.meta,
         }
+        if self.transfer is not None:
+            doc["transfer"] = dataclasses.asdict(self.transfer)
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -147,6 +178,7 @@ class EDKVHeader:
             zstd_level=doc_field(doc, "zstd_level", int),
             meta=meta,
             minor=minor,
+            transfer=TransferRef.from_doc(doc_field(doc, "transfer", dict)) if "transfer" in doc else None,
         )
 
     def _check_arrays(self) -> None:

@@ -75,6 +75,7 @@ class ReadProgress:
     chunks_done: int
     chunks_total: int | None  # None until the header is in
     tokens_ingested: int  # kept tokens whose every layer is written
+    tokens_verified: int  # leading tokens (kept or dropped) whose every layer arrived in verified chunks
 
 
 class EDKVReader:
@@ -159,7 +160,34 @@ class EDKVReader:
     @property
     def progress(self) -> ReadProgress:
         total = None if self._header is None else len(self._header.chunks)
-        return ReadProgress(self._bytes_in, self._chunks_done, total, self._tokens_ingested)
+        return ReadProgress(self._bytes_in, self._chunks_done, total, self._tokens_ingested, self.verified_tokens)
+
+    @property
+    def verified_tokens(self) -> int:
+        """Leading tokens of the header (kept or dropped) whose cells in every layer arrived in verified
+        chunks: the prefix a cut stream keeps (0 before the header)."""
+        if self._header is None:
+            return 0
+        if self._stage is _Stage.DONE:
+            return self._header.n_tokens
+        missing = np.flatnonzero(self._layers_done != self._header.contract.n_layers)
+        return int(missing[0]) if len(missing) else self._header.n_tokens
+
+    def cut(self) -> int:
+        """End the stream here, before its trailer (the receiver stopped reading, or the connection
+        broke): returns ``verified_tokens``, whose KV stays written where the destination put it (the
+        first ``header.slots_before[verified]`` slots); the reader refuses further input.
+
+        Every kept token of the prefix arrived in chunks whose CRC-32 was verified, under a header
+        whose CRC-32 was; the trailer's digest adds no check a prefix needs (docs/kv-format.md §5).
+        A complete stream is cut after its last token; a failed stream is cut at what it verified
+        before failing.
+        """
+        verified = self.verified_tokens
+        if self._failure is None and self._stage is not _Stage.DONE:
+            self._failure = KVTruncatedError(self._cut_at(), f"cut by the receiver after {self._bytes_in} bytes")
+        self._buf = bytearray()
+        return verified
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Consume the next bytes of the stream, acting on every frame they complete."""

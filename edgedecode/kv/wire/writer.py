@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import zlib
@@ -34,6 +35,7 @@ from edgedecode.kv.wire.frames import (
 from edgedecode.kv.wire.header import (
     ChunkSpec,
     EDKVHeader,
+    TransferRef,
     check_layouts,
     check_meta,
     check_tier_map,
@@ -53,6 +55,7 @@ def encode_payload(
     level: int = DEFAULT_ZSTD_LEVEL,
     meta: dict[str, Any] | None = None,
     workers: int = 1,
+    transfer: TransferRef | None = None,
 ) -> Iterator[bytes]:
     """Encode `snapshot` as an EDKV 1.x stream.
 
@@ -67,6 +70,7 @@ def encode_payload(
         meta: free-form JSON object stored in the header (policy name, budget, ...).
         workers: threads that quantize and compress chunks at once (numpy and zstd release the GIL);
             the frames come out in order either way, byte for byte the same.
+        transfer: where the sender keeps this prefill for a resume (EDKV 1.1 header field).
 
     Returns:
         An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
@@ -74,6 +78,8 @@ def encode_payload(
         (ValueError on values a quantizer cannot represent).
     """
     header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta)
+    if transfer is not None:
+        header = dataclasses.replace(header, transfer=transfer)
     try:
         body = header.to_json()
     except TypeError as e:  # every other field is built here from numbers and strings
