@@ -27,7 +27,7 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, encode_payload
 from edgedecode.model.spec import DECODER_KV_LAYOUT, KVContract
 from edgedecode.runtime.engine import GenerationStats
-from edgedecode.runtime.handoff import KVSource, StreamedKV
+from edgedecode.runtime.handoff import KVSource, SegmentReader, StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError
 from edgedecode.runtime.sampler import SamplingParams
 
@@ -70,39 +70,50 @@ class FakeEngine:
         prompt_ids = np.asarray(prompt_ids, np.int64)
         self.length = keep
 
-        def target(header: EDKVHeader) -> np.ndarray:
-            self.header_arrived.set()
-            if self.hold is not None:
-                self.hold.wait(10)
-            if len(header.positions) and (
-                header.positions[-1] >= len(prompt_ids)
-                or not np.array_equal(header.token_ids, prompt_ids[header.positions])
-            ):
-                raise KVInjectionError("the KV's token ids are not the prompt's tokens at the KV's positions")
-            return self.buffer[:, :, :, keep:]
+        def open_reader(first_position: int, first_slot: int) -> EDKVReader:
+            def target(header: EDKVHeader) -> np.ndarray:
+                self.header_arrived.set()
+                if self.hold is not None:
+                    self.hold.wait(10)
+                if len(header.positions) and (
+                    header.positions[0] < first_position
+                    or header.positions[-1] >= len(prompt_ids)
+                    or not np.array_equal(header.token_ids, prompt_ids[header.positions])
+                ):
+                    raise KVInjectionError("the KV's token ids are not the prompt's tokens after those covered")
+                return self.buffer[:, :, :, first_slot:]
 
-        reader = EDKVReader(CONTRACT, max_tokens=self.max_context - keep, target_factory=target)
-        finish = reader.finish
+            reader = EDKVReader(CONTRACT, max_tokens=self.max_context - first_slot, target_factory=target)
+            finish = reader.finish
 
-        def counted_finish() -> EDKVHeader:
-            self.reader_finishes += 1
-            return finish()
+            def counted_finish() -> EDKVHeader:
+                self.reader_finishes += 1
+                return finish()
 
-        reader.finish = counted_finish  # type: ignore[method-assign]
-        return _TrackedStream(self, reader, prompt_ids, keep)
+            reader.finish = counted_finish  # type: ignore[method-assign]
+            return reader
+
+        return _TrackedStream(self, open_reader, prompt_ids, keep)
 
     def generate(self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0):
         if self.ingesting:
             self.generated_while_ingesting = True
         if isinstance(kv, StreamedKV):
             assert kv.owner is self and np.array_equal(kv.prompt_ids, prompt_ids)
-            header = kv.finish()
-            used = ("stream", header.n_kept, kv.keep)
+            if not kv.ended:
+                kv.finish()
+            used = ("stream", len(kv.adopted()[0]), kv.keep)
         else:
             assert kv is None
             used = ("local", 0, keep)
         self.used.append(used)
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=used[1], reused_tokens=used[2])
+        covered = kv.covered if isinstance(kv, StreamedKV) else keep
+        self.stats = GenerationStats(
+            prompt_tokens=len(prompt_ids),
+            injected_tokens=used[1],
+            reused_tokens=used[2],
+            computed_tokens=len(prompt_ids) - min(covered, len(prompt_ids) - 1),
+        )
         self.history, self.length = np.asarray(prompt_ids, np.int64), len(prompt_ids)
         self.stats.finish_reason = "length"
         tokens = TOKENS[: params.max_tokens]
@@ -116,8 +127,8 @@ class FakeEngine:
 class _TrackedStream(StreamedKV):
     """A StreamedKV that tells its engine while the ingest thread feeds it."""
 
-    def __init__(self, engine: FakeEngine, reader: EDKVReader, prompt_ids: np.ndarray, keep: int) -> None:
-        super().__init__(reader, prompt_ids, keep, keep, owner=engine)
+    def __init__(self, engine: FakeEngine, open_reader: SegmentReader, prompt_ids: np.ndarray, keep: int) -> None:
+        super().__init__(open_reader, prompt_ids, keep, keep, owner=engine)
         self.engine = engine
 
     def feed(self, data) -> None:
@@ -286,7 +297,8 @@ def test_a_good_pull_is_used(prefill):
     turn = drive(service, lambda: run_turn(service))
     report = turn.report
     assert (report.kv_source, report.fallback_reason) == ("prefill_server", None)
-    assert report.pulled_tokens == len(PROMPT) and report.tiers == {"FP16": len(PROMPT)}
+    assert report.tiers == {"FP16": len(PROMPT)}  # what the payload held
+    assert (report.pulled_tokens, report.computed_tokens) == (len(PROMPT) - 1, 1)  # the last token runs here
     assert report.wire_bytes == len(payload_for(PROMPT, 0)) and report.server_seconds == 0.001
     assert engine.used == [("stream", len(PROMPT), 0)]
     assert engine.reader_finishes == 1  # the pull confirmed the stream; the engine reused its header
@@ -408,7 +420,7 @@ def test_a_session_keeps_its_slot_and_its_kv(prefill):
     keep = len(PROMPT) + len(TOKENS) - 1  # the last generated token never ran
     assert (first.reused_tokens, other.reused_tokens, again.reused_tokens) == (0, 0, keep)
     assert prefill.bodies[2]["held_tokens"] == keep  # only the rest of the prompt is asked for
-    assert again.kv_source == "prefill_server" and again.pulled_tokens == len(follow_up) - keep
+    assert again.kv_source == "prefill_server" and again.pulled_tokens == len(follow_up) - keep - 1
     assert engines[first.slot].used[-1] == ("stream", len(follow_up) - keep, keep)
     assert service.pool.busy == 0
 

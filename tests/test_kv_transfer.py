@@ -186,3 +186,59 @@ def test_engines_sharing_a_session_keep_separate_kv(smollm2_model, exact_decoder
     b = sibling.prefill(long_prompt[100:180]).copy()
     np.testing.assert_allclose(sibling.prefill(long_prompt[:50]), a, atol=1e-4)
     np.testing.assert_allclose(exact_decoder.prefill(long_prompt[100:180]), b, atol=1e-4)
+
+
+def _chunk_end(payload: bytes, chunks: int) -> int:
+    """Bytes of ``payload`` up to the end of its first ``chunks`` chunk frames."""
+    from edgedecode.kv.wire.frames import CHUNK_PREFIX, HEADER_CRC, HEADER_PREFIX
+
+    _, _, _, length = HEADER_PREFIX.unpack_from(payload)
+    pos = HEADER_PREFIX.size + length + HEADER_CRC.size
+    for _ in range(chunks):
+        _, _, size, _ = CHUNK_PREFIX.unpack_from(payload, pos)
+        pos += CHUNK_PREFIX.size + size
+    return pos
+
+
+def test_a_cut_stream_keeps_its_verified_tokens_and_the_rest_is_computed_here(exact_decoder, scored, long_prompt):
+    payload = b"".join(encode_within_budget(scored, 1.0).frames)
+    whole_logits = _stream(exact_decoder, long_prompt, payload).copy()
+    stream = exact_decoder.open_kv_stream(long_prompt)
+    stream.feed(payload[: _chunk_end(payload, 2) + 1000])  # two chunks of 256 tokens, and part of the third
+    assert stream.cut() == 512
+    logits = exact_decoder.prefill(long_prompt, stream)
+    assert exact_decoder.stats.injected_tokens == 512  # the other 88 positions ran through the decoder here
+    assert exact_decoder.next_position == len(long_prompt)
+    # KV of the last 88 positions from the INT4 graph instead of the fp32 prefill graph: ~1e-2 in the logits
+    np.testing.assert_allclose(logits, whole_logits, atol=5e-2)
+    assert logits.argmax() == whole_logits.argmax()
+
+
+def test_a_resumed_segment_completes_a_cut_stream_exactly(exact_decoder, scored, long_prompt):
+    payload = b"".join(encode_within_budget(scored, 1.0).frames)
+    whole_logits = _stream(exact_decoder, long_prompt, payload).copy()
+    stream = exact_decoder.open_kv_stream(long_prompt)
+    stream.feed(payload[: _chunk_end(payload, 1) + 5])
+    covered = stream.cut()
+    assert covered == 256
+    stream.resume()
+    rest = b"".join(encode_within_budget(scored.from_position(covered), 1.0).frames)
+    for start in range(0, len(rest), 5000):
+        stream.feed(rest[start : start + 5000])
+    logits = exact_decoder.prefill(long_prompt, stream)
+    assert exact_decoder.stats.injected_tokens == len(long_prompt) - 1
+    assert [segment.tokens for segment in stream.segments] == [256, len(long_prompt) - 256]
+    np.testing.assert_array_equal(logits, whole_logits)  # FP16 either way: the same KV in the same slots
+
+
+def test_a_resumed_segment_must_start_after_what_is_covered(exact_decoder, scored, long_prompt):
+    payload = b"".join(encode_within_budget(scored, 1.0).frames)
+    stream = exact_decoder.open_kv_stream(long_prompt)
+    stream.feed(payload[: _chunk_end(payload, 1)])
+    stream.cut()
+    stream.resume()
+    with pytest.raises(KVInjectionError, match="inside the 256 positions"):
+        stream.feed(payload)  # the whole payload again: its first 256 positions are covered
+    assert stream.cut() == 256  # nothing of the refused segment counts
+    exact_decoder.prefill(long_prompt, stream)
+    assert exact_decoder.stats.injected_tokens == 256

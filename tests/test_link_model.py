@@ -14,7 +14,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from serving_helpers import ThreadedApp
 
-from edgedecode.daemon.kv_pull import PullResult, PullSettings, pull_kv
+from edgedecode.daemon.kv_pull import PullResult, PullSettings, first_segment, pull_segment
 from edgedecode.daemon.link import LinkEstimate, LinkModel, LinkModels
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
@@ -225,13 +225,18 @@ def test_a_pull_times_its_round_trip_and_transfer_and_teaches_the_link(clock):
     app.router.add_post("/v1/prefill", prefill)
     server = ThreadedApp(app)
     buffer = np.zeros((LAYERS, 2, HEADS, N_TOKENS, HEAD_DIM), np.float32)
-    reader = EDKVReader(CONTRACT, max_tokens=N_TOKENS, target_factory=lambda header: buffer)
-    stream = StreamedKV(reader, prompt, 0, 0)
-    settings = PullSettings(server.url + "/", "", 1.0, "importance", 1 << 24, aiohttp.ClientTimeout(total=10))
+    stream = StreamedKV(
+        lambda position, slot: EDKVReader(CONTRACT, max_tokens=N_TOKENS, target_factory=lambda header: buffer),
+        prompt,
+        0,
+        0,
+    )
+    settings = PullSettings(server.url + "/", "", "importance", 1 << 24, aiohttp.ClientTimeout(total=10))
 
     async def run() -> PullResult:
         async with aiohttp.ClientSession() as http:
-            return await pull_kv(http, settings, prompt, 0, stream, ingest, 4 * 1024)
+            request = first_segment(prompt, 0, 1.0, "importance")
+            return await pull_segment(http, settings, request, stream, ingest, 4 * 1024)
 
     try:
         with ThreadPoolExecutor(1) as ingest:

@@ -81,6 +81,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     injected_tokens: int = 0  # prompt tokens whose KV came from elsewhere
     reused_tokens: int = 0  # leading prompt positions whose KV this engine still held from its last use
+    computed_tokens: int = 0  # prompt positions run through the graph (the rest were reused or injected)
     generated_tokens: int = 0
     decode_steps: int = 0  # single-token graph runs after the prompt
     prefill_seconds: float = 0.0  # prompt processing up to the first token's logits
@@ -373,39 +374,45 @@ class Engine:
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected)
 
     def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> StreamedKV:
-        """The handoff of an EDKV stream holding KV of (part of) ``prompt_ids`` after the ``keep``
+        """The handoff of EDKV streams holding KV of (part of) ``prompt_ids`` after the ``keep``
         positions kept from this engine's previous use (see ``prefill``); those are kept from now on.
 
-        Feed it the stream as it arrives: each chunk is verified, then dequantized straight into this
-        engine's KV buffers (on CUDA, into a host staging buffer uploaded at the end). Then pass it
-        as ``kv`` to ``prefill`` or ``generate`` with the same prompt. A stream for another model,
-        another prompt or too many tokens fails with a typed error at its header, before anything
+        Feed it the streams as they arrive (``runtime.handoff``: segments, each complete or cut):
+        each chunk is verified, then dequantized straight into this engine's KV buffers (on CUDA,
+        into a host staging buffer uploaded at the end). Then pass it as ``kv`` to ``prefill`` or
+        ``generate`` with the same prompt. A segment for another model, another prompt, positions
+        already covered or too many tokens fails with a typed error at its header, before anything
         is written.
         """
         prompt_ids = self._checked_prompt(prompt_ids)
         kept = self._keep(prompt_ids, keep)
 
-        def target(header: EDKVHeader) -> np.ndarray:
-            self.cache.check_prompt_match(header.token_ids, header.positions, prompt_ids)
-            self._check_after_kept(header.positions, keep, kept)
-            return self.cache.ingest_target(kept, header.n_kept)
+        def open_reader(first_position: int, first_slot: int) -> EDKVReader:
+            def target(header: EDKVHeader) -> np.ndarray:
+                self.cache.check_prompt_match(header.token_ids, header.positions, prompt_ids)
+                self._check_after_kept(header.positions, first_position, first_slot)
+                return self.cache.ingest_target(first_slot, header.n_kept)
 
-        reader = EDKVReader(self.spec.kv_contract, max_tokens=self.max_context - kept, target_factory=target)
-        return StreamedKV(reader, prompt_ids, keep, kept, owner=self)
+            return EDKVReader(self.spec.kv_contract, max_tokens=self.max_context - first_slot, target_factory=target)
+
+        return StreamedKV(open_reader, prompt_ids, keep, kept, owner=self)
 
     def _adopt_stream(self, prompt_ids: np.ndarray, stream: StreamedKV, keep: int) -> np.ndarray:
-        """Adopt what ``stream`` wrote, once it is complete, and process the rest of the prompt."""
+        """Adopt what the stream's segments wrote (the current one must be complete unless it was
+        cut) and process the rest of the prompt."""
         if stream.owner is not self:
             raise KVInjectionError("the KV stream was opened by another engine")
         if keep not in (0, stream.keep):
             raise KVInjectionError(f"the KV stream was opened keeping {stream.keep} positions, not {keep}")
         if not np.array_equal(prompt_ids, stream.prompt_ids):
             raise KVInjectionError("the KV stream was opened for another prompt")
-        header = stream.finish()
-        kept = header.kept
-        token_ids, positions = header.token_ids[kept], header.positions[kept]
+        if not stream.ended:
+            stream.finish()
+        token_ids, positions = stream.adopted()
         injected = self._injectable_count(positions, prompt_ids)
-        self.cache.commit_ingest(stream.kept_slots, injected)
+        self.cache.commit_ingest(
+            [(segment.first_slot, segment.slots) for segment in stream.segments], stream.kept_slots + injected
+        )
         return self._process_prompt(
             prompt_ids, stream.kept_slots, stream.keep, token_ids[:injected], positions[:injected]
         )
@@ -414,7 +421,7 @@ class Engine:
         """Received KV must start after the kept positions and fit the slots left after them."""
         if len(positions) and positions[0] < keep:
             raise KVInjectionError(
-                f"the KV starts at position {int(positions[0])}, inside the {keep} positions this engine keeps"
+                f"the KV starts at position {int(positions[0])}, inside the {keep} positions this engine already holds"
             )
         if kept_slots + len(positions) > self.max_context:
             raise KVInjectionError(
@@ -449,8 +456,13 @@ class Engine:
         self._positions[0, kept_slots:end] = positions
         self._history[: len(prompt_ids)] = prompt_ids
         self.cache.length = end
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected, reused_tokens=keep)
         resume = int(positions[-1]) + 1 if injected else keep
+        self.stats = GenerationStats(
+            prompt_tokens=len(prompt_ids),
+            injected_tokens=injected,
+            reused_tokens=keep,
+            computed_tokens=len(prompt_ids) - resume,
+        )
         if len(prompt_ids) - resume > 1:
             self.forward(prompt_ids[resume:-1])
         # The last prompt token runs alone, as every decode step does, so its logits and KV are the same

@@ -9,6 +9,8 @@ committed as they are written.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -53,7 +55,7 @@ class KVCache:
             ]
             self._rows = DeviceRows(self)
         self.length = 0
-        self._staging: np.ndarray | None = None  # CUDA: host buffer an EDKV stream is ingested into
+        self._staging: dict[int, np.ndarray] = {}  # CUDA: host buffers EDKV streams are ingested into, by first slot
 
     def update(self, start: int, keys: np.ndarray, values: np.ndarray) -> None:
         """Write KV for positions [start, start + n); keys/values are [layers, kv_heads, n, head_dim]."""
@@ -100,17 +102,23 @@ class KVCache:
         if self.device == "cpu":
             return self.host[:, :, 0, :, start:]
         s = self.spec
-        self._staging = np.empty((s.n_layers, 2, s.n_kv_heads, n_slots, s.head_dim), np.float32)
-        return self._staging
+        staged = np.empty((s.n_layers, 2, s.n_kv_heads, n_slots, s.head_dim), np.float32)
+        self._staging[start] = staged  # a later segment bound for the same slots replaces an empty one
+        return staged
 
-    def commit_ingest(self, start: int, n_slots: int) -> None:
-        """Make the first ``n_slots`` ingested tokens the content of slots [start, start + n_slots)."""
+    def commit_ingest(self, spans: Sequence[tuple[int, int]], end: int) -> None:
+        """Make ingested tokens the content of their slots: ``spans`` are (first slot, slots) of the
+        streams written, up to slot ``end`` (tokens past it are left out)."""
+        staging, self._staging = self._staging, {}
         if self.device == "cpu":
-            self.length = start + n_slots
-        else:
-            staged, self._staging = self._staging, None
-            if staged is None:
-                raise KVInjectionError("nothing was ingested: no EDKV stream wrote into this cache")
+            return
+        for start, n_slots in spans:
+            n_slots = min(n_slots, end - start)
+            if n_slots <= 0:
+                continue
+            staged = staging.get(start)
+            if staged is None or staged.shape[3] < n_slots:
+                raise KVInjectionError(f"no EDKV stream wrote the {n_slots} slots from slot {start}")
             self.update(start, staged[:, 0, :, :n_slots], staged[:, 1, :, :n_slots])
 
     def check_prompt_match(self, token_ids: np.ndarray, positions: np.ndarray, prompt_ids: np.ndarray) -> None:
