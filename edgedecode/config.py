@@ -20,6 +20,7 @@ from urllib.parse import urlparse
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.policy import POLICIES
+from edgedecode.kv.wire.frames import MAX_TRANSFER_TTL_S
 
 DEFAULT_CONFIG_PATH = Path("/etc/edgedecode/edgedecode.toml")
 ENV_PREFIX = "EDGEDECODE_"
@@ -78,6 +79,8 @@ class PrefillConfig:
     port: int = 8089
     auth_token: str = ""  # bearer token clients must send; required when host is not loopback
     prefix_cache_mb: int = 256  # prompt KV kept for the next turns of conversations
+    transfer_cache_mb: int = 512  # prefill KV kept for receivers to resume a cut pull; 0: none
+    transfer_ttl_s: float = 30.0  # how long a transfer is kept after its last payload
     encode_threads: int = 0  # threads quantizing and compressing EDKV chunks; 0: one per CPU
     max_prompt_tokens: int = 8192
     max_body_bytes: int = 4 << 20
@@ -247,6 +250,10 @@ def _validate(config: Config) -> None:
         problems.append("daemon.breaker_failures must be >= 1")
     if p.encode_threads < 0:
         problems.append("prefill.encode_threads must be >= 0 (0: one per CPU)")
+    if p.transfer_cache_mb < 0 or not 0 < p.transfer_ttl_s <= MAX_TRANSFER_TTL_S:
+        problems.append(
+            f"prefill.transfer_cache_mb must be >= 0 and prefill.transfer_ttl_s in (0, {MAX_TRANSFER_TTL_S:g}]"
+        )
     if d.max_payload_bytes < 1024 or d.memory_reserve_mb < 0 or p.prefix_cache_mb < 0 or p.max_prompt_tokens < 2:
         problems.append(
             "daemon.max_payload_bytes >= 1024, daemon.memory_reserve_mb >= 0, "

@@ -17,7 +17,7 @@ from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
-from edgedecode.kv.wire import decode_snapshot, encode_payload
+from edgedecode.kv.wire import TransferRef, decode_snapshot, encode_payload
 from edgedecode.model.spec import KVContract
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_free
 
@@ -159,9 +159,10 @@ def encode_within_budget(
     pdtrim_head_fraction: float = 0.5,
     meta: dict | None = None,
     workers: int = 1,
+    transfer: TransferRef | None = None,
 ) -> EncodedKV:
     """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``
-    (``workers``: threads encoding chunks at once)."""
+    (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference)."""
     snapshot = scored.snapshot
     costs = tier_costs(snapshot)
     fp16_bytes = int(costs[Tier.FP16] * snapshot.n_tokens)
@@ -181,7 +182,8 @@ def encode_within_budget(
     def encode(tiers: np.ndarray) -> EncodedKV:
         counts = np.bincount(tiers, minlength=len(Tier))
         raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
-        return EncodedKV(list(encode_payload(snapshot, tiers, meta=meta, workers=workers)), tiers, fp16_bytes, raw)
+        frames = list(encode_payload(snapshot, tiers, meta=meta, workers=workers, transfer=transfer))
+        return EncodedKV(frames, tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
     target = budget

@@ -25,6 +25,8 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
         threads=config.model.threads or None,
         max_prompt_tokens=settings.max_prompt_tokens,
         prefix_cache_bytes=settings.prefix_cache_mb << 20,
+        transfer_bytes=settings.transfer_cache_mb << 20,
+        transfer_ttl_s=settings.transfer_ttl_s,
         encode_threads=settings.encode_threads or os.cpu_count() or 1,
         allow_special_tokens=settings.allow_special_tokens,
     )

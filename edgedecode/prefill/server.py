@@ -3,7 +3,12 @@
 * ``POST /v1/prefill`` — JSON in (see ``PrefillRequest.parse``), a streamed EDKV payload out
   (chunked, ``application/x-edkv``), frame by frame. Response headers summarise it
   (``X-EDKV-Tokens``, ``X-EDKV-Wire-Bytes``, ``X-EDKV-FP16-Bytes``, ``X-Prefix-Reused-Tokens``);
-  the receiver trusts only the payload itself.
+  the receiver trusts only the payload itself. Its header names the transfer the prefill is kept
+  under for a while (EDKV 1.1 ``transfer``), when the transfer store has room.
+* ``POST /v1/prefill/transfers/{transfer_id}`` — JSON in (see ``ResumeRequest.parse``: the
+  ``held_tokens`` the receiver has, a budget for the rest), the payload of the kept prefill's
+  positions from there on, as above; nothing is computed again. 404 ``transfer_not_found`` once
+  the transfer expired.
 * ``GET /v1/models`` — the served model with its KV contract and producer fingerprint.
 * ``GET /healthz``, ``GET /metrics``.
 """
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -19,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from edgedecode.config import Config
 from edgedecode.errors import ServerBusyError
 from edgedecode.kv.tiers import Tier
-from edgedecode.prefill.service import PrefillService
+from edgedecode.prefill.service import PrefillResult, PrefillService, ResumeRequest
 from edgedecode.serving.http import (
     OUTCOME,
     add_common_routes,
@@ -32,6 +38,7 @@ from edgedecode.serving.http import (
 logger = logging.getLogger(__name__)
 EDKV_CONTENT_TYPE = "application/x-edkv"
 SERVICE_KEY = web.AppKey("prefill_service", PrefillService)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class PrefillMetrics:
@@ -78,7 +85,7 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
     metrics = PrefillMetrics(service)
 
     def count(request: web.Request, status: str) -> None:
-        if request.path == "/v1/prefill":
+        if request.path.startswith("/v1/prefill"):
             metrics.requests.labels(status).inc()
 
     app = web.Application(
@@ -87,26 +94,41 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
     app[SERVICE_KEY] = service
     waiting = 0
 
-    async def prefill(request: web.Request) -> web.StreamResponse:
-        nonlocal waiting
-        if waiting >= settings.max_queue:
-            raise ServerBusyError(f"{waiting} prefill requests are queued (limit {settings.max_queue}); retry later")
-        waiting += 1
-        metrics.queue.inc()
-        try:
-            return await _prefill(request)
-        finally:
-            waiting -= 1
-            metrics.queue.dec()
+    def queued(handler: Handler) -> Handler:
+        """``handler`` behind the bounded queue (429 when full), counted in the queue gauge."""
+
+        async def run(request: web.Request) -> web.StreamResponse:
+            nonlocal waiting
+            if waiting >= settings.max_queue:
+                raise ServerBusyError(
+                    f"{waiting} prefill requests are queued (limit {settings.max_queue}); retry later"
+                )
+            waiting += 1
+            metrics.queue.inc()
+            try:
+                return await handler(request)
+            finally:
+                waiting -= 1
+                metrics.queue.dec()
+
+        return run
 
     async def _prefill(request: web.Request) -> web.StreamResponse:
         # A bad request (400), a budget no payload meets or a prompt too long (422) raises; the middleware answers.
         parsed = service.parse(await read_json(request, settings.client_timeout_s))
-        result = await service.prefill(parsed)
+        return await _send(request, await service.prefill(parsed))
+
+    async def resume(request: web.Request) -> web.StreamResponse:
+        body = await read_json(request, settings.client_timeout_s)
+        parsed = ResumeRequest.parse(request.match_info["transfer_id"], body)
+        return await _send(request, await service.resume(parsed))  # an unknown transfer raises (404)
+
+    async def _send(request: web.Request, result: PrefillResult) -> web.StreamResponse:
+        """Stream ``result``'s payload, frame by frame, and count it."""
         encoded = result.encoded
         metrics.seconds.observe(result.seconds)
         metrics.tokens.labels("prefix_cache").inc(result.reused_tokens)
-        metrics.tokens.labels("computed").inc(result.prompt_tokens - result.reused_tokens)
+        metrics.tokens.labels("computed").inc(result.computed_tokens)
         for tier, count in encoded.tier_counts().items():
             metrics.tier_tokens.labels(tier).inc(count)
         response = web.StreamResponse(
@@ -138,7 +160,8 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [model_card(service)]})
 
-    app.router.add_post("/v1/prefill", prefill)
+    app.router.add_post("/v1/prefill", queued(_prefill))
+    app.router.add_post("/v1/prefill/transfers/{transfer_id}", queued(resume))
     app.router.add_get("/v1/models", models)
     add_common_routes(app, metrics.registry)
     return app

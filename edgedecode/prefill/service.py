@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -18,20 +20,24 @@ from edgedecode.errors import RequestError
 from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier, parse_tiers
+from edgedecode.kv.wire import TransferRef
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.prefill.pipeline import (
     BudgetTooSmallError,
     EncodedKV,
+    ScoredPrefill,
     encode_within_budget,
     payload_meta,
     prefill_and_score,
     smallest_payload,
 )
 from edgedecode.prefill.prefix_cache import PrefixCache
+from edgedecode.prefill.transfers import TransferStore
 from edgedecode.runtime.engine import Engine
 
 CHAT_ROLES = ("system", "user", "assistant")
+Request = TypeVar("Request")
 PREFILL_STALL_SECONDS = 300.0  # one prefill running longer than this marks the server unhealthy (watchdog)
 
 
@@ -61,12 +67,9 @@ class PrefillRequest:
         """Validate a JSON body: exactly one of ``token_ids``, ``text`` or ``messages``; optional
         ``held_tokens`` (0), ``budget`` (1.0), ``policy`` ("ours"), ``allowed_tiers`` (all) and
         ``model`` (must be this server's). Text spells control tokens only with ``allow_special_tokens``."""
-        known = {"model", "token_ids", "text", "messages", "held_tokens", "budget", "policy", "allowed_tiers"}
-        unknown = sorted(set(body) - known)
-        if unknown:
-            raise PrefillRequestError(
-                f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}", unknown[0]
-            )
+        _check_known(
+            body, {"model", "token_ids", "text", "messages", "held_tokens", "budget", "policy", "allowed_tiers"}
+        )
         if body.get("model") not in (None, model.record.name):
             raise PrefillRequestError(f"this server prefills {model.record.name!r}, not {body['model']!r}", "model")
         token_ids = _prompt(body, model, allow_special_tokens)
@@ -76,24 +79,70 @@ class PrefillRequest:
             raise PrefillRequestError(
                 f"the prompt has {len(token_ids)} tokens; this server takes at most {max_prompt_tokens}", "token_ids"
             )
-        held = body.get("held_tokens", 0)
-        if not isinstance(held, int) or isinstance(held, bool) or not 0 <= held < len(token_ids):
-            raise PrefillRequestError(
-                f"held_tokens must be an integer in [0, {len(token_ids)}) for this prompt", "held_tokens"
-            )
-        budget = body.get("budget", 1.0)
-        if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:  # NaN too
-            raise PrefillRequestError("budget must be a number in (0, 1]: wire bytes / FP16 bytes", "budget")
-        policy = body.get("policy", "ours")
-        if policy not in POLICIES:
-            raise PrefillRequestError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}", "policy")
-        try:
-            allowed = parse_tiers(body.get("allowed_tiers", [t.name for t in Tier]))
-        except (ValueError, TypeError, AttributeError) as exc:
-            raise PrefillRequestError(f"allowed_tiers: {exc}", "allowed_tiers") from None
-        if Tier.FP16 not in allowed:
-            raise PrefillRequestError("allowed_tiers must include fp16", "allowed_tiers")
-        return cls(token_ids, held, float(budget), policy, allowed)
+        held = _held_tokens(body, len(token_ids))
+        budget, policy, allowed = _payload_terms(body)
+        return cls(token_ids, held, budget, policy, allowed)
+
+
+@dataclass(frozen=True)
+class ResumeRequest:
+    """What a client asks of a kept prefill: the KV of its positions from ``held_tokens`` on, at ``budget``."""
+
+    transfer_id: str
+    held_tokens: int
+    budget: float
+    policy: str
+    allowed: tuple[Tier, ...]
+
+    @classmethod
+    def parse(cls, transfer_id: str, body: dict) -> ResumeRequest:
+        """Validate a JSON body: ``held_tokens`` (required), optional ``budget`` (1.0), ``policy``
+        ("ours") and ``allowed_tiers`` (all); ``held_tokens`` is checked against the prompt once the
+        transfer is found."""
+        _check_known(body, {"held_tokens", "budget", "policy", "allowed_tiers"})
+        if "held_tokens" not in body:
+            raise PrefillRequestError("held_tokens is required: the positions the receiver holds", "held_tokens")
+        held = body["held_tokens"]
+        if not isinstance(held, int) or isinstance(held, bool) or held < 0:
+            raise PrefillRequestError("held_tokens must be a non-negative integer", "held_tokens")
+        return cls(transfer_id, held, *_payload_terms(body))
+
+    def for_prompt(self, token_ids: np.ndarray) -> PrefillRequest:
+        """The equivalent request for the transfer's prompt (PrefillRequestError if held_tokens is past it)."""
+        held = _held_tokens({"held_tokens": self.held_tokens}, len(token_ids))
+        return PrefillRequest(token_ids, held, self.budget, self.policy, self.allowed)
+
+
+def _check_known(body: dict, known: set[str]) -> None:
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise PrefillRequestError(
+            f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}", unknown[0]
+        )
+
+
+def _held_tokens(body: dict, n_tokens: int) -> int:
+    held = body.get("held_tokens", 0)
+    if not isinstance(held, int) or isinstance(held, bool) or not 0 <= held < n_tokens:
+        raise PrefillRequestError(f"held_tokens must be an integer in [0, {n_tokens}) for this prompt", "held_tokens")
+    return held
+
+
+def _payload_terms(body: dict) -> tuple[float, str, tuple[Tier, ...]]:
+    """The body's budget (1.0), policy ("ours") and allowed tiers (all), validated."""
+    budget = body.get("budget", 1.0)
+    if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:  # NaN too
+        raise PrefillRequestError("budget must be a number in (0, 1]: wire bytes / FP16 bytes", "budget")
+    policy = body.get("policy", "ours")
+    if policy not in POLICIES:
+        raise PrefillRequestError(f"unknown policy {policy!r}; known: {', '.join(POLICIES)}", "policy")
+    try:
+        allowed = parse_tiers(body.get("allowed_tiers", [t.name for t in Tier]))
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise PrefillRequestError(f"allowed_tiers: {exc}", "allowed_tiers") from None
+    if Tier.FP16 not in allowed:
+        raise PrefillRequestError("allowed_tiers must include fp16", "allowed_tiers")
+    return float(budget), policy, allowed
 
 
 def _prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.ndarray:
@@ -129,8 +178,9 @@ class PrefillResult:
 
     encoded: EncodedKV
     prompt_tokens: int
-    reused_tokens: int  # prompt positions whose KV came from the prefix cache
+    reused_tokens: int  # prompt positions whose KV came from the prefix cache (0 for a resume)
     seconds: float
+    computed_tokens: int  # prompt positions this request ran through the prefill graph (0 for a resume)
 
 
 class PrefillService:
@@ -145,9 +195,13 @@ class PrefillService:
         threads: int | None = None,
         max_prompt_tokens: int,
         prefix_cache_bytes: int,
+        transfer_bytes: int = 0,
+        transfer_ttl_s: float = 30.0,
         encode_threads: int = 1,
         allow_special_tokens: bool = False,
     ) -> None:
+        """``transfer_bytes``/``transfer_ttl_s``: how much prefill KV is kept, and how long, for
+        receivers to resume a cut pull (``transfers.TransferStore``; 0 bytes: none is kept)."""
         self.model = model
         self.encode_threads = encode_threads
         self.allow_special_tokens = allow_special_tokens
@@ -155,6 +209,7 @@ class PrefillService:
         self.max_prompt_tokens = min(max_prompt_tokens, model.spec.context_length)
         self.engine = Engine(model, options, max_context=self.max_prompt_tokens + 1, device=device, threads=threads)
         self.cache = PrefixCache(prefix_cache_bytes)
+        self.transfers = TransferStore(transfer_bytes, transfer_ttl_s)
         self.profile = TierProfile.load(profile_path(model))
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-prefill")
         self._busy_since: float | None = None  # when the running prefill started (monotonic)
@@ -168,7 +223,17 @@ class PrefillService:
         (BudgetTooSmallError), at once and without waiting for the worker."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.check_budget, request)
-        return await loop.run_in_executor(self._worker, self._watched, request)
+        return await loop.run_in_executor(self._worker, self._watched, self._prefill, request)
+
+    async def resume(self, request: ResumeRequest) -> PrefillResult:
+        """The KV of a kept prefill (``transfers``) from ``request.held_tokens`` on, at its budget,
+        encoded on the worker thread; nothing is computed again.
+
+        Raises:
+            TransferNotFoundError: the transfer expired or is unknown (404).
+            PrefillRequestError, BudgetTooSmallError: as for a prefill request.
+        """
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self._watched, self._resume, request)
 
     def check_budget(self, request: PrefillRequest) -> None:
         """Raise BudgetTooSmallError when ``request.budget`` is below the smallest payload for its
@@ -196,10 +261,10 @@ class PrefillService:
         since = self._busy_since
         return since is None or time.monotonic() - since < PREFILL_STALL_SECONDS
 
-    def _watched(self, request: PrefillRequest) -> PrefillResult:
+    def _watched(self, work: Callable[[Request], PrefillResult], request: Request) -> PrefillResult:
         self._busy_since = time.monotonic()
         try:
-            return self._prefill(request)
+            return work(request)
         finally:
             self._busy_since = None
 
@@ -213,18 +278,31 @@ class PrefillService:
         scored = prefill_and_score(self.engine, ids, kv=hit.kv if hit else None)
         reused = self.engine.stats.injected_tokens
         self.cache.store(scored.snapshot)
+        encoded = self._encode(scored, request, self.transfers.put(scored))
+        return PrefillResult(encoded, len(ids), reused, time.perf_counter() - started, len(ids) - reused)
+
+    def _resume(self, resume: ResumeRequest) -> PrefillResult:
+        started = time.perf_counter()
+        scored, transfer = self.transfers.get(resume.transfer_id)
+        request = resume.for_prompt(scored.snapshot.token_ids)
+        self.check_budget(request)
+        encoded = self._encode(scored, request, transfer)
+        return PrefillResult(encoded, len(request.token_ids), 0, time.perf_counter() - started, 0)
+
+    def _encode(self, scored: ScoredPrefill, request: PrefillRequest, transfer: TransferRef | None) -> EncodedKV:
+        """The payload of ``request``'s positions of ``scored`` under its budget, policy and tiers."""
         profile = TierProfile(
             tuple(t for t in self.profile.allowed if t in request.allowed), self.profile.distortion, self.profile.source
         )
-        encoded = encode_within_budget(
+        return encode_within_budget(
             scored.from_position(request.held_tokens),
             request.budget,
             request.policy,
             profile=profile,
             meta=request.meta,
             workers=self.encode_threads,
+            transfer=transfer,
         )
-        return PrefillResult(encoded, len(ids), reused, time.perf_counter() - started)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
