@@ -207,12 +207,13 @@ def test_second_turn_pulls_only_the_new_tokens(daemon, smollm2_model):
     prompt2 = second.usage.prompt_tokens
     assert kv["source"] == "prefill_server"
     assert kv["reused_tokens"] >= first.usage.prompt_tokens  # the first turn's prompt and answer stay resident
-    assert kv["pulled_tokens"] == prompt2 - kv["reused_tokens"]
+    # the payload holds the new tokens; the last one runs here, as every turn's does
+    assert kv["pulled_tokens"] == prompt2 - kv["reused_tokens"] - 1 and kv["computed_tokens"] == 1
     per_token = smollm2_model.spec.kv_bytes_per_token_fp16
     pulled_fp16 = (
         after["edgedecode_kv_fp16_equivalent_bytes_total{}"] - before["edgedecode_kv_fp16_equivalent_bytes_total{}"]
     )
-    assert pulled_fp16 == kv["pulled_tokens"] * per_token < prompt2 * per_token
+    assert pulled_fp16 == (kv["pulled_tokens"] + 1) * per_token < prompt2 * per_token
     assert (
         after["edgedecode_prompt_tokens_total{source=reused}"] - before["edgedecode_prompt_tokens_total{source=reused}"]
     ) == kv["reused_tokens"]
@@ -352,6 +353,49 @@ def test_prefill_server_answers_edkv_and_refuses_bad_requests(prefill_server, sm
     status, text = _get(prefill_server.url + "/v1/models", token=PREFILL_TOKEN)
     card = json.loads(text)["data"][0]
     assert card["kv_contract"]["n_layers"] == smollm2_model.spec.n_layers and card["producer"]["weights_sha256"]
+
+
+def test_a_kept_prefill_resumes_from_any_position_at_another_budget(prefill_server, smollm2_model):
+    """The payload names its transfer; the rest of the prompt from a position on comes at another
+    budget without the prompt being run again, and equals that part of a fresh prefill's payload."""
+    from edgedecode.kv.wire import EDKVReader, decode_snapshot
+
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {PREFILL_TOKEN}"}
+
+    def fetch(path: str, body: dict) -> bytes:
+        request = urllib.request.Request(prefill_server.url + path, json.dumps(body).encode(), headers)
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.read()
+
+    contract = smollm2_model.spec.kv_contract
+    ids = smollm2_model.tokenizer.encode_chat(QUESTION)
+    first = fetch("/v1/prefill", {"token_ids": ids, "budget": 1.0})
+    spec = smollm2_model.spec
+    shape = (spec.n_layers, 2, spec.n_kv_heads, len(ids), spec.head_dim)
+    reader = EDKVReader(contract, max_tokens=4096, target_factory=lambda header: np.zeros(shape, np.float32))
+    reader.feed(first)
+    transfer = reader.finish().transfer
+    assert transfer is not None and transfer.ttl_s > 0
+    before = metric_samples(prefill_server.url, PREFILL_TOKEN)
+    rest = decode_snapshot(fetch(f"/v1/prefill/transfers/{transfer.id}", {"held_tokens": 10, "budget": 1.0}), contract)
+    after = metric_samples(prefill_server.url, PREFILL_TOKEN)
+    computed = "edgedecode_prefill_tokens_total{source=computed}"
+    assert after[computed] == before[computed]  # nothing was prefilled again
+    whole = decode_snapshot(first, contract)
+    np.testing.assert_array_equal(rest.positions, np.arange(10, len(ids)))
+    np.testing.assert_array_equal(rest.keys, whole.keys[:, :, 10:])  # FP16 both times: the same values
+    smaller = fetch(f"/v1/prefill/transfers/{transfer.id}", {"held_tokens": 10, "budget": 0.3})
+    assert len(smaller) <= 0.3 * (len(ids) - 10) * smollm2_model.spec.kv_bytes_per_token_fp16
+    for body, status, param in (
+        ({"held_tokens": len(ids)}, 400, "held_tokens"),
+        ({"budget": 0.5}, 400, "held_tokens"),
+        ({"held_tokens": 1, "colour": 2}, 400, "colour"),
+    ):
+        resume_url = f"{prefill_server.url}/v1/prefill/transfers/{transfer.id}"
+        got, error = _post(resume_url, json.dumps(body).encode(), PREFILL_TOKEN)
+        assert (got, error["error"]["param"]) == (status, param)
+    got, error = _post(prefill_server.url + "/v1/prefill/transfers/unknown-id", b'{"held_tokens": 1}', PREFILL_TOKEN)
+    assert (got, error["error"]["code"]) == (404, "transfer_not_found")
 
 
 # --- hostile input: each is a precise 4xx, and the servers go on serving everyone else ----------

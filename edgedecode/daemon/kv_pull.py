@@ -1,10 +1,18 @@
-"""Pull a prompt's KV from the prefill server into a decode engine's buffers while it downloads.
+"""Pull one segment of a prompt's KV from the prefill server into a decode engine's buffers while it downloads.
 
-The response body is fed to the engine's KV handoff (``StreamedKV``) chunk by chunk on a separate
-ingest thread, one network read ahead: verification, decompression and dequantization of one piece
-overlap the download of the next; the ingest thread then confirms the stream's end (``finish``).
-Every way this can fail ends in a ``KVPullError`` with a short ``reason`` (the label of the
-fallback metric) and a message saying what happened.
+A segment is one HTTP request: the prompt after the positions held (``first_segment``), or the
+rest of a prefill the server keeps under a transfer id, after the positions covered so far
+(``resume_segment``). The response body is fed to the engine's KV handoff (``StreamedKV``) piece
+by piece on a separate ingest thread, one network read ahead: verification, decompression and
+dequantization of one piece overlap the download of the next. A complete segment is confirmed by
+its trailer (``StreamedKV.finish``).
+
+A ``watch`` may stop a segment early: it is asked after every network read and every
+``WATCH_TICK_S`` of silence, and answers a reason to cut (e.g. the link slowed down so much that
+the rest should come another way) or None. A cut segment keeps the tokens of its verified chunks
+(``StreamedKV.cut``) and its ``PullResult`` says ``complete=False``. A segment that fails is cut
+the same way before its ``KVPullError`` is raised (with a short ``reason``, the label of the
+fallback metric), so the caller may keep what arrived and resume or compute the rest.
 
 A pull also times itself for the link model (``daemon.link``): from sending the request to the
 response headers, and from the first to the last piece of the body with the bytes after the first
@@ -15,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -23,11 +32,16 @@ import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.tiers import Tier
-from edgedecode.kv.wire import EDKVHeader, KVFormatError, KVTooLargeError, KVTruncatedError
+from edgedecode.kv.wire import KVFormatError, KVTooLargeError, KVTruncatedError
 from edgedecode.runtime.handoff import StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError
 
 FEED_BYTES = 1 << 20  # hand the ingest thread at least this much at a time (fewer thread hops)
+WATCH_TICK_S = 0.1  # the watch is asked at least this often while the body is silent
+
+Watch = Callable[[float, int, int | None], str | None]
+"""(seconds since the request was sent, body bytes received, body bytes announced or None) -> a
+reason to cut the segment now, or None to go on."""
 
 
 class KVPullError(EdgeDecodeError):
@@ -56,16 +70,23 @@ class KVPullError(EdgeDecodeError):
 
 @dataclass(frozen=True)
 class PullResult:
-    """What one pull brought."""
+    """What one segment brought."""
 
     wire_bytes: int
-    fp16_bytes: int  # the same tokens' K and V at FP16
-    tier_counts: dict[str, int]  # tokens per tier
+    fp16_bytes: int  # the counted tokens' K and V at FP16
+    tier_counts: dict[str, int]  # counted tokens per tier (a token's best tier over its layers)
     seconds: float
     server_seconds: float | None  # the prefill server's own time (its X-Prefill-Seconds header; informative)
     headers_seconds: float = 0.0  # from sending the request to its response headers (round trip + server time)
     transfer_seconds: float = 0.0  # from the body's first network read to its last
     transfer_bytes: int = 0  # bytes of the reads after the first (0: the body came in one read)
+    complete: bool = True  # False: cut by the watch (its verified tokens counted)
+    cut_reason: str | None = None  # the watch's reason
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the segment that count (kept or dropped)."""
+        return sum(self.tier_counts.values())
 
 
 @dataclass(frozen=True)
@@ -74,43 +95,60 @@ class PullSettings:
 
     url: str  # the prefill server's base URL
     token: str
-    budget: float
     policy: str
     max_payload_bytes: int
     timeout: aiohttp.ClientTimeout
 
 
-async def pull_kv(
+@dataclass(frozen=True)
+class SegmentRequest:
+    """One segment's HTTP request: its path on the prefill server and its JSON body."""
+
+    path: str
+    body: dict
+    budget: float
+
+
+def first_segment(prompt_ids: np.ndarray, held_tokens: int, budget: float, policy: str) -> SegmentRequest:
+    """The prefill request: the KV of ``prompt_ids`` after the ``held_tokens`` positions held."""
+    body = {"token_ids": prompt_ids.tolist(), "held_tokens": held_tokens, "budget": budget, "policy": policy}
+    return SegmentRequest("/v1/prefill", body, budget)
+
+
+def resume_segment(transfer_id: str, covered: int, budget: float, policy: str) -> SegmentRequest:
+    """A resume of the prefill kept under ``transfer_id``: the KV of its positions from ``covered`` on."""
+    body = {"held_tokens": covered, "budget": budget, "policy": policy}
+    return SegmentRequest(f"/v1/prefill/transfers/{transfer_id}", body, budget)
+
+
+async def pull_segment(
     http: aiohttp.ClientSession,
     settings: PullSettings,
-    prompt_ids: np.ndarray,
-    held_tokens: int,
+    request: SegmentRequest,
     stream: StreamedKV,
     ingest: Executor,
     kv_bytes_per_token_fp16: int,
+    watch: Watch | None = None,
 ) -> PullResult:
-    """POST the prompt to the prefill server and stream the answer into ``stream``; on success the
-    stream is complete (``stream.finish()`` has returned its header).
+    """Send ``request`` and stream the answer into ``stream``'s current segment, which has ended
+    when this returns or raises: complete, or cut by ``watch`` (``complete`` False), or cut at what
+    it verified before a failure.
 
     Raises:
         KVPullError: unreachable, timeout, an HTTP error, a payload cut short, too large or invalid.
     """
     started = time.perf_counter()
-    body = {
-        "token_ids": prompt_ids.tolist(),
-        "held_tokens": held_tokens,
-        "budget": settings.budget,
-        "policy": settings.policy,
-    }
     headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
     loop = asyncio.get_running_loop()
     received = 0
     first_bytes, first_at, last_at = 0, 0.0, 0.0  # the body's first read (bytes to its end, time); the last read
+    headers_seconds, server_seconds, cut_reason = 0.0, None, None
     pending: asyncio.Future | None = None  # the ingest thread's current piece of work
+    buffered = bytearray()
     try:
         sent = time.perf_counter()
         async with http.post(
-            settings.url.rstrip("/") + "/v1/prefill", json=body, headers=headers, timeout=settings.timeout
+            settings.url.rstrip("/") + request.path, json=request.body, headers=headers, timeout=settings.timeout
         ) as response:
             if response.status != 200:
                 detail = (await response.text())[:500]
@@ -118,27 +156,42 @@ async def pull_kv(
                 reason = "rejected" if client_fault else "http_error"
                 raise KVPullError(reason, f"the prefill server answered {response.status}: {detail}")
             headers_seconds = time.perf_counter() - sent
-            server_seconds = _header_seconds(response.headers.get("X-Prefill-Seconds"))
-            buffered = bytearray()
-            async for data in response.content.iter_any():
-                received += len(data)
-                last_at = time.perf_counter()
-                if not first_bytes:
-                    first_bytes, first_at = received, last_at
-                if received > settings.max_payload_bytes:
-                    raise KVPullError(
-                        "too_large", f"the KV payload exceeds max_payload_bytes ({settings.max_payload_bytes})"
-                    )
-                buffered += data
-                if len(buffered) >= FEED_BYTES:
-                    if pending is not None:
-                        await pending
-                    # hand the buffer itself over (no copy) and gather the next piece in a fresh one
-                    pending, buffered = loop.run_in_executor(ingest, stream.feed, buffered), bytearray()
-            if pending is not None:
-                await pending
-            pending = loop.run_in_executor(ingest, _feed_and_finish, stream, buffered)
-            header = await pending
+            server_seconds = _header_float(response.headers.get("X-Prefill-Seconds"))
+            announced = _header_int(response.headers.get("X-EDKV-Wire-Bytes"))
+            while True:
+                tick = asyncio.timeout(WATCH_TICK_S if watch is not None else None)
+                try:
+                    async with tick:
+                        data = await response.content.readany()
+                except TimeoutError:
+                    if not tick.expired():
+                        raise  # aiohttp's own timeout
+                    data = None  # silence: ask the watch
+                if data == b"":
+                    break
+                now = time.perf_counter()
+                if data:
+                    received += len(data)
+                    last_at = now
+                    if not first_bytes:
+                        first_bytes, first_at = received, last_at
+                    if received > settings.max_payload_bytes:
+                        raise KVPullError(
+                            "too_large", f"the KV payload exceeds max_payload_bytes ({settings.max_payload_bytes})"
+                        )
+                    buffered += data
+                    if len(buffered) >= FEED_BYTES:
+                        if pending is not None:
+                            await pending
+                        # hand the buffer itself over (no copy) and gather the next piece in a fresh one
+                        pending, buffered = loop.run_in_executor(ingest, stream.feed, buffered), bytearray()
+                if watch is not None and (cut_reason := watch(now - sent, received, announced)) is not None:
+                    break
+        if pending is not None:
+            await pending
+        end = _feed_and_cut if cut_reason is not None else _feed_and_finish
+        pending = loop.run_in_executor(ingest, end, stream, buffered)
+        await pending
     except KVPullError:
         raise
     except KVTruncatedError as exc:
@@ -159,28 +212,52 @@ async def pull_kv(
     finally:
         if pending is not None and not pending.done():
             await asyncio.wait([pending])  # the caller reuses the KV buffers: the ingest thread must be done
-    best = header.tiers.min(axis=0, initial=max(Tier))  # a token's best tier over its layers (none: no tokens)
-    counts = np.bincount(best, minlength=len(Tier))
+        if not stream.ended:
+            stream.cut()  # a failure: what was verified stays
+    segment = stream.segments[-1]
+    header, tokens = segment.header, segment.tokens
+    counts = np.zeros(len(Tier), np.int64)
+    if header is not None:
+        best = header.tiers[:, :tokens].min(axis=0, initial=max(Tier))  # a token's best tier over its layers
+        counts = np.bincount(best, minlength=len(Tier))
     return PullResult(
         received,
-        header.n_tokens * kv_bytes_per_token_fp16,
+        tokens * kv_bytes_per_token_fp16,
         {tier.name: int(counts[tier]) for tier in Tier},
         time.perf_counter() - started,
         server_seconds,
         headers_seconds,
         last_at - first_at,
         received - first_bytes,
+        complete=segment.complete,
+        cut_reason=cut_reason,
     )
 
 
-def _header_seconds(value: str | None) -> float | None:
+def _header_float(value: str | None) -> float | None:
     try:
         return float(value) if value is not None else None
     except ValueError:
         return None
 
 
-def _feed_and_finish(stream: StreamedKV, data: bytearray) -> EDKVHeader:
+def _header_int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _feed_and_finish(stream: StreamedKV, data: bytearray) -> None:
     if data:
         stream.feed(data)
-    return stream.finish()
+    stream.finish()
+
+
+def _feed_and_cut(stream: StreamedKV, data: bytearray) -> None:
+    """Feed what arrived (its complete chunks count), then cut the segment there."""
+    try:
+        if data:
+            stream.feed(data)
+    finally:
+        stream.cut()

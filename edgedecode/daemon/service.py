@@ -22,7 +22,8 @@ import psutil
 from edgedecode.config import Config
 from edgedecode.daemon.adaptive import KVPlan, PlanInputs, plan_kv
 from edgedecode.daemon.breaker import CircuitBreaker
-from edgedecode.daemon.kv_pull import KVPullError, PullResult, PullSettings, pull_kv
+from edgedecode.daemon.kv_fetch import FetchOutcome, KVFetch
+from edgedecode.daemon.kv_pull import PullSettings
 from edgedecode.daemon.link import LinkModels
 from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
@@ -31,6 +32,7 @@ from edgedecode.daemon.slots import DecodeEngine, Slot, SlotPool
 from edgedecode.daemon.worker import DecodeWorker, Generation
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.model.loader import LoadedModel
+from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import StreamedKV
 
 logger = logging.getLogger(__name__)
@@ -53,8 +55,10 @@ class TurnReport:
     fallback_reason: str | None = None
     prompt_tokens: int = 0
     reused_tokens: int = 0  # positions whose KV the slot held from the conversation's earlier turns
-    pulled_tokens: int = 0  # tokens in the pulled payload (kept or dropped)
-    budget: float | None = None  # asked of the prefill server
+    pulled_tokens: int = 0  # prompt positions whose KV the prefill server sent and the engine used
+    computed_tokens: int = 0  # prompt positions run through the decode graph here (at least the last)
+    budget: float | None = None  # first asked of the prefill server
+    segments: list[dict] = field(default_factory=list)  # every request of the fetch (kv_fetch.SegmentReport)
     wire_bytes: int = 0
     fp16_bytes: int = 0
     tiers: dict[str, int] = field(default_factory=dict)
@@ -79,7 +83,9 @@ class TurnReport:
                 "fallback_reason": self.fallback_reason,
                 "reused_tokens": self.reused_tokens,
                 "pulled_tokens": self.pulled_tokens,
+                "computed_tokens": self.computed_tokens,
                 "budget": self.budget,
+                "segments": self.segments,
                 "wire_bytes": self.wire_bytes,
                 "fp16_bytes": self.fp16_bytes,
                 "b_wire": round(self.wire_bytes / self.fp16_bytes, 4) if self.fp16_bytes else None,
@@ -198,31 +204,37 @@ class DecodeService:
             settings = PullSettings(
                 url,
                 self._prefill_token,
-                report.budget,
                 d.policy,
                 d.max_payload_bytes,
                 aiohttp.ClientTimeout(
                     total=d.fetch_timeout_s, sock_connect=d.connect_timeout_s, sock_read=d.idle_read_timeout_s
                 ),
             )
-            try:
-                result = await pull_kv(
-                    self._http,
-                    settings,
-                    prompt_ids,
-                    keep,
-                    stream,
-                    self._ingest,
-                    self.model.spec.kv_bytes_per_token_fp16,
-                )
-            except KVPullError as exc:
-                if exc.endpoint_fault:
-                    self.breaker.record_failure()
-                reason, message = exc.reason, str(exc)
-            else:
-                self.breaker.record_success()
-                self.links.get(url).observe(result, tokens)
-                self._record_pull(result, report)
+            fetch = KVFetch(
+                self._http,
+                settings,
+                self._ingest,
+                self.links.get(url),
+                self.local_speed,
+                min_budget=d.min_budget,
+                fp16_bytes_per_token=self.model.spec.kv_bytes_per_token_fp16,
+                wire_budget=self.budget_for,
+            )
+            deadline = None if target_s is None else time.perf_counter() + target_s
+            outcome = await fetch.run(stream, prompt_ids, keep, report.budget, deadline)
+            self._record_fetch(outcome, stream, keep, report)
+            failure = outcome.failure
+            if failure is None or stream.covered > keep:
+                self.breaker.record_success()  # the endpoint delivered (all, or part of it)
+            elif failure.endpoint_fault:
+                self.breaker.record_failure()
+            if failure is None:
+                return stream
+            reason, message = failure.reason, str(failure)
+            if stream.covered > keep:  # what arrived is kept; the rest is computed here
+                report.fallback_reason = reason
+                self.metrics.fallbacks.labels(reason).inc()
+                logger.warning("computing the KV after position %d locally (%s): %s", stream.covered, reason, message)
                 return stream
         report.fallback_reason = reason
         self.metrics.fallbacks.labels(reason).inc()
@@ -252,18 +264,29 @@ class DecodeService:
             )
         )
 
-    def _record_pull(self, result: PullResult, report: TurnReport) -> None:
+    def _record_fetch(self, outcome: FetchOutcome, stream: StreamedKV, keep: int, report: TurnReport) -> None:
+        """Put what the fetch brought in the report and the metrics."""
+        results = outcome.results
+        report.segments = [segment.to_json() for segment in outcome.segments]
+        report.fetch_seconds = outcome.seconds
+        self.metrics.kv_fetch.observe(outcome.seconds)
+        if stream.covered == keep:
+            return  # nothing arrived: the turn prefills locally
         report.kv_source = "prefill_server"
-        report.pulled_tokens = sum(result.tier_counts.values())
-        report.wire_bytes, report.fp16_bytes = result.wire_bytes, result.fp16_bytes
-        report.tiers = {name: count for name, count in result.tier_counts.items() if count}
-        report.fetch_seconds = result.seconds
-        report.server_seconds = result.server_seconds
-        self.metrics.kv_fetch.observe(result.seconds)
-        self.metrics.kv_wire_bytes.inc(result.wire_bytes)
-        self.metrics.kv_fp16_bytes.inc(result.fp16_bytes)
-        for name, count in result.tier_counts.items():
-            self.metrics.kv_tier_tokens.labels(name).inc(count)
+        report.pulled_tokens = stream.covered - keep  # until the engine says which it computed (Turn.pieces)
+        report.wire_bytes = sum(r.wire_bytes for r in results)
+        report.fp16_bytes = sum(r.fp16_bytes for r in results)
+        tiers: dict[str, int] = {}
+        for result in results:
+            for name, count in result.tier_counts.items():
+                if count:
+                    tiers[name] = tiers.get(name, 0) + count
+                    self.metrics.kv_tier_tokens.labels(name).inc(count)
+        report.tiers = tiers
+        reported = [r.server_seconds for r in results if r.server_seconds is not None]
+        report.server_seconds = sum(reported) if reported else None
+        self.metrics.kv_wire_bytes.inc(report.wire_bytes)
+        self.metrics.kv_fp16_bytes.inc(report.fp16_bytes)
 
     def _release_after_ingest(self, slot: Slot) -> None:
         """Give the slot back once the ingest thread is done with it (it may still be writing into it)."""
@@ -323,6 +346,7 @@ class Turn:
                 now = time.perf_counter()
                 if previous is None:
                     self.report.ttft_seconds = now - self.arrived
+                    self._record_prompt(slot.engine.stats)
                     metrics.ttft.observe(self.report.ttft_seconds)
                     if self.report.target_met is not None:
                         metrics.ttft_target.labels(str(self.report.target_met).lower()).inc()
@@ -349,6 +373,13 @@ class Turn:
         finally:
             generation.cancel()  # a no-op once it has ended; stops it when the client went away
             self._account()
+
+    def _record_prompt(self, stats: GenerationStats) -> None:
+        """Which prompt positions the engine computed (known once the first token is out)."""
+        report = self.report
+        report.computed_tokens = stats.computed_tokens
+        if report.kv_source == "prefill_server":
+            report.pulled_tokens = report.prompt_tokens - report.reused_tokens - stats.computed_tokens
 
     def _account(self) -> None:
         metrics, report = self.service.metrics, self.report

@@ -1,0 +1,197 @@
+"""Fetch a turn's KV from the prefill server in segments, adapting while it arrives.
+
+The first segment asks for the prompt after the positions held, at the plan's budget. Under a
+time-to-first-token target a ``SegmentWatch`` follows its goodput: when the link collapses so far
+that the segment would end past the deadline and the rest could come sooner another way, the
+segment is cut — its verified tokens stay — and the rest is planned again from where the link now
+is: resumed from the server at the best budget that still arrives in time (the server keeps the
+prefill under the payload's ``transfer`` reference, so nothing is computed again), or computed on
+this box. A segment that fails part way (a reset connection, a truncated body) keeps what it
+verified the same way, and the rest is resumed or computed. At most ``MAX_SEGMENTS`` requests are
+made per turn; whatever no segment covers is computed here when the engine processes the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+import aiohttp
+import numpy as np
+
+from edgedecode.daemon.adaptive import KVPlan, PlanInputs, SegmentWatch, plan_kv
+from edgedecode.daemon.kv_pull import (
+    KVPullError,
+    PullResult,
+    PullSettings,
+    SegmentRequest,
+    first_segment,
+    pull_segment,
+    resume_segment,
+)
+from edgedecode.daemon.link import LinkModel
+from edgedecode.daemon.local_speed import LocalPrefillModel
+from edgedecode.runtime.handoff import StreamedKV
+
+logger = logging.getLogger(__name__)
+MAX_SEGMENTS = 4
+
+
+@dataclass(frozen=True)
+class SegmentReport:
+    """One segment of a fetch: the budget asked, what it brought, and how it ended."""
+
+    budget: float
+    result: PullResult | None  # None: it failed before bringing anything countable
+    ended: str  # "complete", "cut" (the watch), or a KVPullError reason
+
+    def to_json(self) -> dict:
+        r = self.result
+        return {
+            "budget": self.budget,
+            "tokens": r.tokens if r else 0,
+            "wire_bytes": r.wire_bytes if r else 0,
+            "fetch_ms": round(r.seconds * 1e3, 2) if r else None,
+            "ended": self.ended,
+        }
+
+
+@dataclass
+class FetchOutcome:
+    """What a fetch brought: its segments, and the failure that ended it, if any."""
+
+    segments: list[SegmentReport] = field(default_factory=list)
+    failure: KVPullError | None = None  # the last segment's failure, when the fetch ended on one
+    seconds: float = 0.0
+
+    @property
+    def results(self) -> list[PullResult]:
+        return [s.result for s in self.segments if s.result is not None]
+
+
+class KVFetch:
+    """Fetches one turn's KV into a ``StreamedKV`` (see the module docstring).
+
+    ``link``: the endpoint's link model (taught by every segment); ``local``: this box's prefill
+    speed; ``min_budget``: the quality floor; ``fp16_bytes_per_token``: the model's FP16 KV size.
+    """
+
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        settings: PullSettings,
+        ingest: Executor,
+        link: LinkModel,
+        local: LocalPrefillModel,
+        *,
+        min_budget: float,
+        fp16_bytes_per_token: int,
+        wire_budget: Callable[[int, float], float],
+    ) -> None:
+        self.http = http
+        self.settings = settings
+        self.ingest = ingest
+        self.link = link
+        self.local = local
+        self.min_budget = min_budget
+        self.fp16_bytes_per_token = fp16_bytes_per_token
+        self.wire_budget = wire_budget  # (tokens, budget) -> the budget asked (raised for tiny payloads)
+
+    async def run(
+        self, stream: StreamedKV, prompt_ids: np.ndarray, keep: int, budget: float, deadline: float | None
+    ) -> FetchOutcome:
+        """Fetch the KV of ``prompt_ids`` after ``keep`` into ``stream``, starting at ``budget``;
+        ``deadline`` (``time.perf_counter()`` seconds) is when the KV should be in, None for no target."""
+        started = time.perf_counter()
+        outcome = FetchOutcome()
+        n = len(prompt_ids)
+        request: SegmentRequest | None = first_segment(prompt_ids, keep, budget, self.settings.policy)
+        while request is not None:
+            tokens = n - stream.covered
+            watch = self._watch(deadline, stream.covered, n) if deadline is not None else None
+            try:
+                result = await pull_segment(
+                    self.http, self.settings, request, stream, self.ingest, self.fp16_bytes_per_token, watch
+                )
+            except KVPullError as exc:
+                outcome.failure = exc
+                outcome.segments.append(SegmentReport(request.budget, None, exc.reason))
+                logger.warning("KV segment at budget %.3g ended: %s", request.budget, exc)
+            else:
+                outcome.failure = None
+                self.link.observe(result, tokens if request.path == "/v1/prefill" else 0)
+                ended = "complete" if result.complete else "cut"
+                outcome.segments.append(SegmentReport(request.budget, result, ended))
+                if result.cut_reason:
+                    logger.info("KV segment cut after %d tokens: %s", result.tokens, result.cut_reason)
+            request = self._next(stream, n, outcome, deadline, watch)
+        outcome.seconds = time.perf_counter() - started
+        return outcome
+
+    def _watch(self, deadline: float, start: int, end: int) -> SegmentWatch:
+        """The watch of a segment of positions [start, end) that should end by ``deadline``."""
+
+        def rest_s(goodput: float, tokens_left: int) -> float:
+            """Seconds to get the segment's last ``tokens_left`` tokens another way: resumed at the
+            floor budget at this goodput, or computed here."""
+            rtt = self.link.estimate().rtt_s or 0.0
+            wire = self.wire_budget(tokens_left, self.min_budget) * tokens_left * self.fp16_bytes_per_token
+            remote = rtt + wire / goodput if goodput > 0 else float("inf")
+            return min(remote, self._local_tail_s(end - tokens_left, end))
+
+        return SegmentWatch(deadline - time.perf_counter(), end - start, rest_s)
+
+    def _local_tail_s(self, start: int, end: int) -> float:
+        """Predicted seconds to compute positions [start, end) here, after the ones before them."""
+        return max(self.local.predict_seconds(end) - self.local.predict_seconds(start), 0.0)
+
+    def _next(
+        self,
+        stream: StreamedKV,
+        n: int,
+        outcome: FetchOutcome,
+        deadline: float | None,
+        watch: SegmentWatch | None,
+    ) -> SegmentRequest | None:
+        """The next segment's request, or None when the rest is computed here (or nothing is left)."""
+        last = outcome.segments[-1]
+        if last.ended == "complete" or stream.covered >= n - 1 or len(outcome.segments) >= MAX_SEGMENTS:
+            return None  # the prompt's last token runs here anyway
+        if last.ended in ("rejected", "too_large", "bad_payload"):
+            return None  # asking again would get the same answer
+        transfer = next((s.header.transfer for s in reversed(stream.segments) if s.header and s.header.transfer), None)
+        if transfer is None:
+            return None  # the server keeps no transfer to resume
+        plan = self._plan_rest(stream.covered, n, last.budget, deadline, watch)
+        logger.info("the KV of positions %d..%d: %s (%s)", stream.covered, n, plan.decision, plan.why)
+        if plan.decision != "remote" or plan.budget is None:
+            return None
+        stream.resume()
+        return resume_segment(transfer.id, stream.covered, plan.budget, self.settings.policy)
+
+    def _plan_rest(
+        self, covered: int, n: int, budget: float, deadline: float | None, watch: SegmentWatch | None
+    ) -> KVPlan:
+        """Where positions [covered, n) should come from, the link judged by the last segment's
+        recent goodput (the link model's estimate when it had none)."""
+        tokens = n - covered
+        estimate = self.link.estimate()
+        goodput = watch.goodput_bps if watch is not None and watch.goodput_bps is not None else estimate.goodput_bps
+        rtt = estimate.rtt_s or 0.0
+
+        def predict(wire_bytes: int) -> float | None:
+            return None if goodput is None else rtt + wire_bytes / goodput if goodput > 0 else float("inf")
+
+        return plan_kv(
+            PlanInputs(
+                target_s=None if deadline is None else deadline - time.perf_counter(),
+                fixed_budget=budget,
+                wire_bytes=lambda b: int(self.wire_budget(tokens, b) * tokens * self.fp16_bytes_per_token),
+                predict_remote_s=predict,
+                local_s=self._local_tail_s(covered, n),
+                min_budget=min(self.min_budget, budget),
+            )
+        )
