@@ -1,12 +1,14 @@
-"""The KV planner on its own: the best budget the link delivers in time, local when that is what
-meets the target or is fastest, never below the quality floor, the configured budget without a
-target or while the link is unknown."""
+"""The KV planner on its own: the fastest of the best-quality options (remote budgets, local prefill)
+that meet the target, the fastest of all when none does, never below the quality floor, the
+configured budget without a target or while the link is unknown."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from edgedecode.daemon.adaptive import BUDGET_LADDER, PlanInputs, plan_kv
+from edgedecode.daemon.adaptive import BUDGET_LADDER, QUALITY_TIE_PCT, PlanInputs, QualityCosts, plan_kv
 
 FP16_BYTES = 2048 * 23040  # a 2k-token prompt of SmolLM2
 
@@ -32,24 +34,47 @@ def test_without_a_target_or_a_known_link_the_configured_budget_is_asked():
 
 
 @pytest.mark.parametrize("mbit", [5, 20, 50, 100, 1000])
-def test_the_best_budget_that_arrives_in_time_is_chosen(mbit):
+@pytest.mark.parametrize("local_s", [0.5, 5.0])
+def test_the_plan_is_the_fastest_of_the_best_quality_that_arrives_in_time(mbit, local_s):
     goodput = mbit * 1e6 / 8
-    plan = plan_kv(_inputs(2.0, goodput))
-    floor_s = 0.02 + 0.2 * FP16_BYTES / goodput
-    if plan.decision == "local":  # nothing makes it and computing here (5 s) beats the floor's pull
-        assert floor_s > 5.0
+    costs = QualityCosts()
+    plan = plan_kv(_inputs(2.0, goodput, local_s=local_s))
+    options = {b: 0.02 + b * FP16_BYTES / goodput for b in BUDGET_LADDER if b >= 0.2}
+    options[None] = local_s  # local prefill
+
+    def cost(budget):
+        return costs.local if budget is None else costs.of_budget(budget)
+
+    meeting = {b: t for b, t in options.items() if t <= 2.0}
+    chosen_s = options[plan.budget]
+    assert plan.predicted_s == pytest.approx(chosen_s)
+    if not meeting:  # the fastest of all
+        assert chosen_s == min(options.values())
         return
-    assert plan.predicted_s is not None and plan.budget is not None
-    if plan.predicted_s <= 2.0:
-        better = [b for b in BUDGET_LADDER if b > plan.budget]
-        assert all(0.02 + b * FP16_BYTES / goodput > 2.0 for b in better)  # nothing better would make it
-    else:  # nothing makes it (local takes 5 s): the fastest pull, at the floor
-        assert plan.budget == 0.2 and plan.predicted_s < 5.0
+    assert plan.budget in meeting
+    best = min(cost(b) for b in meeting)
+    assert cost(plan.budget) <= best + QUALITY_TIE_PCT  # no option in time is clearly better
+    assert all(t >= chosen_s for b, t in meeting.items() if cost(b) <= best + QUALITY_TIE_PCT)  # the fastest of those
 
 
 def test_a_slower_link_gets_a_lower_budget():
     fast, slow = plan_kv(_inputs(2.0, 100e6 / 8)), plan_kv(_inputs(2.0, 40e6 / 8))
     assert fast.decision == slow.decision == "remote" and slow.budget < fast.budget
+
+
+def test_lossless_options_are_told_apart_by_speed_and_a_costly_local_loses_to_them():
+    fast_link = _inputs(2.0, 1e9 / 8, local_s=0.8)  # b 0.5 in ~0.2 s and b 1.0 in ~0.4 s: both lossless
+    assert (plan_kv(fast_link).decision, plan_kv(fast_link).budget) == ("remote", 0.5)
+    slower_link = _inputs(2.0, 100e6 / 8, local_s=0.8)  # b 0.5 in ~1.9 s; local in 0.8 s at no cost
+    assert plan_kv(slower_link).decision == "local"
+    costly_local = dataclasses.replace(slower_link, quality=QualityCosts(local=1.0))
+    assert (plan_kv(costly_local).decision, plan_kv(costly_local).budget) == ("remote", 0.5)
+
+
+def test_measured_costs_are_interpolated_between_budgets():
+    costs = QualityCosts({1.0: 0.0, 0.5: 0.0, 0.3: 0.3, 0.2: 1.5})
+    assert costs.of_budget(0.4) == pytest.approx(0.15) and costs.of_budget(0.25) == pytest.approx(0.9)
+    assert costs.of_budget(0.1) == 1.5 and costs.of_budget(0.75) == 0.0
 
 
 def test_when_no_budget_meets_the_target_local_does_if_it_can():

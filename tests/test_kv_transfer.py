@@ -15,6 +15,7 @@ from edgedecode.kv.wire import (
     encode_payload,
 )
 from edgedecode.prefill.pipeline import (
+    PAYLOAD_CHUNK_TOKENS,
     BudgetTooSmallError,
     encode_within_budget,
     payload_meta,
@@ -204,8 +205,8 @@ def test_a_cut_stream_keeps_its_verified_tokens_and_the_rest_is_computed_here(ex
     payload = b"".join(encode_within_budget(scored, 1.0).frames)
     whole_logits = _stream(exact_decoder, long_prompt, payload).copy()
     stream = exact_decoder.open_kv_stream(long_prompt)
-    stream.feed(payload[: _chunk_end(payload, 2) + 1000])  # two chunks of 256 tokens, and part of the third
-    assert stream.cut() == 512
+    stream.feed(payload[: _chunk_end(payload, 4) + 1000])  # four chunks of 128 tokens, and part of the fifth
+    assert stream.cut() == 4 * PAYLOAD_CHUNK_TOKENS == 512
     logits = exact_decoder.prefill(long_prompt, stream)
     assert exact_decoder.stats.injected_tokens == 512  # the other 88 positions ran through the decoder here
     assert exact_decoder.next_position == len(long_prompt)
@@ -218,9 +219,9 @@ def test_a_resumed_segment_completes_a_cut_stream_exactly(exact_decoder, scored,
     payload = b"".join(encode_within_budget(scored, 1.0).frames)
     whole_logits = _stream(exact_decoder, long_prompt, payload).copy()
     stream = exact_decoder.open_kv_stream(long_prompt)
-    stream.feed(payload[: _chunk_end(payload, 1) + 5])
+    stream.feed(payload[: _chunk_end(payload, 2) + 5])
     covered = stream.cut()
-    assert covered == 256
+    assert covered == 2 * PAYLOAD_CHUNK_TOKENS == 256
     stream.resume()
     rest = b"".join(encode_within_budget(scored.from_position(covered), 1.0).frames)
     for start in range(0, len(rest), 5000):
@@ -234,7 +235,7 @@ def test_a_resumed_segment_completes_a_cut_stream_exactly(exact_decoder, scored,
 def test_a_resumed_segment_must_start_after_what_is_covered(exact_decoder, scored, long_prompt):
     payload = b"".join(encode_within_budget(scored, 1.0).frames)
     stream = exact_decoder.open_kv_stream(long_prompt)
-    stream.feed(payload[: _chunk_end(payload, 1)])
+    stream.feed(payload[: _chunk_end(payload, 2)])
     stream.cut()
     stream.resume()
     with pytest.raises(KVInjectionError, match="inside the 256 positions"):

@@ -1,22 +1,46 @@
 """Where a turn's KV comes from under a time-to-first-token target: pulled from the prefill server at
-the highest budget the link delivers in time, or computed on this box.
+a budget the link delivers in time, or computed on this box — whichever costs the least quality
+among those that make it, the fastest of them where they cost the same.
 
-Quality ranks remote budgets from 1.0 (FP16) down to the quality floor ``min_budget`` (the lowest
-budget whose perplexity cost the quality harness measured within +2 %), then local prefill. The plan
-is the best-ranked option predicted to meet the target; when none is, the fastest one. Without a
-target, or while the link is unknown (no pull yet, or idle long enough for its estimate to lapse),
-the configured budget is asked for, as before — and that pull teaches the link model.
+Every option has a quality cost, the Δ perplexity the quality harness measured for it (``QualityCosts``):
+a remote budget's from ``tools/kv_quality.py`` (docs/kv-quality.md: +0.00 % at b 1.0 and 0.5, +0.29 %
+at 0.3, +1.53 % at 0.2 on SmolLM2-135M), local prefill's from ``tools/bench_adaptive.py`` (the decode
+graph's own KV against the prefill graph's FP16 KV: -0.01 %, i.e. none). The plan is, among the options
+predicted to meet the target, those within ``QUALITY_TIE_PCT`` of the best cost, the fastest; when
+none meets it, the fastest of all. Budgets below the quality floor ``min_budget`` (the lowest whose
+measured cost is within +2 %) are never asked for. Without a target, or while the link is unknown
+(no pull yet, or idle long enough for its estimate to lapse), the configured budget is asked for, as
+before — and that pull teaches the link model.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
 
 # Budgets tried from the best down; those below the quality floor are never asked for.
 BUDGET_LADDER = (1.0, 0.75, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1)
+QUALITY_TIE_PCT = 0.1  # options whose Δ perplexity differs by less than this count as the same quality
+
+
+@dataclass(frozen=True)
+class QualityCosts:
+    """Δ perplexity (%) of each way to get the KV: remote budgets (measured points, interpolated
+    linearly in between, the nearest point's beyond them) and local prefill. The defaults are
+    SmolLM2-135M's, measured as the module docstring says."""
+
+    remote: Mapping[float, float] = field(
+        default_factory=lambda: {1.0: 0.0, 0.5: 0.0, 0.3: 0.29, 0.2: 1.53, 0.15: 3.72, 0.1: 6.61}
+    )
+    local: float = 0.0
+
+    def of_budget(self, budget: float) -> float:
+        budgets, costs = zip(*sorted(self.remote.items()))
+        return float(np.interp(budget, budgets, costs))  # the end points' costs beyond them
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,7 @@ class PlanInputs:
     predict_remote_s: Callable[[int], float | None]  # link model: seconds to pull this many wire bytes
     local_s: float  # local prefill model: seconds to compute the tokens here
     min_budget: float  # the quality floor
+    quality: QualityCosts = field(default_factory=QualityCosts)
 
 
 def plan_kv(inputs: PlanInputs) -> KVPlan:
@@ -47,23 +72,36 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
     fixed = inputs.fixed_budget
     if inputs.target_s is None:
         return KVPlan("remote", fixed, None, "no target: the configured budget")
-    options = [
+    predicted = [
         (budget, inputs.predict_remote_s(inputs.wire_bytes(budget)))
         for budget in BUDGET_LADDER
         if budget >= inputs.min_budget
     ]
-    if not options or any(seconds is None for _, seconds in options):
+    if not predicted or any(seconds is None for _, seconds in predicted):
         return KVPlan("remote", fixed, None, "link unknown: the configured budget")
-    remote = [(budget, float(seconds)) for budget, seconds in options if seconds is not None]
-    for budget, seconds in remote:  # best quality first
-        if seconds <= inputs.target_s:
-            return KVPlan("remote", budget, seconds, "the best budget the link delivers within the target")
-    if inputs.local_s <= inputs.target_s:
-        return KVPlan("local", None, inputs.local_s, "no budget at or above the floor meets the target; local does")
-    budget, seconds = remote[-1]  # the lowest budget allowed is the fastest pull
-    if inputs.local_s < seconds:
-        return KVPlan("local", None, inputs.local_s, "nothing meets the target; local is fastest")
-    return KVPlan("remote", budget, seconds, "nothing meets the target; the floor budget is fastest")
+    quality = inputs.quality
+    options = [
+        KVPlan("remote", budget, float(seconds), f"b {budget:g}")
+        for budget, seconds in predicted
+        if seconds is not None
+    ]
+    options.append(KVPlan("local", None, inputs.local_s, "local prefill"))
+
+    def cost(option: KVPlan) -> float:
+        return quality.local if option.budget is None else quality.of_budget(option.budget)
+
+    def seconds(option: KVPlan) -> float:
+        return math.inf if option.predicted_s is None else option.predicted_s
+
+    meeting = [option for option in options if seconds(option) <= inputs.target_s]
+    if meeting:
+        best = min(cost(option) for option in meeting)
+        chosen = min((option for option in meeting if cost(option) <= best + QUALITY_TIE_PCT), key=seconds)
+        why = f"{chosen.why}: the fastest of the best quality (Δ PPL {cost(chosen):+.2f} %) that meets the target"
+    else:
+        chosen = min(options, key=seconds)
+        why = f"{chosen.why}: nothing meets the target; the fastest"
+    return KVPlan(chosen.decision, chosen.budget, chosen.predicted_s, why)
 
 
 class SegmentWatch:

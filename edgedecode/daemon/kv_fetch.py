@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import numpy as np
 
-from edgedecode.daemon.adaptive import KVPlan, PlanInputs, SegmentWatch, plan_kv
+from edgedecode.daemon.adaptive import KVPlan, PlanInputs, QualityCosts, SegmentWatch, plan_kv
 from edgedecode.daemon.kv_pull import (
     KVPullError,
     PullResult,
@@ -42,20 +42,19 @@ MAX_SEGMENTS = 4
 
 @dataclass(frozen=True)
 class SegmentReport:
-    """One segment of a fetch: the budget asked, what it brought, and how it ended."""
+    """One segment of a fetch: the budget asked and what it brought."""
 
     budget: float
-    result: PullResult | None  # None: it failed before bringing anything countable
-    ended: str  # "complete", "cut" (the watch), or a KVPullError reason
+    result: PullResult
 
     def to_json(self) -> dict:
         r = self.result
         return {
             "budget": self.budget,
-            "tokens": r.tokens if r else 0,
-            "wire_bytes": r.wire_bytes if r else 0,
-            "fetch_ms": round(r.seconds * 1e3, 2) if r else None,
-            "ended": self.ended,
+            "tokens": r.tokens,
+            "wire_bytes": r.wire_bytes,
+            "fetch_ms": round(r.seconds * 1e3, 2),
+            "ended": r.ended,
         }
 
 
@@ -64,19 +63,24 @@ class FetchOutcome:
     """What a fetch brought: its segments, and the failure that ended it, if any."""
 
     segments: list[SegmentReport] = field(default_factory=list)
-    failure: KVPullError | None = None  # the last segment's failure, when the fetch ended on one
     seconds: float = 0.0
 
     @property
     def results(self) -> list[PullResult]:
-        return [s.result for s in self.segments if s.result is not None]
+        return [segment.result for segment in self.segments]
+
+    @property
+    def failure(self) -> KVPullError | None:
+        """The last segment's failure, when the fetch ended on one."""
+        return self.segments[-1].result.failure if self.segments else None
 
 
 class KVFetch:
     """Fetches one turn's KV into a ``StreamedKV`` (see the module docstring).
 
     ``link``: the endpoint's link model (taught by every segment); ``local``: this box's prefill
-    speed; ``min_budget``: the quality floor; ``fp16_bytes_per_token``: the model's FP16 KV size.
+    speed; ``min_budget``: the quality floor; ``quality``: what each way to get the rest costs;
+    ``fp16_bytes_per_token``: the model's FP16 KV size.
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class KVFetch:
         local: LocalPrefillModel,
         *,
         min_budget: float,
+        quality: QualityCosts,
         fp16_bytes_per_token: int,
         wire_budget: Callable[[int, float], float],
     ) -> None:
@@ -97,6 +102,7 @@ class KVFetch:
         self.link = link
         self.local = local
         self.min_budget = min_budget
+        self.quality = quality
         self.fp16_bytes_per_token = fp16_bytes_per_token
         self.wire_budget = wire_budget  # (tokens, budget) -> the budget asked (raised for tiny payloads)
 
@@ -112,19 +118,14 @@ class KVFetch:
         while request is not None:
             tokens = n - stream.covered
             watch = self._watch(deadline, stream.covered, n) if deadline is not None else None
-            try:
-                result = await pull_segment(
-                    self.http, self.settings, request, stream, self.ingest, self.fp16_bytes_per_token, watch
-                )
-            except KVPullError as exc:
-                outcome.failure = exc
-                outcome.segments.append(SegmentReport(request.budget, None, exc.reason))
-                logger.warning("KV segment at budget %.3g ended: %s", request.budget, exc)
+            result = await pull_segment(
+                self.http, self.settings, request, stream, self.ingest, self.fp16_bytes_per_token, watch
+            )
+            outcome.segments.append(SegmentReport(request.budget, result))
+            if result.failure is not None:
+                logger.warning("KV segment at budget %.3g ended: %s", request.budget, result.failure)
             else:
-                outcome.failure = None
                 self.link.observe(result, tokens if request.path == "/v1/prefill" else 0)
-                ended = "complete" if result.complete else "cut"
-                outcome.segments.append(SegmentReport(request.budget, result, ended))
                 if result.cut_reason:
                     logger.info("KV segment cut after %d tokens: %s", result.tokens, result.cut_reason)
             request = self._next(stream, n, outcome, deadline, watch)
@@ -158,9 +159,9 @@ class KVFetch:
     ) -> SegmentRequest | None:
         """The next segment's request, or None when the rest is computed here (or nothing is left)."""
         last = outcome.segments[-1]
-        if last.ended == "complete" or stream.covered >= n - 1 or len(outcome.segments) >= MAX_SEGMENTS:
+        if last.result.ended == "complete" or stream.covered >= n - 1 or len(outcome.segments) >= MAX_SEGMENTS:
             return None  # the prompt's last token runs here anyway
-        if last.ended in ("rejected", "too_large", "bad_payload"):
+        if last.result.ended in ("rejected", "too_large", "bad_payload"):
             return None  # asking again would get the same answer
         transfer = next((s.header.transfer for s in reversed(stream.segments) if s.header and s.header.transfer), None)
         if transfer is None:
@@ -193,5 +194,6 @@ class KVFetch:
                 predict_remote_s=predict,
                 local_s=self._local_tail_s(covered, n),
                 min_budget=min(self.min_budget, budget),
+                quality=self.quality,
             )
         )

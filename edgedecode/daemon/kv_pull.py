@@ -11,8 +11,8 @@ A ``watch`` may stop a segment early: it is asked after every network read and e
 ``WATCH_TICK_S`` of silence, and answers a reason to cut (e.g. the link slowed down so much that
 the rest should come another way) or None. A cut segment keeps the tokens of its verified chunks
 (``StreamedKV.cut``) and its ``PullResult`` says ``complete=False``. A segment that fails is cut
-the same way before its ``KVPullError`` is raised (with a short ``reason``, the label of the
-fallback metric), so the caller may keep what arrived and resume or compute the rest.
+the same way and its result carries the ``KVPullError`` (with a short ``reason``, the label of
+the fallback metric), so the caller may keep what arrived and resume or compute the rest.
 
 A pull also times itself for the link model (``daemon.link``): from sending the request to the
 response headers, and from the first to the last piece of the body with the bytes after the first
@@ -80,13 +80,21 @@ class PullResult:
     headers_seconds: float = 0.0  # from sending the request to its response headers (round trip + server time)
     transfer_seconds: float = 0.0  # from the body's first network read to its last
     transfer_bytes: int = 0  # bytes of the reads after the first (0: the body came in one read)
-    complete: bool = True  # False: cut by the watch (its verified tokens counted)
+    complete: bool = True  # False: cut by the watch, or by a failure (its verified tokens counted)
     cut_reason: str | None = None  # the watch's reason
+    failure: KVPullError | None = None  # what ended the segment early, if a failure did
 
     @property
     def tokens(self) -> int:
         """Tokens of the segment that count (kept or dropped)."""
         return sum(self.tier_counts.values())
+
+    @property
+    def ended(self) -> str:
+        """How the segment ended: "complete", "cut" (by the watch) or the failure's reason."""
+        if self.failure is not None:
+            return self.failure.reason
+        return "complete" if self.complete else "cut"
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,19 @@ def resume_segment(transfer_id: str, covered: int, budget: float, policy: str) -
     return SegmentRequest(f"/v1/prefill/transfers/{transfer_id}", body, budget)
 
 
+@dataclass
+class _Timing:
+    """What one segment's transfer measured so far (filled in as it goes, read when it ends)."""
+
+    received: int = 0
+    first_bytes: int = 0  # bytes up to the end of the body's first read
+    first_at: float = 0.0
+    last_at: float = 0.0
+    headers_seconds: float = 0.0
+    server_seconds: float | None = None
+    cut_reason: str | None = None
+
+
 async def pull_segment(
     http: aiohttp.ClientSession,
     settings: PullSettings,
@@ -131,18 +152,50 @@ async def pull_segment(
     watch: Watch | None = None,
 ) -> PullResult:
     """Send ``request`` and stream the answer into ``stream``'s current segment, which has ended
-    when this returns or raises: complete, or cut by ``watch`` (``complete`` False), or cut at what
-    it verified before a failure.
-
-    Raises:
-        KVPullError: unreachable, timeout, an HTTP error, a payload cut short, too large or invalid.
-    """
+    when this returns: complete, cut by ``watch`` (``cut_reason``), or cut at what it verified
+    before a failure (``failure``: unreachable, timeout, an HTTP error, a payload cut short, too
+    large or invalid)."""
     started = time.perf_counter()
+    timing = _Timing()
+    failure = None
+    try:
+        await _transfer(http, settings, request, stream, ingest, watch, timing)
+    except KVPullError as exc:
+        failure = exc
+    segment = stream.segments[-1]
+    header, tokens = segment.header, segment.tokens
+    counts = np.zeros(len(Tier), np.int64)
+    if header is not None:
+        best = header.tiers[:, :tokens].min(axis=0, initial=max(Tier))  # a token's best tier over its layers
+        counts = np.bincount(best, minlength=len(Tier))
+    return PullResult(
+        timing.received,
+        tokens * kv_bytes_per_token_fp16,
+        {tier.name: int(counts[tier]) for tier in Tier},
+        time.perf_counter() - started,
+        timing.server_seconds,
+        timing.headers_seconds,
+        timing.last_at - timing.first_at,
+        timing.received - timing.first_bytes,
+        complete=segment.complete,
+        cut_reason=timing.cut_reason,
+        failure=failure,
+    )
+
+
+async def _transfer(
+    http: aiohttp.ClientSession,
+    settings: PullSettings,
+    request: SegmentRequest,
+    stream: StreamedKV,
+    ingest: Executor,
+    watch: Watch | None,
+    timing: _Timing,
+) -> None:
+    """The request and its body into ``stream`` (see ``pull_segment``); the segment has ended when
+    this returns or raises KVPullError."""
     headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
     loop = asyncio.get_running_loop()
-    received = 0
-    first_bytes, first_at, last_at = 0, 0.0, 0.0  # the body's first read (bytes to its end, time); the last read
-    headers_seconds, server_seconds, cut_reason = 0.0, None, None
     pending: asyncio.Future | None = None  # the ingest thread's current piece of work
     buffered = bytearray()
     try:
@@ -155,8 +208,8 @@ async def pull_segment(
                 client_fault = 400 <= response.status < 500 and response.status not in (408, 429)
                 reason = "rejected" if client_fault else "http_error"
                 raise KVPullError(reason, f"the prefill server answered {response.status}: {detail}")
-            headers_seconds = time.perf_counter() - sent
-            server_seconds = _header_float(response.headers.get("X-Prefill-Seconds"))
+            timing.headers_seconds = time.perf_counter() - sent
+            timing.server_seconds = _header_float(response.headers.get("X-Prefill-Seconds"))
             announced = _header_int(response.headers.get("X-EDKV-Wire-Bytes"))
             while True:
                 tick = asyncio.timeout(WATCH_TICK_S if watch is not None else None)
@@ -171,11 +224,11 @@ async def pull_segment(
                     break
                 now = time.perf_counter()
                 if data:
-                    received += len(data)
-                    last_at = now
-                    if not first_bytes:
-                        first_bytes, first_at = received, last_at
-                    if received > settings.max_payload_bytes:
+                    timing.received += len(data)
+                    timing.last_at = now
+                    if not timing.first_bytes:
+                        timing.first_bytes, timing.first_at = timing.received, now
+                    if timing.received > settings.max_payload_bytes:
                         raise KVPullError(
                             "too_large", f"the KV payload exceeds max_payload_bytes ({settings.max_payload_bytes})"
                         )
@@ -185,11 +238,13 @@ async def pull_segment(
                             await pending
                         # hand the buffer itself over (no copy) and gather the next piece in a fresh one
                         pending, buffered = loop.run_in_executor(ingest, stream.feed, buffered), bytearray()
-                if watch is not None and (cut_reason := watch(now - sent, received, announced)) is not None:
-                    break
+                if watch is not None:
+                    timing.cut_reason = watch(now - sent, timing.received, announced)
+                    if timing.cut_reason is not None:
+                        break
         if pending is not None:
             await pending
-        end = _feed_and_cut if cut_reason is not None else _feed_and_finish
+        end = _feed_and_cut if timing.cut_reason is not None else _feed_and_finish
         pending = loop.run_in_executor(ingest, end, stream, buffered)
         await pending
     except KVPullError:
@@ -201,11 +256,11 @@ async def pull_segment(
     except (KVFormatError, KVInjectionError) as exc:
         raise KVPullError("bad_payload", f"the KV payload was refused: {exc}") from None
     except TimeoutError:
-        raise KVPullError("timeout", f"the prefill server timed out after {received} bytes") from None
+        raise KVPullError("timeout", f"the prefill server timed out after {timing.received} bytes") from None
     except aiohttp.ClientPayloadError as exc:
-        raise KVPullError("truncated", f"the KV download broke off after {received} bytes: {exc}") from None
+        raise KVPullError("truncated", f"the KV download broke off after {timing.received} bytes: {exc}") from None
     except aiohttp.ClientConnectionError as exc:
-        reason = "unreachable" if received == 0 else "truncated"
+        reason = "unreachable" if timing.received == 0 else "truncated"
         raise KVPullError(reason, f"the prefill server at {settings.url} failed: {exc}") from None
     except aiohttp.ClientError as exc:
         raise KVPullError("http_error", f"the prefill request failed: {exc}") from None
@@ -214,24 +269,6 @@ async def pull_segment(
             await asyncio.wait([pending])  # the caller reuses the KV buffers: the ingest thread must be done
         if not stream.ended:
             stream.cut()  # a failure: what was verified stays
-    segment = stream.segments[-1]
-    header, tokens = segment.header, segment.tokens
-    counts = np.zeros(len(Tier), np.int64)
-    if header is not None:
-        best = header.tiers[:, :tokens].min(axis=0, initial=max(Tier))  # a token's best tier over its layers
-        counts = np.bincount(best, minlength=len(Tier))
-    return PullResult(
-        received,
-        tokens * kv_bytes_per_token_fp16,
-        {tier.name: int(counts[tier]) for tier in Tier},
-        time.perf_counter() - started,
-        server_seconds,
-        headers_seconds,
-        last_at - first_at,
-        received - first_bytes,
-        complete=segment.complete,
-        cut_reason=cut_reason,
-    )
 
 
 def _header_float(value: str | None) -> float | None:

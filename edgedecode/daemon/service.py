@@ -20,7 +20,7 @@ import numpy as np
 import psutil
 
 from edgedecode.config import Config
-from edgedecode.daemon.adaptive import KVPlan, PlanInputs, plan_kv
+from edgedecode.daemon.adaptive import KVPlan, PlanInputs, QualityCosts, plan_kv
 from edgedecode.daemon.breaker import CircuitBreaker
 from edgedecode.daemon.kv_fetch import FetchOutcome, KVFetch
 from edgedecode.daemon.kv_pull import PullSettings
@@ -138,6 +138,7 @@ class DecodeService:
         self._http: aiohttp.ClientSession | None = None
         self.links = LinkModels(metrics.registry)
         self.local_speed = LocalPrefillModel()  # daemon/run.py calibrates it on a real engine before serving
+        self.quality = QualityCosts(local=d.local_dppl_pct)
         metrics.resident_kv.set_function(
             lambda: sum(slot.engine.length for slot in self.pool.slots) * self.kv_bytes_per_slot_token
         )
@@ -192,6 +193,8 @@ class DecodeService:
             if self._http is None:
                 raise RuntimeError("the decode service was not started (await start() first)")
             tokens = len(prompt_ids) - keep
+            if target_s is not None:  # the KV must be in before the prompt's last token runs and is sampled
+                target_s -= self.local_speed.predict_seconds(1) if self.local_speed.ready else 0.0
             plan = self.plan(url, tokens, target_s)
             report.decision, report.predicted_seconds = plan.decision, plan.predicted_s
             self.metrics.decisions.labels(plan.decision).inc()
@@ -217,6 +220,7 @@ class DecodeService:
                 self.links.get(url),
                 self.local_speed,
                 min_budget=d.min_budget,
+                quality=self.quality,
                 fp16_bytes_per_token=self.model.spec.kv_bytes_per_token_fp16,
                 wire_budget=self.budget_for,
             )
@@ -261,6 +265,7 @@ class DecodeService:
                 predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, tokens),
                 local_s=self.local_speed.predict_seconds(tokens),
                 min_budget=self.config.daemon.min_budget,
+                quality=self.quality,
             )
         )
 

@@ -7,7 +7,8 @@ read (a one-way delay, so a round trip takes about ``2 * delay_s`` more); the up
 direction, the one the KV payload flows in, is also paced by a token bucket of ``rate_bytes_per_s``
 shared by all connections (one link), whose burst is small (10 ms of the rate, within 4–64 KiB).
 ``set_rate`` changes the rate at once, also while a transfer is under way (step or random-walk
-traces). The client → upstream direction is not rate limited.
+traces); ``reset_after(n)`` resets the connection that carries the n-th next byte downstream (a
+link failure mid-transfer). The client → upstream direction is not rate limited.
 
 The proxy runs its own asyncio event loop in a thread: ``start()`` (also done by the constructor
 unless ``start=False``) and ``stop()`` are called from any other thread; ``stop()`` closes the
@@ -79,6 +80,7 @@ class LinkShaper:
         self.bytes_up = 0
         self.port = 0
         self._rate = float(rate_bytes_per_s)
+        self._reset_at: int | None = None  # bytes_down at which the connection sending is reset
         self._bucket: TokenBucket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.Server | None = None
@@ -105,6 +107,11 @@ class LinkShaper:
         loop, bucket = self._loop, self._bucket
         if loop is not None and bucket is not None:
             loop.call_soon_threadsafe(setattr, bucket, "rate", self._rate)
+
+    def reset_after(self, n_bytes: int) -> None:
+        """Reset (abort) the connection that carries the ``n_bytes``-th byte downstream from now, once:
+        the client gets the bytes before it, then a reset. Thread-safe enough for tests: one writer."""
+        self._reset_at = self.bytes_down + n_bytes
 
     def start(self, timeout_s: float = 10.0) -> None:
         if self._thread is not None:
@@ -234,6 +241,15 @@ class LinkShaper:
             size = len(view) if not shaped or bucket is None else min(len(view), int(bucket.burst) // 2)
             if shaped and bucket is not None:
                 await bucket.take(size)
+            if shaped and self._reset_at is not None and self.bytes_down + size >= self._reset_at:
+                size = self._reset_at - self.bytes_down
+                self._reset_at = None
+                writer.write(view[:size])
+                self.bytes_down += size
+                with contextlib.suppress(OSError):
+                    await writer.drain()
+                writer.transport.abort()
+                raise ConnectionResetError("the link shaper reset the connection (reset_after)")
             if shaped:  # counted before it is written: a reader that got it sees it counted
                 self.bytes_down += size
             else:

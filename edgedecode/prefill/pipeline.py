@@ -21,6 +21,10 @@ from edgedecode.kv.wire import TransferRef, decode_snapshot, encode_payload
 from edgedecode.model.spec import KVContract
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_free
 
+# Tokens per EDKV chunk of the payloads served: a pull cut short keeps whole chunks (kv-format.md §5),
+# so smaller chunks lose less; 128 rather than the format's default 256 costs ~1 % more bytes and
+# ~1 % more ingest time (2k tokens, 30 layers: 13.76 vs 13.59 MB, 38.8 vs 38.3 ms read; 64: 13.91 MB).
+PAYLOAD_CHUNK_TOKENS = 128
 _FIT_ATTEMPTS = 6
 _CLOSE_ENOUGH = 0.99  # stop refitting once the payload uses this share of the budget
 
@@ -182,7 +186,11 @@ def encode_within_budget(
     def encode(tiers: np.ndarray) -> EncodedKV:
         counts = np.bincount(tiers, minlength=len(Tier))
         raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
-        frames = list(encode_payload(snapshot, tiers, meta=meta, workers=workers, transfer=transfer))
+        frames = list(
+            encode_payload(
+                snapshot, tiers, chunk_tokens=PAYLOAD_CHUNK_TOKENS, meta=meta, workers=workers, transfer=transfer
+            )
+        )
         return EncodedKV(frames, tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
