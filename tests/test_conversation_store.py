@@ -258,8 +258,11 @@ OPERATIONS = st.lists(
 
 @settings(max_examples=100, deadline=None)
 @given(budget=st.integers(0, 1_000_000), max_sessions=st.integers(1, 3), operations=OPERATIONS)
-def test_the_store_never_holds_more_than_its_budget_or_max_sessions(budget, max_sessions, operations):
-    store = ConversationStore(budget, max_sessions, min_kept_fraction=0.25)
+def test_the_store_never_holds_more_than_its_budget_or_max_sessions_and_reports_what_it_holds(
+    budget, max_sessions, operations
+):
+    registry = CollectorRegistry()
+    store = ConversationStore(budget, max_sessions, ConversationMetrics(registry), min_kept_fraction=0.25)
     for operation in operations:
         reserved, nbytes = store.reserved_nbytes, store.nbytes
         match operation:
@@ -279,6 +282,8 @@ def test_the_store_never_holds_more_than_its_budget_or_max_sessions(budget, max_
             case ("release", amount):
                 store.release(min(amount, reserved))
         assert store.nbytes <= budget and len(store) <= max_sessions
+        assert sample(registry, "edgedecode_kv_memory_bytes", state="compressed") == store.compressed_nbytes
+        assert sample(registry, "edgedecode_sessions", state="compressed") == len(store)
     held = store.compressed_nbytes
     taken = [store.take(session_id) for session_id in "abcd"]
     assert sum(entry.nbytes for entry in taken if entry is not None) == held and store.nbytes == store.reserved_nbytes
