@@ -1,27 +1,25 @@
 """The conversation store: idle conversations' KV kept compressed in memory, under one KV memory budget.
 
-A conversation (session id) whose KV leaves its decode slot is put here as one EDKV payload
-(docs/kv-format.md), every token at INT8 unless told otherwise; its next turn takes the payload
-back and feeds it to the engine's EDKV reader (``Engine.open_kv_stream``), so that turn computes or
-pulls only its new tokens.
+A conversation (session id) whose KV leaves its decode slot is put here as one EDKV payload, every
+token at INT8 unless told otherwise; its next turn takes the payload back for the engine's EDKV
+reader (``Engine.open_kv_stream``), so that turn computes or pulls only its new tokens.
 
-The budget counts what the store holds (each payload, and the tier map, importance and pins kept
-beside it) plus what the daemon reserves outside it (``reserve``: the slots' KV). When more must
-fit, the pressure ladder relieves idle conversations, least recently put first, each rung over all
-of them and only as far as needed before the next rung:
+The budget counts what the store holds (payloads, and the tier map, importance and pins beside each)
+plus what the daemon reserves outside it (``reserve``: the slots' KV). When more must fit, the
+pressure ladder relieves idle conversations, least recently put first, each rung over all of them
+and only as far as needed before the next:
 
 1. re-tier: every token above INT4 goes to INT4, except the pinned ones (attention sinks and the
    recent window, ``kv.policy.pinned_mask``), which keep their tier;
 2. drop: the least important unpinned tokens become DROP, down to ``min_kept_fraction`` of the
-   conversation's tokens. Positions are kept, so the engine decodes after the gaps as after any
-   dropped token, and the header still lists every token, so the next turn's prompt is checked
-   against all of them;
+   conversation's tokens. Positions are kept (the engine decodes after the gaps as after any dropped
+   token) and the header still lists every token, so the next prompt is checked against all of them;
 3. evict: whole conversations go, counted (``edgedecode_session_evictions_total{reason="memory"}``).
 
 "Least important" is the importance given with the KV (the prefill side's attention, float [n]).
-Without it, position importance (``kv.importance.position_importance``: sinks first, then recency):
-the oldest tokens after the sinks go first, a sliding window with attention sinks (StreamingLLM),
-the one order that needs nothing the conversation did not record. Pinned tokens are never dropped.
+Without it, position importance (``kv.importance.position_importance``): the oldest tokens after the
+sinks go first, a sliding window with attention sinks (StreamingLLM), the one order that needs
+nothing the conversation did not record. Pinned tokens are never dropped.
 """
 
 from __future__ import annotations
@@ -47,7 +45,7 @@ from edgedecode.model.spec import KVContract
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIER = Tier.INT8  # lossless in practice on SmolLM2 (research/kv_calibration.md: KL 1e-5)
+DEFAULT_TIER = Tier.INT8  # SmolLM2: KL at the decode graph's noise floor (docs/serving.md, tools/bench_store.py)
 RETIER_TIER = Tier.INT4
 MIN_KEPT_FRACTION = 0.5  # the drop rung keeps at least this share of a conversation's tokens
 _DROP_MARGIN = 1.05  # the drop rung aims this much past the shortfall: its byte estimate is approximate
@@ -188,15 +186,15 @@ class ConversationStore:
             itself is re-tiered, trimmed and, as the very last resort, evicted like any other idle one.
 
         Raises:
-            ValueError: a tier map or importance not shaped [n], an empty snapshot, or KV that the
-                tiers cannot encode (KVMalformedError, a ValueError, from ``encode_payload``).
+            ValueError: tiers or importance not shaped [n], no tokens, or KV that ``encode_payload`` refuses.
         """
         entry = self._compressed(session_id, snapshot, importance, tiers)
         with self._lock:
             replaced = self._entries.pop(session_id, None)
             if replaced is not None:
                 self._compressed_nbytes -= replaced.nbytes
-            steps = [self._evict(oldest, "max_sessions") for oldest in self._oldest(len(self) + 1 - self.max_sessions)]
+            overflow = list(self._entries)[: max(len(self) + 1 - self.max_sessions, 0)]  # least recently put
+            steps = [self._evict(oldest, "max_sessions") for oldest in overflow]
             self._entries[session_id] = entry
             self._compressed_nbytes += entry.nbytes
             steps += self._relieve(0)
@@ -347,16 +345,9 @@ class ConversationStore:
         if self._metrics is not None:
             self._metrics.evictions.labels(reason).inc()
         logger.info(
-            "evicted conversation %s (%d tokens, %d bytes of compressed KV): %s",
-            session_id,
-            entry.n_tokens,
-            entry.nbytes,
-            reason,
+            "evicted conversation %s (%d tokens, %d bytes): %s", session_id, entry.n_tokens, entry.nbytes, reason
         )
         return LadderStep("evict", session_id, entry.n_tokens, entry.nbytes, reason)
-
-    def _oldest(self, count: int) -> list[str]:
-        return list(self._entries)[: max(count, 0)]
 
     def _count_retier(self, old: np.ndarray, new: np.ndarray) -> None:
         if self._metrics is None or len(old) == 0:
