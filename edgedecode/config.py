@@ -50,6 +50,10 @@ class DaemonConfig:
     local_prefill_only: bool = False  # never ask a prefill server: prefill every prompt on this box
     prefill_token: str = ""  # bearer token sent to the prefill server
     slots: int = 2  # conversations whose KV stays resident at once
+    # All KV on the box: the slots' buffers and the idle conversations kept compressed. SmolLM2-135M: 2 slots
+    # of 4096 tokens hold 360 MiB (FP32); the other 152 MiB keep ~14k tokens at INT8 (11.5 KB a token).
+    kv_memory_mb: int = 512
+    max_sessions: int = 16  # conversations whose KV is kept between turns, in a slot or compressed (>= slots)
     max_context: int = 4096  # KV buffer length per slot, tokens
     max_queue: int = 32  # requests waiting for a slot; more are refused with 429
     budget: float = 0.3  # KV wire bytes / FP16 bytes asked of the prefill server (while no TTFT target applies)
@@ -230,6 +234,13 @@ def _validate(config: Config) -> None:
             problems.append(f"daemon.prefill_url must be an http(s) URL, not {d.prefill_url!r}")
     if d.slots < 1:
         problems.append("daemon.slots must be >= 1")
+    if d.kv_memory_mb < 1:
+        problems.append("daemon.kv_memory_mb must be >= 1 (MiB of KV: the slots' and the compressed conversations')")
+    if d.max_sessions < d.slots:
+        problems.append(
+            f"daemon.max_sessions ({d.max_sessions}) must be >= daemon.slots ({d.slots}): a conversation resident "
+            "in a slot counts too (equal: none is kept compressed)"
+        )
     if d.max_context < 64:
         problems.append("daemon.max_context must be >= 64 tokens")
     if not 0 < d.budget <= 1:

@@ -9,6 +9,9 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.serving.http import process_gauges
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+SESSION_STATES = ("active", "resident", "compressed")
+EVICTION_REASONS = ("memory", "max_sessions")
+_RETIER_STEPS = ((Tier.FP16, Tier.INT4), (Tier.INT8, Tier.INT4), (Tier.INT4, Tier.DROP))
 
 
 class DaemonMetrics:
@@ -94,4 +97,49 @@ class DaemonMetrics:
             "1 while the circuit breaker skips the prefill server.",
             registry=registry,
         )
+        self.conversations = ConversationMetrics(registry)
         process_gauges(registry)
+
+
+class ConversationMetrics:
+    """Conversations whose KV is kept between turns, the KV memory they hold, and what the memory
+    budget's pressure ladder did to them.
+
+    States: "active" (a request holds the conversation's slot) and "resident" (idle in its slot) are
+    set by the daemon; "compressed" (in the conversation store) and both counters by the store.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.sessions = Gauge(
+            "edgedecode_sessions",
+            "Conversations whose KV is kept, by state: active (a request holds its slot), resident "
+            "(idle in its slot), compressed (in the conversation store).",
+            ["state"],
+            registry=registry,
+        )
+        self.kv_memory = Gauge(
+            "edgedecode_kv_memory_bytes",
+            "Bytes of KV counted against daemon.kv_memory_mb, by conversation state.",
+            ["state"],
+            registry=registry,
+        )
+        for state in SESSION_STATES:
+            self.sessions.labels(state)
+            self.kv_memory.labels(state)
+        self.retier = Counter(
+            "edgedecode_kv_retier_total",
+            "Tokens of kept conversations moved to a lower tier under memory pressure (to DROP: dropped).",
+            ["from", "to"],
+            registry=registry,
+        )
+        for high, low in _RETIER_STEPS:
+            self.retier.labels(high.name, low.name)
+        self.evictions = Counter(
+            "edgedecode_session_evictions_total",
+            "Conversations whose kept KV was discarded, by reason: memory (daemon.kv_memory_mb) or "
+            "max_sessions (daemon.max_sessions).",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in EVICTION_REASONS:
+            self.evictions.labels(reason)
