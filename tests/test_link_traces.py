@@ -11,7 +11,7 @@ import pytest
 from serving_helpers import ByteUpstream, receive
 
 from edgedecode.evaluation.link_shaper import LinkShaper
-from edgedecode.evaluation.link_traces import MBIT, TracePlayer, constant, random_walk, step
+from edgedecode.evaluation.link_traces import MBIT, TracePlayer, constant, describe, random_walk, step
 
 HIGH, LOW = 40e6, 10e6  # bytes/s: fast enough that the transfers below take milliseconds
 
@@ -118,3 +118,16 @@ def test_the_player_records_each_change_of_a_walk(shaper):
     for t, rate in player.changes:
         assert rate == walk.rate_at(t, 0)  # the rate the walk has at the time it was set
     assert shaper.rate_bytes_per_s == player.changes[-1][1]
+
+
+def test_a_trace_describes_its_parameters_for_reports():
+    assert describe(step(HIGH, LOW, at_bytes=5)) == {
+        "kind": "Step",
+        "high": HIGH,
+        "low": LOW,
+        "at_bytes": 5,
+        "at_s": None,
+    }
+    walk = random_walk(seed=4)
+    walk.rate_at(1.0, 0)
+    assert set(describe(walk)) == {"kind", "lo", "hi", "every_s", "seed", "start", "log_step"}

@@ -15,7 +15,8 @@ started and of the bytes the shaper forwarded downstream since then:
 polls every ``tick_s`` and calls ``set_rate`` whenever the trace's rate changes; ``stop()`` ends
 the thread and leaves the last rate in place. Each play records every change as (seconds since
 start, bytes/s) in ``changes`` and the bytes forwarded every ``sample_every_s`` in ``progress``
-(seconds, bytes), for plots. Start and stop it around each request.
+(seconds, bytes), for plots. Start and stop it around each request. ``describe(trace)`` gives a
+trace's kind and parameters for a report.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Protocol
 
 import numpy as np
@@ -131,6 +132,14 @@ def random_walk(
     if not lo <= first <= hi:
         raise ValueError(f"start {first} is outside [{lo}, {hi}]")
     return RandomWalk(float(lo), float(hi), float(every_s), seed, first, float(log_step))
+
+
+def describe(trace: RateTrace) -> dict:
+    """The trace's kind and parameters (for a report)."""
+    params: dict[str, object] = {}
+    if is_dataclass(trace):
+        params = {f.name: getattr(trace, f.name) for f in fields(trace) if f.init}
+    return {"kind": type(trace).__name__, **params}
 
 
 class TracePlayer:
