@@ -251,28 +251,28 @@ def kv_used(report: dict | None) -> str | None:
     return None if kv.get("budget") is None else f"b{round(kv['budget'], 4)!r}"
 
 
+def cell_request(
+    cell: Cell, policy: str, url: str, prompt: Prompt, player: TracePlayer, args, fp16_per_token: int
+) -> dict:
+    """One request of ``policy`` under the cell's trace, recorded and shown on stderr."""
+    player.trace = make_trace(cell, prompt, fp16_per_token, args)
+    record = {"cell": cell.label(args), "trace": cell.trace, "mbits": cell.mbits, "policy": policy, "run": prompt.index}
+    record |= timed_request(url, prompt, player, args)
+    print(progress_line(record), file=sys.stderr, flush=True)
+    return record
+
+
 def run_cell(
     cell: Cell, urls: dict[str, str], prompts: dict[int, list[Prompt]], player: TracePlayer, args, fp16_per_token: int
 ) -> list[dict]:
     """Every policy's requests in one cell, policy after policy (the adaptive daemon's requests
     back to back, so its link model does not idle between them)."""
-    results = []
-    label = cell.label(args)
-    for policy, url in urls.items():
-        for windows in prompts.values():
-            for prompt in windows:
-                player.trace = make_trace(cell, prompt, fp16_per_token, args)
-                record = {
-                    "cell": label,
-                    "trace": cell.trace,
-                    "mbits": cell.mbits,
-                    "policy": policy,
-                    "run": prompt.index,
-                }
-                record |= timed_request(url, prompt, player, args)
-                results.append(record)
-                print(progress_line(record), file=sys.stderr, flush=True)
-    return results
+    return [
+        cell_request(cell, policy, url, prompt, player, args, fp16_per_token)
+        for policy, url in urls.items()
+        for windows in prompts.values()
+        for prompt in windows
+    ]
 
 
 def progress_line(record: dict) -> str:
@@ -281,11 +281,15 @@ def progress_line(record: dict) -> str:
     return (
         f"  {record['cell']} | {record['policy']} | {record['prompt_tokens']} tokens #{record['run']}: {ttft}"
         f"{' (censored)' if record['censored'] else ''}; {kv.get('decision')} {record['kv_used']}"
+        f"{' (fallback: ' + kv['fallback_reason'] + ')' if kv.get('fallback_reason') else ''}"
     )
 
 
-def run_grid(model: LoadedModel, prompts, warmups: list[Prompt], args: argparse.Namespace) -> list[dict]:
-    """Start the servers and the shaper, and run every cell."""
+def run_grid(
+    model: LoadedModel, prompts, warmups: list[Prompt], args: argparse.Namespace
+) -> tuple[list[dict], list[dict]]:
+    """Start the servers and the shaper, and run every cell: the measured requests, and the
+    adaptive daemon's warm-up requests."""
     fp16_per_token = model.spec.kv_bytes_per_token_fp16
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         directory = Path(tmp)
@@ -309,16 +313,17 @@ def run_grid(model: LoadedModel, prompts, warmups: list[Prompt], args: argparse.
         }
         for url in steady.values():
             timed_request(url, warmups[0] if warmups else prompts[min(prompts)][0], player, args)
-        results = []
+        results, warmed = [], []
         for cell in grid(args):
             print(f"{cell.label(args)}:", file=sys.stderr, flush=True)
             with daemon("adaptive", directory, args, shaper.url) as adaptive:
                 for prompt in warmups:
-                    player.trace = make_trace(cell, prompt, fp16_per_token, args)
-                    timed_request(adaptive, prompt, player, args)
+                    warmed.append(cell_request(cell, "adaptive", adaptive, prompt, player, args, fp16_per_token))
+                    if warmed[-1]["kv_used"] == LOCAL:
+                        print("  the warm-up pull failed or was cut: the link stays unknown", file=sys.stderr)
                 results += run_cell(cell, {"adaptive": adaptive}, prompts, player, args, fp16_per_token)
             results += run_cell(cell, steady, prompts, player, args, fp16_per_token)
-        return results
+        return results, warmed
 
 
 def quality_costs(model: LoadedModel, prompts: dict[int, list[Prompt]], results: list[dict], args) -> dict:
@@ -374,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     model = load_model()
     prompts, warmups = load_prompts(model, args)
-    results = run_grid(model, prompts, warmups, args)
+    results, warmed = run_grid(model, prompts, warmups, args)
     print("scoring the quality cost of the KV each request used", file=sys.stderr, flush=True)
     run = {
         "command": " ".join(["python tools/bench_adaptive.py", *(sys.argv[1:] if argv is None else argv)]),
@@ -383,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model.record.name,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "results": results,
+        "warmups": warmed,
         "quality": quality_costs(model, prompts, results, args),
         "wall_s": round(time.time() - started, 1),
     }
