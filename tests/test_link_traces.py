@@ -39,9 +39,12 @@ def _download(link: LinkShaper, size: int) -> None:
 def test_a_constant_trace_sets_its_rate_once(shaper):
     with TracePlayer(shaper, constant(HIGH)) as player:
         assert shaper.rate_bytes_per_s == HIGH
-        _download(shaper, 100_000)
+        assert player.goodput_bps() is None  # nothing has come yet
+        _download(shaper, 2_000_000)  # 50 ms at HIGH: several of the player's ticks
     assert [rate for _, rate in player.changes] == [HIGH]
-    assert player.progress[-1][1] >= 100_000
+    assert player.progress[-1][1] >= 2_000_000
+    goodput = player.goodput_bps()
+    assert goodput is not None and goodput > 0
 
 
 def test_a_step_trace_lowers_the_rate_once_its_byte_threshold_is_crossed(shaper):

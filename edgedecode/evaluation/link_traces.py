@@ -15,7 +15,9 @@ started and of the bytes the shaper forwarded downstream since then:
 polls every ``tick_s`` and calls ``set_rate`` whenever the trace's rate changes; ``stop()`` ends
 the thread and leaves the last rate in place. Each play records every change as (seconds since
 start, bytes/s) in ``changes`` and the bytes forwarded every ``sample_every_s`` in ``progress``
-(seconds, bytes), for plots. Start and stop it around each request. ``describe(trace)`` gives a
+(seconds, bytes), for plots; ``goodput_bps()`` is the rate the bytes actually came at (the link
+may deliver less than its rate: the proxy's own speed, or a reader that falls behind). Start and
+stop it around each request. ``describe(trace)`` gives a
 trace's kind and parameters for a report.
 """
 
@@ -158,11 +160,14 @@ class TracePlayer:
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
         self._bytes_at_start = 0
+        self._first_seen: tuple[float, int] | None = None  # the first poll that saw bytes: (seconds, bytes)
+        self._last_new: tuple[float, int] | None = None  # the last poll that saw new bytes
 
     def start(self) -> None:
         """Restart the trace now: time and bytes from zero, its first rate set before this returns."""
         self.stop()
         self.changes, self.progress = [], []
+        self._first_seen = self._last_new = None
         self._stop = threading.Event()
         self._started_at = time.monotonic()
         self._bytes_at_start = self.shaper.bytes_down
@@ -177,6 +182,13 @@ class TracePlayer:
             self._thread.join()
             self._thread = None
             self.progress.append(self._reading())  # progress ends where the request did
+
+    def goodput_bps(self) -> float | None:
+        """Bytes per second from the first poll that saw bytes to the last that saw new ones (at the
+        player's tick resolution); None until bytes arrived over at least one tick."""
+        if self._first_seen is None or self._last_new is None or self._last_new[0] <= self._first_seen[0]:
+            return None
+        return (self._last_new[1] - self._first_seen[1]) / (self._last_new[0] - self._first_seen[0])
 
     def __enter__(self) -> TracePlayer:
         self.start()
@@ -201,3 +213,7 @@ class TracePlayer:
             self.changes.append((elapsed, rate))
         if not self.progress or elapsed - self.progress[-1][0] >= self.sample_every_s:
             self.progress.append((elapsed, forwarded))
+        if forwarded and self._first_seen is None:
+            self._first_seen = (elapsed, forwarded)
+        if forwarded and (self._last_new is None or forwarded > self._last_new[1]):
+            self._last_new = (elapsed, forwarded)
