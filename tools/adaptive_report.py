@@ -83,6 +83,7 @@ def policy_stats(records: list[dict], quality: dict, target_ms: float) -> dict:
         "decisions": Counter(((r["report"] or {}).get("kv") or {}).get("decision") or "—" for r in records),
         "kv_used": Counter(r["kv_used"] or "—" for r in records),
         "tiers": {name: tiers[name] / total for name in TIERS if tiers[name]} if total else {},
+        "goodput_mbits": quantile([r["goodput_mbits"] for r in records if r["goodput_mbits"]], 0.5),
         "dppl_pct": float(np.mean([c["dppl_pct"] for c in costs])) if costs else math.nan,
         "kl": float(np.mean([c["kl"] for c in costs])) if costs else math.nan,
     }
@@ -183,6 +184,10 @@ def _ms(value: float, cap_ms: float) -> str:
     return f"> {cap_ms:.0f}" if math.isinf(value) else f"{value:.0f}"
 
 
+def _number(value: float, spec: str) -> str:
+    return "—" if math.isnan(value) else format(value, spec)
+
+
 def _counts(counter: Counter) -> str:
     return ", ".join(f"{key} {count}" if len(counter) > 1 else key for key, count in counter.most_common())
 
@@ -192,8 +197,8 @@ def table(run: dict, rows: list[dict]) -> list[str]:
     cap_ms = 1e3 * run["args"]["cell_timeout_s"]
     lines = [
         "| cell | tokens | policy | TTFT median ms | p95 ms | target met | decision | KV used | tiers | Δ PPL % "
-        "| KL | adaptive ÷ best other |",
-        "|---|---:|---|---:|---:|---:|---|---|---|---:|---:|---|",
+        "| KL | link Mbit/s got | adaptive ÷ best other |",
+        "|---|---:|---|---:|---:|---:|---|---|---|---:|---:|---:|---|",
     ]
     for row in rows:
         for policy, s in row["stats"].items():
@@ -202,7 +207,8 @@ def table(run: dict, rows: list[dict]) -> list[str]:
             lines.append(
                 f"| {row['cell']} | {row['prompt_tokens']} | {policy} | {_ms(s['median_ms'], cap_ms)} | "
                 f"{_ms(s['p95_ms'], cap_ms)} | {100 * s['met']:.0f} % | {_counts(s['decisions'])} | "
-                f"{_counts(s['kv_used'])} | {tiers} | {s['dppl_pct']:+.2f} | {s['kl']:.4f} | {vs} |"
+                f"{_counts(s['kv_used'])} | {tiers} | {s['dppl_pct']:+.2f} | {s['kl']:.4f} | "
+                f"{_number(s['goodput_mbits'], '.0f')} | {vs} |"
             )
     return lines
 

@@ -29,7 +29,11 @@ request is still recorded with its report, and medians and p95 count it as > cap
 
 Quality cost: for every (prompt, budget) a request used, and for local prefill (the decode graph's
 own prefill), Δ perplexity and KL of a teacher-forced continuation (``--continuation-tokens``)
-against FP16 transfer, with the quality harness's functions (tools/kv_quality.py's protocol).
+against FP16 transfer, with the quality harness's functions (tools/adaptive_quality.py).
+
+The default target, 1.5 s, lies between a 2-core edge's own prefill of 1k tokens (about 1 s) and of
+2k (2–5 s): local prefill meets it for short prompts only, a pull only over links fast enough for
+its payload.
 
     python tools/bench_adaptive.py [--mbits 5 20 50 100 1000] [--rtt-ms 20] [--traces constant step walk]
         [--prompt-tokens 1024 2048 4096] [--runs 3] [--target-ms 1500] [--cell-timeout-s 60]
@@ -41,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import platform
 import subprocess
@@ -52,40 +55,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
+from adaptive_quality import Prompt, quality_costs
 from adaptive_report import LOCAL, POLICIES, print_summary, write_docs, write_json
 from bench_serve import write_config
 
 from edgedecode.client.chat import ChatError, stream_events
 from edgedecode.evaluation.link_shaper import LinkShaper
 from edgedecode.evaluation.link_traces import MBIT, RateTrace, TracePlayer, constant, describe, random_walk, step
-from edgedecode.evaluation.scoring import mean_kl, score_continuation
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
-from edgedecode.kv.policy import TierProfile, profile_path
-from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel, load_model
-from edgedecode.prefill.pipeline import prefill_and_score, through_wire
-from edgedecode.runtime.engine import Engine
 from edgedecode.serving.process import ServerStartError, start_server, stop_server
 
 PRIME_MBITS = 1000.0  # the rate the stateless daemons' one warm-up request runs at
 WALK_EVERY_S = 0.1
 PROGRESS_EVERY_S = 0.1  # bytes received are sampled this often for the JSON and the plot
 REPLY_MARGIN_S = 300.0  # a censored request still waits this long past the cap for the daemon's fallback
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """A prose window: ``ids`` are sent, ``continuation`` scores the quality cost."""
-
-    tokens: int
-    index: int
-    ids: np.ndarray
-    continuation: np.ndarray
-
-    @property
-    def key(self) -> str:
-        return f"{self.tokens}:{self.index}"
 
 
 @dataclass(frozen=True)
@@ -224,6 +208,7 @@ def timed_request(url: str, prompt: Prompt, player: TracePlayer, args: argparse.
     if ttft_s is None and error is None:
         ttft_s = time.perf_counter() - started  # no text at all: the whole answer's time
     ttft_ms = None if ttft_s is None else 1e3 * ttft_s
+    goodput = player.goodput_bps()
     return {
         "prompt_tokens": prompt.tokens,
         "prompt": prompt.key,
@@ -232,6 +217,7 @@ def timed_request(url: str, prompt: Prompt, player: TracePlayer, args: argparse.
         "error": error,
         "kv_used": kv_used(report),
         "report": report,
+        "goodput_mbits": None if goodput is None else goodput / MBIT,  # what the link delivered
         "link": {
             "trace": describe(player.trace),
             "changes": [(round(t, 3), rate) for t, rate in player.changes],
@@ -248,6 +234,8 @@ def kv_used(report: dict | None) -> str | None:
     kv = report["kv"]
     if kv["source"] == "local":
         return LOCAL
+    if kv.get("decision") == "split" or len(kv.get("segments") or ()) > 1:
+        return None  # KV of several parts: the harness scores one source at a time
     return None if kv.get("budget") is None else f"b{round(kv['budget'], 4)!r}"
 
 
@@ -326,39 +314,6 @@ def run_grid(
         return results, warmed
 
 
-def quality_costs(model: LoadedModel, prompts: dict[int, list[Prompt]], results: list[dict], args) -> dict:
-    """Δ perplexity % and KL against FP16 transfer of every (prompt, KV source) the results used:
-    ``{prompt key: {kv_used: {"dppl_pct", "kl"}}}``."""
-    used: dict[str, set[str]] = {}
-    for r in results:
-        if r["kv_used"] is not None:
-            used.setdefault(r["prompt"], set()).add(r["kv_used"])
-    by_key = {p.key: p for windows in prompts.values() for p in windows}
-    longest = max(args.prompt_tokens) + args.continuation_tokens + 64
-    prefiller = Engine(model, GraphOptions("prefill"), max_context=longest, threads=args.threads)
-    scorer = Engine(model, GraphOptions(accuracy_level=0), max_context=longest, threads=args.threads)
-    profile = TierProfile.load(profile_path(model))
-    contract = model.spec.kv_contract
-    costs: dict[str, dict] = {}
-    for key, sources in sorted(used.items()):
-        prompt = by_key[key]
-        scored = prefill_and_score(prefiller, prompt.ids)
-        reference = score_continuation(
-            scorer, prompt.ids, prompt.continuation, through_wire(scored, 1.0, "ours", contract)[0]
-        )
-        for source in sorted(sources):
-            kv = None
-            if source != LOCAL:
-                kv = through_wire(scored, float(source.removeprefix("b")), "ours", contract, profile=profile)[0]
-            score = score_continuation(scorer, prompt.ids, prompt.continuation, kv)
-            costs.setdefault(key, {})[source] = {
-                "dppl_pct": 100 * math.expm1(score.mean_nll - reference.mean_nll),
-                "kl": mean_kl(reference, score),
-            }
-        print(f"  quality of prompt {key} scored", file=sys.stderr, flush=True)
-    return costs
-
-
 def machine() -> dict:
     """Platform, CPU model, core count and GPU name (None without nvidia-smi)."""
     cpu = platform.processor() or platform.machine()
@@ -389,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "results": results,
         "warmups": warmed,
-        "quality": quality_costs(model, prompts, results, args),
+        "quality": quality_costs(model, prompts, results, args.continuation_tokens, args.threads),
         "wall_s": round(time.time() - started, 1),
     }
     print_summary(run)
