@@ -1,10 +1,13 @@
-"""Helpers for the serving tests: real servers as subprocesses, and aiohttp apps in a thread."""
+"""Helpers for the serving tests: real servers as subprocesses, aiohttp apps in a thread, and a raw
+TCP upstream for the link shaper."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -83,3 +86,57 @@ class ThreadedApp:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(30)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(30)
+
+
+class ByteUpstream:
+    """A TCP server on 127.0.0.1: to ``b"send <n>\\n"`` it answers n bytes and closes; to anything
+    else it echoes the line. A context manager (closed on exit)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        self.sock.settimeout(0.1)
+        while not self._closed:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(10)
+            with conn:
+                line = conn.makefile("rb").readline()
+                if line.startswith(b"send "):
+                    conn.sendall(b"x" * int(line.split()[1]))
+                else:
+                    conn.sendall(line)
+
+    def close(self) -> None:
+        self._closed = True
+        self._thread.join(5)
+        self.sock.close()
+
+    def __enter__(self) -> ByteUpstream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def receive(port: int, request: bytes, expect: int) -> tuple[bytes, float]:
+    """Send ``request`` through 127.0.0.1:``port``; what came back (until EOF) and how long it took."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        started = time.perf_counter()
+        conn.sendall(request)
+        got = bytearray()
+        while len(got) < expect:
+            piece = conn.recv(1 << 16)
+            if not piece:
+                break
+            got += piece
+        return bytes(got), time.perf_counter() - started

@@ -6,12 +6,11 @@ for any budget it prefills locally without asking the prefill server."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
 from openai import OpenAI
-from serving_helpers import ServerProcess, metric_samples, server_config
+from serving_helpers import ByteUpstream, ServerProcess, metric_samples, receive, server_config
 
 from edgedecode.evaluation.link_shaper import LinkShaper
 
@@ -31,78 +30,29 @@ PROMPT = [
 # --- the shaper on its own ----------------------------------------------------------------------
 
 
-class _Upstream:
-    """A TCP server on 127.0.0.1: to ``b"send <n>\\n"`` it answers n bytes and closes; to anything
-    else it echoes the line."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self._closed = False
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        self.sock.settimeout(0.1)
-        while not self._closed:
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(10)
-            with conn:
-                line = conn.makefile("rb").readline()
-                if line.startswith(b"send "):
-                    conn.sendall(b"x" * int(line.split()[1]))
-                else:
-                    conn.sendall(line)
-
-    def close(self) -> None:
-        self._closed = True
-        self._thread.join(5)
-        self.sock.close()
-
-
 @pytest.fixture
 def upstream():
-    server = _Upstream()
-    yield server
-    server.close()
-
-
-def _receive(port: int, request: bytes, expect: int) -> tuple[bytes, float]:
-    """Send ``request`` through 127.0.0.1:``port``; what came back (until EOF) and how long it took."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-        started = time.perf_counter()
-        conn.sendall(request)
-        got = bytearray()
-        while len(got) < expect:
-            piece = conn.recv(1 << 16)
-            if not piece:
-                break
-            got += piece
-        return bytes(got), time.perf_counter() - started
+    with ByteUpstream() as server:
+        yield server
 
 
 def test_the_shaper_paces_the_download_at_its_rate(upstream):
     size, rate = 1_000_000, 2e6
     with LinkShaper("127.0.0.1", upstream.port, rate_bytes_per_s=rate, delay_s=0.0) as shaper:
-        data, seconds = _receive(shaper.port, f"send {size}\n".encode(), size)
+        data, seconds = receive(shaper.port, f"send {size}\n".encode(), size)
         assert data == b"x" * size
         assert 0.7 * size / rate <= seconds <= 1.3 * size / rate, seconds
         assert shaper.connections == 1 and shaper.bytes_down == size
 
         shaper.set_rate(8e6)  # a new rate takes effect on the next transfer
-        _, faster = _receive(shaper.port, f"send {size}\n".encode(), size)
+        _, faster = receive(shaper.port, f"send {size}\n".encode(), size)
         assert faster < seconds / 2, (faster, seconds)
 
 
 def test_the_shaper_delays_each_way(upstream):
-    _, direct = _receive(upstream.port, b"ping\n", 5)
+    _, direct = receive(upstream.port, b"ping\n", 5)
     with LinkShaper("127.0.0.1", upstream.port, rate_bytes_per_s=1e6, delay_s=0.1) as shaper:
-        data, seconds = _receive(shaper.port, b"ping\n", 5)
+        data, seconds = receive(shaper.port, b"ping\n", 5)
     assert data == b"ping\n"
     assert 0.2 <= seconds - direct <= 0.5, (seconds, direct)  # a round trip: 2 x 100 ms
 
