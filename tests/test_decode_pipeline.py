@@ -455,7 +455,8 @@ def test_with_a_target_a_slower_link_gets_a_lower_budget(prefill):
     for name, rate in (("fast", fp16 / 0.01), ("slow", fp16 / 0.6)):  # FP16 in 10 ms, or in 600 ms
         prefill.bodies = []
         service = make_service(prefill.url, min_wire_bytes=0)
-        service.local_speed = LocalPrefillModel([(16, 10.0), (128, 20.0)])  # local would take seconds
+        # local would take seconds for the prompt, a few ms for its last token alone (the step after the KV)
+        service.local_speed = LocalPrefillModel([(1, 0.002), (16, 2.0), (128, 20.0)])
         teach_link(service, prefill.url, rate)
         turn = drive(service, lambda service=service: targeted_turn(service, 300.0))
         report = turn.report

@@ -169,22 +169,25 @@ def test_greedy_output_equals_generate_cli_for_the_same_messages(daemon):
     assert completion.usage.completion_tokens == len(expected["token_ids"])
     # the same tiers for the same tokens; the payloads differ only in the header's meta (the server adds held_tokens)
     assert report["kv"]["tiers"] == {name: n for name, n in expected["kv_transfer"]["tiers"].items() if n}
-    assert abs(report["kv"]["wire_bytes"] - expected["kv_transfer"]["wire_bytes"]) < 64
+    # the served payload's header also names its transfer (~50 bytes) and records the request in meta
+    assert abs(report["kv"]["wire_bytes"] - expected["kv_transfer"]["wire_bytes"]) < 128
 
 
-def test_a_generous_target_on_a_fast_link_gets_the_best_budget(prefill_server, workdir):
+def test_a_generous_target_on_a_fast_link_gets_the_fastest_lossless_budget(prefill_server, workdir):
     """Loopback is fast: once a pull has taught the link model, a turn with a time-to-first-token
-    target asks for FP16 (b 1.0) where the configured budget is 0.3, and says what it planned.
-    (Its own daemon: the shared one's metrics test holds every pull to the configured budget.)"""
-    daemon = _start_daemon(workdir, "adaptive", prefill_server.url)
+    target asks for the fastest budget that costs no perplexity (b 0.5: +0.00 % in kv-quality.md,
+    half of b 1.0's bytes) where the configured budget is 0.3, and says what it planned. Local
+    prefill is counted as costly here, so the pull is what is planned. (Its own daemon: the shared
+    one's metrics test holds every pull to the configured budget.)"""
+    daemon = _start_daemon(workdir, "adaptive", prefill_server.url, local_dppl_pct=5.0)
     try:
         prompt = [{"role": "user", "content": f"Summarize: {LONG_TEXT}"}]
         assert _chat(daemon, prompt)[1]["kv"]["budget"] == BUDGET  # no target: as configured; teaches the link
         completion, report = _chat(daemon, prompt, extra_body={"ttft_target_ms": 60_000})
         kv = report["kv"]
-        assert (kv["source"], kv["decision"], kv["budget"]) == ("prefill_server", "remote", 1.0)
+        assert (kv["source"], kv["decision"], kv["budget"]) == ("prefill_server", "remote", 0.5)
         assert kv["predicted_ms"] is not None and report["ttft_target_met"] is True
-        assert kv["tiers"] == {"FP16": completion.usage.prompt_tokens}
+        assert sum(kv["tiers"].values()) == completion.usage.prompt_tokens and kv["b_wire"] <= 0.5
         samples = _metrics(daemon)
         assert samples["edgedecode_ttft_target_total{met=true}"] == 1
         goodput = f"edgedecode_link_goodput_bytes_per_second{{endpoint={prefill_server.url}}}"

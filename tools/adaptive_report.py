@@ -242,8 +242,10 @@ def write_json(run: dict, path: Path) -> None:
 METHOD = (
     "One prefill server ({prefill_device}, prefix cache off) behind a link-shaping proxy on loopback "
     "(edgedecode/evaluation/link_shaper.py: a token bucket for the rate, {rtt_ms:g} ms round trip), and one "
-    "decode daemon per policy pulling through it: **adaptive** (daemon.ttft_target_ms = {target_ms:g}: the "
-    "highest budget predicted to arrive in time, else local prefill, else the fastest), fixed budgets "
+    "decode daemon per policy pulling through it: **adaptive** (daemon.ttft_target_ms = {target_ms:g}: of "
+    "the budgets and local prefill predicted in time, the fastest of the best measured quality, else the "
+    "fastest; a pull whose goodput collapses is cut and its rest resumed or computed, docs/serving.md), "
+    "fixed budgets "
     "**b1.0**, **b0.5**, **b0.3** (no target) and **local** (local_prefill_only). Each request is a streamed "
     "completion ({max_tokens} tokens) of a distinct pydoc prose window; TTFT is the client's. Traces "
     "(edgedecode/evaluation/link_traces.py), restarted at every request: constant links; a step "

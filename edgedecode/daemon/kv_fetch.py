@@ -71,8 +71,11 @@ class FetchOutcome:
 
     @property
     def failure(self) -> KVPullError | None:
-        """The last segment's failure, when the fetch ended on one."""
-        return self.segments[-1].result.failure if self.segments else None
+        """Why the fetch did not bring everything, when a failure is why: the first failure of a fetch
+        whose last segment is not complete (a resume that failed after it is a consequence)."""
+        if not self.segments or self.segments[-1].result.complete:
+            return None
+        return next((r.failure for r in self.results if r.failure is not None), None)
 
 
 class KVFetch:

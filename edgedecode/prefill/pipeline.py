@@ -7,6 +7,7 @@ then the target is rescaled by the measured compression until the payload fits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,7 +145,7 @@ class BudgetTooSmallError(BudgetError):
         super().__init__(
             f"budget {budget:.3g} is below the smallest EDKV payload for these {n_tokens} tokens "
             f"(b {minimum:.4f}: header and framing with every token dropped); ask for at least "
-            f"{minimum:.4f}"
+            f"{math.ceil(minimum * 1e4) / 1e4:.4f}"
         )
         self.minimum = minimum
 
@@ -186,12 +187,7 @@ def encode_within_budget(
     def encode(tiers: np.ndarray) -> EncodedKV:
         counts = np.bincount(tiers, minlength=len(Tier))
         raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
-        frames = list(
-            encode_payload(
-                snapshot, tiers, chunk_tokens=PAYLOAD_CHUNK_TOKENS, meta=meta, workers=workers, transfer=transfer
-            )
-        )
-        return EncodedKV(frames, tiers, fp16_bytes, raw)
+        return EncodedKV(payload_frames(snapshot, tiers, meta, transfer, workers), tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
     target = budget
@@ -235,11 +231,22 @@ def through_wire(
     return decode_snapshot(b"".join(encoded.frames), receiver), encoded
 
 
-def smallest_payload(snapshot: KVSnapshot, meta: dict | None = None) -> EncodedKV:
+def payload_frames(
+    snapshot: KVSnapshot, tiers: np.ndarray, meta: dict, transfer: TransferRef | None = None, workers: int = 1
+) -> list[bytes]:
+    """The frames of a served payload: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks."""
+    return list(
+        encode_payload(
+            snapshot, tiers, chunk_tokens=PAYLOAD_CHUNK_TOKENS, meta=meta, workers=workers, transfer=transfer
+        )
+    )
+
+
+def smallest_payload(snapshot: KVSnapshot, meta: dict, transfer: TransferRef | None = None) -> EncodedKV:
     """The payload of ``snapshot`` with every token dropped: header, empty chunks and trailer. Its
-    size does not depend on the KV values, so a receiver's request can be sized before any prefill."""
+    size does not depend on the KV values, so a receiver's request can be sized before any prefill
+    (``transfer``: a reference of the size the served payload will carry, if any)."""
     tiers = np.full(snapshot.n_tokens, Tier.DROP, np.uint8)
     costs = tier_costs(snapshot)
-    return EncodedKV(
-        list(encode_payload(snapshot, tiers, meta=meta)), tiers, int(costs[Tier.FP16] * snapshot.n_tokens), 0
-    )
+    fp16_bytes = int(costs[Tier.FP16] * snapshot.n_tokens)
+    return EncodedKV(payload_frames(snapshot, tiers, meta, transfer), tiers, fp16_bytes, 0)

@@ -39,6 +39,7 @@ from edgedecode.runtime.engine import Engine
 CHAT_ROLES = ("system", "user", "assistant")
 Request = TypeVar("Request")
 PREFILL_STALL_SECONDS = 300.0  # one prefill running longer than this marks the server unhealthy (watchdog)
+WIDEST_FLOAT = -2.2250738585072014e-308  # a float whose JSON repr is as long as any (24 characters)
 
 
 class PrefillRequestError(RequestError):
@@ -250,8 +251,10 @@ class PrefillService:
             zeros,
             self.engine.producer,
         )
-        meta = payload_meta(request.policy, request.budget, request.meta)
-        smallest = smallest_payload(shell, meta).b_wire
+        # the header records the budget asked: size it for the longest a float's repr can be, so the
+        # minimum named holds for any budget a client then asks with
+        meta = payload_meta(request.policy, WIDEST_FLOAT, request.meta)
+        smallest = smallest_payload(shell, meta, self.transfers.placeholder()).b_wire
         if smallest > request.budget:
             raise BudgetTooSmallError(request.budget, smallest, shell.n_tokens)
 

@@ -23,6 +23,9 @@ from edgedecode.errors import RequestError
 from edgedecode.kv.wire import TransferRef
 from edgedecode.prefill.pipeline import ScoredPrefill
 
+ID_BYTES = 12  # random bytes of an id
+ID_CHARS = 16  # its URL-safe base64 characters
+
 
 class TransferNotFoundError(RequestError):
     """No transfer under that id: it expired, was evicted, or never existed (answered with 404)."""
@@ -62,10 +65,15 @@ class TransferStore:
             return None
         while self.nbytes + nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
-        transfer_id = secrets.token_urlsafe(12)
+        transfer_id = secrets.token_urlsafe(ID_BYTES)
         self._entries[transfer_id] = _Entry(scored, nbytes, self.clock() + self.ttl_s)
         self.nbytes += nbytes
         return TransferRef(transfer_id, self.ttl_s)
+
+    def placeholder(self) -> TransferRef | None:
+        """A reference the size of those ``put`` makes (None when the store keeps nothing): what a
+        payload's header will carry, for sizing it before the prefill."""
+        return TransferRef("x" * ID_CHARS, self.ttl_s) if self.max_bytes else None
 
     def get(self, transfer_id: str) -> tuple[ScoredPrefill, TransferRef]:
         """The prefill kept under ``transfer_id``, whose life starts again now, and its reference.
