@@ -17,6 +17,7 @@ from aiohttp import web
 from serving_helpers import ThreadedApp
 
 from edgedecode.config import load_config
+from edgedecode.daemon.conversations import KVMemoryError
 from edgedecode.daemon.kv_pull import KVPullError, PullResult
 from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
@@ -24,14 +25,14 @@ from edgedecode.daemon.openai_api import CompletionRequest
 from edgedecode.daemon.service import DecodeService, Turn
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
-from edgedecode.kv.wire import EDKVHeader, EDKVReader, encode_payload
+from edgedecode.kv.wire import EDKVHeader, EDKVReader, decode_snapshot, encode_payload
 from edgedecode.model.spec import DECODER_KV_LAYOUT, KVContract
 from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import KVSource, SegmentReader, StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError
 from edgedecode.runtime.sampler import SamplingParams
 
-LAYERS, HEADS, HEAD_DIM = 2, 2, 16
+LAYERS, HEADS, HEAD_DIM = 2, 2, 64
 CONTRACT = KVContract("llama", LAYERS, HEADS, HEAD_DIM, 10000.0, DECODER_KV_LAYOUT, "tok")
 TOKENS = [101, 102, 103]  # what every fake generation yields
 PROMPT = np.arange(1, 41, dtype=np.int64)
@@ -94,6 +95,23 @@ class FakeEngine:
             return reader
 
         return _TrackedStream(self, open_reader, prompt_ids, keep)
+
+    def export_positions(self) -> tuple[KVSnapshot, np.ndarray]:
+        n = len(self.history)
+        kv = self.buffer[:, :, :, :n]
+        producer = KVProducer("fake", "ab" * 32, "float32")
+        snapshot = KVSnapshot(CONTRACT, self.history.copy(), np.arange(n), kv[:, 0].copy(), kv[:, 1].copy(), producer)
+        return snapshot, np.ones(n, bool)
+
+    def restore(self, prompt_ids: np.ndarray, payload: bytes) -> int:
+        kept = decode_snapshot(payload, CONTRACT)
+        n = min(len(kept.token_ids), len(prompt_ids))
+        differ = np.flatnonzero(kept.token_ids[:n] != prompt_ids[:n])
+        common = int(differ[0]) if len(differ) else n
+        self.history, self.length = kept.token_ids[:common].copy(), common
+        self.buffer[:, 0, :, :common] = kept.keys[:, :, :common]
+        self.buffer[:, 1, :, :common] = kept.values[:, :, :common]
+        return self.reusable_prefix(prompt_ids)
 
     def generate(self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0):
         if self.ingesting:
@@ -491,3 +509,70 @@ def test_an_unknown_link_asks_for_the_configured_budget_and_learns_from_the_pull
     turn = drive(service, lambda: run_turn(service))
     assert (turn.report.decision, prefill.bodies[0]["budget"]) == ("remote", 0.3)
     assert service.links.get(prefill.url).estimate().rtt_s is not None  # the pull taught the link model
+
+
+# --- the KV memory budget and the conversations kept compressed ----------------------------------
+
+
+def gauge(service: DecodeService, name: str, state: str) -> float | None:
+    return service.metrics.registry.get_sample_value(name, {"state": state})
+
+
+def test_a_conversation_whose_slot_is_taken_comes_back_from_the_store_and_pulls_only_new_tokens(prefill):
+    service = make_service(prefill.url)  # one slot
+    follow_up = np.concatenate([PROMPT, TOKENS, np.arange(200, 210)])
+
+    async def scenario():
+        await run_turn(service, session="a")
+        other = await run_turn(service, np.arange(50, 70), session="b")  # takes a's slot: a is compressed
+        compressed = gauge(service, "edgedecode_sessions", "compressed")
+        again = await run_turn(service, follow_up, session="a")
+        return other.report, compressed, again.report
+
+    other, compressed, again = drive(service, scenario)
+    keep = len(PROMPT) + len(TOKENS) - 1  # the last generated token never ran
+    assert other.restored_tokens == 0 and compressed == 1
+    assert again.reused_tokens == again.restored_tokens == keep and again.restored_tiers == {"INT8": keep}
+    assert prefill.bodies[-1]["held_tokens"] == keep  # only the new tokens are pulled
+    store = service.memory.store
+    assert "a" not in store and "b" in store  # a was taken back out; b went in when a took its slot
+    assert gauge(service, "edgedecode_sessions", "compressed") == 1
+    assert gauge(service, "edgedecode_sessions", "resident") == 1
+
+
+def test_under_pressure_an_idle_resident_conversation_is_compressed_to_make_room(prefill):
+    engines = [FakeEngine(), FakeEngine()]
+    for engine in engines:
+        engine.kv_bytes_per_slot = 16 << 10  # a turn of 40 + 3 tokens reserves 688 KiB of the 1 MiB
+    service = make_service(prefill.url, engines, slots=2, kv_memory_mb=1)
+
+    async def scenario():
+        first = await run_turn(service, session="a")
+        peak = service.memory.store.nbytes
+        second = await run_turn(service, np.arange(50, 90), session="b")  # does not fit beside a's resident KV
+        return first.report, second.report, peak
+
+    first, second, peak = drive(service, scenario)
+    assert first.slot != second.slot and peak <= 1 << 20
+    assert service.memory.store.nbytes <= 1 << 20
+    assert "a" in service.memory.store  # a was compressed out of its slot rather than refused or lost
+    assert gauge(service, "edgedecode_sessions", "compressed") == 1
+    held = engines[second.slot].length * (16 << 10)
+    assert gauge(service, "edgedecode_kv_memory_bytes", "resident") == held  # b's reservation, settled to its KV
+
+
+def test_a_turn_larger_than_the_kv_budget_is_a_503_naming_it_and_the_daemon_keeps_serving(prefill):
+    engine = FakeEngine()
+    engine.kv_bytes_per_slot = 16 << 10
+    service = make_service(prefill.url, [engine], kv_memory_mb=1)
+    long_prompt = np.arange(1, 101)  # 100 + 3 tokens: 1.6 MiB of KV
+
+    async def scenario():
+        with pytest.raises(KVMemoryError, match=r"KV memory budget of 1(\.0)? MiB \(daemon\.kv_memory_mb\)") as refused:
+            await service.turn(request(long_prompt), "client", time.perf_counter()).open()
+        served = await run_turn(service)
+        return refused.value, served.report
+
+    refused, served = drive(service, scenario)
+    assert refused.http_status == 503 and prefill.bodies and len(prefill.bodies) == 1  # nothing fetched for it
+    assert served.kv_source == "prefill_server" and service.pool.busy == 0

@@ -246,3 +246,42 @@ def test_a_resumed_segment_must_start_after_what_is_covered(exact_decoder, score
     assert stream.cut() == 256  # nothing of the refused segment counts
     exact_decoder.prefill(long_prompt, stream)
     assert exact_decoder.stats.injected_tokens == 256
+
+
+def test_a_conversation_kept_compressed_is_restored_and_answers_as_if_it_had_stayed(exact_decoder, scored, long_prompt):
+    """KV exported over every position (dropped ones marked), kept at INT8 in one payload, restored for
+    the next turn's prompt: the turn keeps everything but the last prompt token and its greedy answer
+    equals that of the engine that kept its KV in place (INT8 per-token KV is lossless here)."""
+    from edgedecode.daemon.conversations import ConversationStore
+
+    encoded = encode_within_budget(scored, 0.3)  # some tokens dropped: positions with no KV
+    _stream(exact_decoder, long_prompt, b"".join(encoded.frames))
+    first_answer = list(exact_decoder.generate(long_prompt, GREEDY_8, keep=exact_decoder.reusable_prefix(long_prompt)))
+    follow_up = np.concatenate([long_prompt, first_answer, long_prompt[:20]])
+    snapshot, held = exact_decoder.export_positions()
+    assert len(held) == exact_decoder.next_position and held.sum() == exact_decoder.length < len(held)
+    stayed_keep = exact_decoder.reusable_prefix(follow_up)
+    stayed = list(exact_decoder.generate(follow_up, GREEDY_8, keep=stayed_keep))
+
+    store = ConversationStore(1 << 30, 4)
+    store.put("a", snapshot, tiers=np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8))
+    entry = store.take("a")
+    assert entry is not None and len(entry.payload) < 0.3 * snapshot.keys.nbytes
+    exact_decoder.prefill(long_prompt[:30])  # the slot served another conversation meanwhile
+    keep = exact_decoder.restore(follow_up, entry.payload)
+    assert keep == stayed_keep
+    restored = list(exact_decoder.generate(follow_up, GREEDY_8, keep=keep))
+    assert exact_decoder.stats.reused_tokens == keep
+    assert restored == stayed
+
+
+def test_a_restored_conversation_keeps_only_what_matches_the_new_prompt(exact_decoder, long_prompt):
+    exact_decoder.prefill(long_prompt[:200])
+    snapshot, held = exact_decoder.export_positions()
+    from edgedecode.kv.wire import encode_payload as encode
+
+    payload = b"".join(encode(snapshot, np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8)))
+    edited = long_prompt[:300].copy()
+    edited[120] += 1  # the client changed its history at position 120
+    assert exact_decoder.restore(edited, payload) == 120
+    assert exact_decoder.length == 120 and exact_decoder.next_position == 120

@@ -23,6 +23,7 @@ from edgedecode.config import Config
 from edgedecode.daemon.adaptive import KVPlan, PlanInputs, QualityCosts, plan_kv
 from edgedecode.daemon.breaker import CircuitBreaker
 from edgedecode.daemon.kv_fetch import FetchOutcome, KVFetch
+from edgedecode.daemon.kv_memory import KVMemory
 from edgedecode.daemon.kv_pull import PullSettings
 from edgedecode.daemon.link import LinkModels
 from edgedecode.daemon.local_speed import LocalPrefillModel
@@ -55,6 +56,8 @@ class TurnReport:
     fallback_reason: str | None = None
     prompt_tokens: int = 0
     reused_tokens: int = 0  # positions whose KV the slot held from the conversation's earlier turns
+    restored_tokens: int = 0  # of those, positions whose KV came back from the compressed store
+    restored_tiers: dict[str, int] = field(default_factory=dict)  # the tiers they were kept at (tokens)
     pulled_tokens: int = 0  # prompt positions whose KV the prefill server sent and the engine used
     computed_tokens: int = 0  # prompt positions run through the decode graph here (at least the last)
     budget: float | None = None  # first asked of the prefill server
@@ -82,6 +85,8 @@ class TurnReport:
                 "source": self.kv_source,
                 "fallback_reason": self.fallback_reason,
                 "reused_tokens": self.reused_tokens,
+                "restored_tokens": self.restored_tokens,
+                "restored_tiers": self.restored_tiers,
                 "pulled_tokens": self.pulled_tokens,
                 "computed_tokens": self.computed_tokens,
                 "budget": self.budget,
@@ -136,6 +141,14 @@ class DecodeService:
         self.breaker = CircuitBreaker(d.breaker_failures, d.breaker_reset_s)
         self._ingest = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-ingest")
         self._http: aiohttp.ClientSession | None = None
+        self.memory = KVMemory(
+            self.pool,
+            d.kv_memory_mb << 20,
+            d.max_sessions - len(engines),
+            self.kv_bytes_per_slot_token,
+            self._ingest,
+            metrics.conversations,
+        )
         self.links = LinkModels(metrics.registry)
         self.local_speed = LocalPrefillModel()  # daemon/run.py calibrates it on a real engine before serving
         self.quality = QualityCosts(local=d.local_dppl_pct)
@@ -296,7 +309,12 @@ class DecodeService:
     def _release_after_ingest(self, slot: Slot) -> None:
         """Give the slot back once the ingest thread is done with it (it may still be writing into it)."""
         done = asyncio.get_running_loop().run_in_executor(self._ingest, lambda: None)
-        done.add_done_callback(lambda _: self.pool.release(slot))
+        done.add_done_callback(lambda _: self._release(slot))
+
+    def _release(self, slot: Slot) -> None:
+        """The turn is over with ``slot``: its reservation shrinks to the KV it holds; serve the next."""
+        self.memory.settle(slot)
+        self.pool.release(slot)
 
 
 class Turn:
@@ -320,8 +338,14 @@ class Turn:
         slot = await service.pool.acquire(self.client, request.session_id)
         try:
             engine = slot.engine
-            keep = engine.reusable_prefix(request.prompt_ids) if slot.resumed else 0
+            if slot.resumed:
+                keep = engine.reusable_prefix(request.prompt_ids)
+            else:
+                await service.memory.retain(slot)  # the slot's previous conversation, kept compressed
+                keep, tiers = await service.memory.restore(slot, request.session_id, request.prompt_ids)
+                self.report.restored_tokens, self.report.restored_tiers = keep, tiers
             service._admit(len(request.prompt_ids) - keep + request.params.max_tokens)
+            await service.memory.admit(slot, len(request.prompt_ids) + request.params.max_tokens)
             self.report.reused_tokens, self.report.slot = keep, slot.index
             target_ms = (
                 service.config.daemon.ttft_target_ms if request.ttft_target_ms is None else request.ttft_target_ms
@@ -334,7 +358,7 @@ class Turn:
             raise
         steps = engine.generate(request.prompt_ids, request.params, kv=stream, keep=keep)
         self._slot = slot
-        self._generation = service.worker.submit(steps, on_done=lambda: service.pool.release(slot))
+        self._generation = service.worker.submit(steps, on_done=lambda: service._release(slot))
 
     async def pieces(self) -> AsyncIterator[str]:
         """The generated text as it comes (stop strings cut it); then ``finish_reason``,

@@ -21,6 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from edgedecode.errors import ServerBusyError
+from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.sampler import SamplingParams
@@ -47,6 +48,14 @@ class DecodeEngine(Protocol):
 
     def reusable_prefix(self, prompt_ids: np.ndarray) -> int: ...
 
+    def restore(self, prompt_ids: np.ndarray, payload: bytes | bytearray | memoryview) -> int:
+        """Take a kept conversation's KV back from its EDKV payload; returns the positions to keep."""
+        ...
+
+    def export_positions(self) -> tuple[KVSnapshot, np.ndarray]:
+        """The held KV over every position processed, and which positions it holds."""
+        ...
+
     def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> StreamedKV: ...
 
     def generate(
@@ -66,6 +75,8 @@ class Slot:
     index: int
     session_id: str | None = None
     resumed: bool = False  # taken by the conversation that held it before: its KV may be reused
+    previous_session: str | None = None  # taken from this conversation, whose KV it still holds
+    reserved: int = 0  # bytes of the KV memory budget its KV holds
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
@@ -147,8 +158,19 @@ class SlotPool:
     def _take(slot: Slot, session_id: str | None) -> Slot:
         slot.busy = True
         slot.resumed = session_id is not None and slot.session_id == session_id
+        slot.previous_session = None if slot.resumed else slot.session_id
         slot.session_id = session_id
         return slot
+
+    def idle_held(self) -> list[Slot]:
+        """Idle slots holding a conversation's KV, least recently used first."""
+        return sorted((s for s in self.slots if not s.busy and s.session_id is not None), key=lambda s: s.last_used)
+
+    def hold(self, slot: Slot) -> None:
+        """Mark an idle slot busy (its KV is being moved out) until ``release``."""
+        if slot.busy:
+            raise RuntimeError("the slot is in use")
+        slot.busy = True
 
     def _forget(self, client: str, waiter: _Waiter) -> None:
         waiters = self._waiting.get(client)

@@ -397,6 +397,41 @@ class Engine:
 
         return StreamedKV(open_reader, prompt_ids, keep, kept, owner=self)
 
+    def restore(self, prompt_ids: np.ndarray, payload: bytes | bytearray | memoryview) -> int:
+        """Take back a conversation's KV kept as one EDKV payload (e.g. compressed while its slot held
+        another conversation) for the leading positions where it matches ``prompt_ids``; returns how
+        many leading positions of the prompt this engine can now keep (``reusable_prefix``: pass it as
+        ``keep``). The payload's tokens must hold positions 0, 1, 2, ... (dropped ones included).
+
+        Raises:
+            KVFormatError: the payload is refused (contract, integrity, size): nothing is kept.
+        """
+        prompt_ids = self._checked_prompt(prompt_ids)
+        self.reset()
+        reader = EDKVReader(
+            self.spec.kv_contract,
+            max_tokens=self.spec.context_length,
+            target_factory=self._restore_target,
+        )
+        reader.feed(payload)
+        header = reader.finish()
+        n = min(header.n_tokens, len(prompt_ids))
+        matches = (header.positions[:n] == np.arange(n)) & (header.token_ids[:n] == prompt_ids[:n])
+        common = int(np.argmin(matches)) if not matches.all() else n
+        slots = int(header.slots_before[common])
+        self.cache.commit_ingest([(0, slots)], slots)
+        kept = header.kept[:common]
+        self._tokens[:slots] = header.token_ids[:common][kept]
+        self._positions[0, :slots] = header.positions[:common][kept]
+        self._history[:common] = prompt_ids[:common]
+        self.cache.length = slots
+        return self.reusable_prefix(prompt_ids)
+
+    def _restore_target(self, header: EDKVHeader) -> np.ndarray:
+        if header.n_kept > self.max_context:
+            raise KVInjectionError(f"{header.n_kept} kept tokens exceed the context buffer of {self.max_context}")
+        return self.cache.ingest_target(0, header.n_kept)
+
     def _adopt_stream(self, prompt_ids: np.ndarray, stream: StreamedKV, keep: int) -> np.ndarray:
         """Adopt what the stream's segments wrote (the current one must be complete unless it was
         cut) and process the rest of the prompt."""
@@ -469,6 +504,26 @@ class Engine:
         # whatever ran before it: a conversation that resends a prompt it holds all but that token of
         # gets the same answer (a run's lone last row rounds differently, see chunk_sizes).
         return self.forward(prompt_ids[-1:])
+
+    def export_positions(self) -> tuple[KVSnapshot, np.ndarray]:
+        """The cached KV laid out over every position before ``next_position`` (the whole
+        conversation, for ``restore``), and bool [n]: whether a position's KV is held (False: the
+        token was dropped; its KV here is zeros, its id the one processed)."""
+        if self.length == 0:
+            raise KVInjectionError("nothing to export: no prompt has been processed")
+        n = self.next_position
+        held = np.zeros(n, bool)
+        held[self._positions[0, : self.length]] = True
+        held_kv = self.export_kv()
+        s = self.spec
+        keys = np.zeros((s.n_layers, s.n_kv_heads, n, s.head_dim), held_kv.keys.dtype)
+        values = np.zeros_like(keys)
+        keys[:, :, held] = held_kv.keys
+        values[:, :, held] = held_kv.values
+        snapshot = KVSnapshot(
+            held_kv.contract, self._history[:n].copy(), np.arange(n, dtype=np.int64), keys, values, held_kv.producer
+        )
+        return snapshot, held
 
     def export_kv(self) -> KVSnapshot:
         """A copy of the cached KV with its token ids, positions, layout contract and producer."""
