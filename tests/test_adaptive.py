@@ -87,3 +87,26 @@ def test_when_nothing_meets_the_target_the_fastest_is_chosen_and_the_floor_holds
     assert (slow_local.decision, slow_local.budget) == ("remote", 0.25)  # the floor, never below it
     slow_link = plan_kv(_inputs(0.5, 1e6 / 8, local_s=10.0))
     assert slow_link.decision == "local"
+
+
+def _split_inputs(target_s: float, local_dppl: float = 0.0) -> PlanInputs:
+    tokens = 2048
+    return dataclasses.replace(
+        _inputs(target_s, 100e6 / 8, rtt_s=0.3, local_s=tokens / 1000),  # 100 Mbit/s; round trip + server 0.3 s
+        quality=QualityCosts(local=local_dppl),
+        tokens=tokens,
+        local_head_s=lambda head: head / 1000,  # 1000 tokens/s here
+    )
+
+
+def test_a_split_meets_a_target_neither_local_nor_a_pull_alone_can():
+    plan = plan_kv(_split_inputs(1.5))  # local 2.05 s, b 0.5 ~2.2 s; half here and half pulled ~1.25 s
+    assert plan.decision == "split" and plan.head == 1024 and plan.budget is not None, plan
+    assert 0.5 * QualityCosts().of_budget(plan.budget) <= QUALITY_TIE_PCT  # as good as lossless
+    tail_s = 0.3 + plan.budget * FP16_BYTES / 2 / (100e6 / 8)
+    assert plan.predicted_s == pytest.approx(max(1024 / 1000, tail_s)) and plan.predicted_s <= 1.5
+
+
+def test_a_split_costs_its_head_s_share_of_local_quality():
+    plan = plan_kv(_split_inputs(1.5, local_dppl=5.0))  # the head's cost now outweighs b 0.2's +1.53 %
+    assert (plan.decision, plan.head) == ("remote", 0) and plan.budget is not None and plan.budget < 0.5, plan

@@ -61,13 +61,14 @@ class FakeEngine:
         self.ingesting = 0  # feeds in progress on the ingest thread
         self.reader_finishes = 0  # calls of the EDKV readers' finish()
         self.generated_while_ingesting = False
+        self.heads: list[tuple[int, bool]] = []  # (head tokens, whether the stream had ended) per compute_head
 
     def reusable_prefix(self, prompt_ids: np.ndarray) -> int:
         n = min(len(self.history), len(prompt_ids) - 1)
         differ = np.flatnonzero(self.history[:n] != prompt_ids[:n])
         return int(differ[0]) if len(differ) else max(n, 0)
 
-    def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> StreamedKV:
+    def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0, head: int = 0) -> StreamedKV:
         prompt_ids = np.asarray(prompt_ids, np.int64)
         self.length = keep
 
@@ -94,7 +95,10 @@ class FakeEngine:
             reader.finish = counted_finish  # type: ignore[method-assign]
             return reader
 
-        return _TrackedStream(self, open_reader, prompt_ids, keep)
+        return _TrackedStream(self, open_reader, prompt_ids, keep, head)
+
+    def compute_head(self, stream: StreamedKV) -> None:
+        self.heads.append((stream.head, stream.ended))
 
     def export_positions(self) -> tuple[KVSnapshot, np.ndarray]:
         n = len(self.history)
@@ -126,11 +130,12 @@ class FakeEngine:
             used = ("local", 0, keep)
         self.used.append(used)
         covered = kv.covered if isinstance(kv, StreamedKV) else keep
+        head = kv.head if isinstance(kv, StreamedKV) else 0
         self.stats = GenerationStats(
             prompt_tokens=len(prompt_ids),
             injected_tokens=used[1],
             reused_tokens=used[2],
-            computed_tokens=len(prompt_ids) - min(covered, len(prompt_ids) - 1),
+            computed_tokens=len(prompt_ids) - min(covered, len(prompt_ids) - 1) + head,
         )
         self.history, self.length = np.asarray(prompt_ids, np.int64), len(prompt_ids)
         self.stats.finish_reason = "length"
@@ -145,8 +150,10 @@ class FakeEngine:
 class _TrackedStream(StreamedKV):
     """A StreamedKV that tells its engine while the ingest thread feeds it."""
 
-    def __init__(self, engine: FakeEngine, open_reader: SegmentReader, prompt_ids: np.ndarray, keep: int) -> None:
-        super().__init__(open_reader, prompt_ids, keep, keep, owner=engine)
+    def __init__(
+        self, engine: FakeEngine, open_reader: SegmentReader, prompt_ids: np.ndarray, keep: int, head: int = 0
+    ) -> None:
+        super().__init__(open_reader, prompt_ids, keep, keep, owner=engine, head=head)
         self.engine = engine
 
     def feed(self, data) -> None:
@@ -473,8 +480,9 @@ def test_with_a_target_a_slower_link_gets_a_lower_budget(prefill):
     for name, rate in (("fast", fp16 / 0.01), ("slow", fp16 / 0.6)):  # FP16 in 10 ms, or in 600 ms
         prefill.bodies = []
         service = make_service(prefill.url, min_wire_bytes=0)
-        # local would take seconds for the prompt, a few ms for its last token alone (the step after the KV)
-        service.local_speed = LocalPrefillModel([(1, 0.002), (16, 2.0), (128, 20.0)])
+        # local would take seconds for any part of the prompt, a few ms for its last token alone (the
+        # step after the KV): neither local prefill nor a split is in the running
+        service.local_speed = LocalPrefillModel([(1, 0.002), (2, 1.0), (16, 2.0), (128, 20.0)])
         teach_link(service, prefill.url, rate)
         turn = drive(service, lambda service=service: targeted_turn(service, 300.0))
         report = turn.report
@@ -576,3 +584,21 @@ def test_a_turn_larger_than_the_kv_budget_is_a_503_naming_it_and_the_daemon_keep
     refused, served = drive(service, scenario)
     assert refused.http_status == 503 and prefill.bodies and len(prefill.bodies) == 1  # nothing fetched for it
     assert served.kv_source == "prefill_server" and service.pool.busy == 0
+
+
+def test_a_split_turn_computes_its_head_while_the_tail_is_pulled(prefill):
+    fp16 = len(PROMPT) * FP16_PER_TOKEN
+    engine = FakeEngine()
+    service = make_service(prefill.url, [engine], min_wire_bytes=0)
+    # here: 1 ms a token, so the whole prompt takes 40 ms; the link: 40 ms for b 0.5 of the whole prompt
+    service.local_speed = LocalPrefillModel([(1, 0.001), (16, 0.016), (128, 0.128)])
+    teach_link(service, prefill.url, 0.5 * fp16 / 0.04, rtt_s=0.0)
+    turn = drive(service, lambda: targeted_turn(service, 35.0))  # only both at once make 35 ms
+    report = turn.report
+    assert report.decision == "split" and report.head_tokens > 0, report
+    assert [head for head, _ in engine.heads] == [report.head_tokens]  # computed once, on the worker
+    assert prefill.bodies[0]["held_tokens"] == report.head_tokens  # only the tail is asked for
+    assert report.kv_source == "prefill_server"
+    assert report.computed_tokens == report.head_tokens + 1  # the head and the last token, here
+    assert report.pulled_tokens == len(PROMPT) - report.head_tokens - 1
+    assert service.pool.busy == 0

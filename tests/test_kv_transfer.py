@@ -285,3 +285,24 @@ def test_a_restored_conversation_keeps_only_what_matches_the_new_prompt(exact_de
     edited[120] += 1  # the client changed its history at position 120
     assert exact_decoder.restore(edited, payload) == 120
     assert exact_decoder.length == 120 and exact_decoder.next_position == 120
+
+
+def test_a_split_head_computed_here_meets_the_tail_pulled_meanwhile(exact_decoder, scored, long_prompt):
+    """The engine runs the head while the tail's payload is fed (the daemon does both at once); the
+    prompt's KV is then the head's own and the tail's pulled: close to a whole pull's, and the same
+    next token."""
+    whole = _stream(exact_decoder, long_prompt, b"".join(encode_within_budget(scored, 1.0).frames)).copy()
+    head = 250
+    stream = exact_decoder.open_kv_stream(long_prompt, 0, head=head)
+    tail = b"".join(encode_within_budget(scored.from_position(head), 1.0).frames)
+    stream.feed(tail[: len(tail) // 2])  # part of the tail arrives before the head is computed
+    exact_decoder.compute_head(stream)
+    stream.feed(tail[len(tail) // 2 :])
+    logits = exact_decoder.prefill(long_prompt, stream)
+    stats = exact_decoder.stats
+    assert (stats.reused_tokens, stats.computed_tokens) == (0, head + 1)
+    assert stats.injected_tokens == len(long_prompt) - head - 1
+    np.testing.assert_allclose(logits, whole, atol=5e-2)  # the head's KV from the INT4 graph, not the fp32 one
+    assert logits.argmax() == whole.argmax()
+    with pytest.raises(ValueError, match="head must be"):
+        exact_decoder.open_kv_stream(long_prompt, 0, head=len(long_prompt))

@@ -52,6 +52,7 @@ class KVPlan:
     budget: float | None
     predicted_s: float | None
     why: str
+    head: int = 0  # "split": leading tokens computed here while the rest's KV is pulled at ``budget``
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class PlanInputs:
     local_s: float  # local prefill model: seconds to compute the tokens here
     min_budget: float  # the quality floor
     quality: QualityCosts = field(default_factory=QualityCosts)
+    tokens: int = 0  # the tokens whose KV the plan gets (0: no split is considered)
+    local_head_s: Callable[[int], float] | None = None  # seconds to compute the first n of them here
+
+
+SPLIT_FRACTIONS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875)  # heads tried for a split, of the tokens
 
 
 def plan_kv(inputs: PlanInputs) -> KVPlan:
@@ -86,9 +92,13 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
         if seconds is not None
     ]
     options.append(KVPlan("local", None, inputs.local_s, "local prefill"))
+    options += _splits(inputs, predicted)
 
     def cost(option: KVPlan) -> float:
-        return quality.local if option.budget is None else quality.of_budget(option.budget)
+        if option.budget is None:
+            return quality.local
+        pulled = 1 - option.head / inputs.tokens if option.head else 1.0
+        return (1 - pulled) * quality.local + pulled * quality.of_budget(option.budget)
 
     def seconds(option: KVPlan) -> float:
         return math.inf if option.predicted_s is None else option.predicted_s
@@ -101,7 +111,30 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
     else:
         chosen = min(options, key=seconds)
         why = f"{chosen.why}: nothing meets the target; the fastest"
-    return KVPlan(chosen.decision, chosen.budget, chosen.predicted_s, why)
+    return KVPlan(chosen.decision, chosen.budget, chosen.predicted_s, why, chosen.head)
+
+
+def _splits(inputs: PlanInputs, predicted: list[tuple[float, float | None]]) -> list[KVPlan]:
+    """Split options: a head computed here while the tail's KV is pulled at a budget, both at once;
+    ready when the slower of the two is (the server still prefills the whole prompt: its compute
+    and the round trip stay, only the tail's bytes travel)."""
+    if inputs.local_head_s is None or inputs.tokens < 2:
+        return []
+    splits = []
+    for budget, full_s in predicted:
+        if full_s is None:
+            continue
+        for fraction in SPLIT_FRACTIONS:
+            head = int(inputs.tokens * fraction)
+            if not 0 < head < inputs.tokens:
+                continue
+            tail_bytes = int(inputs.wire_bytes(budget) * (inputs.tokens - head) / inputs.tokens)
+            tail_s = inputs.predict_remote_s(tail_bytes)
+            if tail_s is None:
+                continue
+            seconds = max(inputs.local_head_s(head), tail_s)
+            splits.append(KVPlan("split", budget, seconds, f"{head} tokens here, the rest at b {budget:g}", head))
+    return splits
 
 
 class SegmentWatch:

@@ -20,7 +20,6 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import aiohttp
-import numpy as np
 
 from edgedecode.daemon.adaptive import KVPlan, PlanInputs, QualityCosts, SegmentWatch, plan_kv
 from edgedecode.daemon.kv_pull import (
@@ -109,15 +108,15 @@ class KVFetch:
         self.fp16_bytes_per_token = fp16_bytes_per_token
         self.wire_budget = wire_budget  # (tokens, budget) -> the budget asked (raised for tiny payloads)
 
-    async def run(
-        self, stream: StreamedKV, prompt_ids: np.ndarray, keep: int, budget: float, deadline: float | None
-    ) -> FetchOutcome:
-        """Fetch the KV of ``prompt_ids`` after ``keep`` into ``stream``, starting at ``budget``;
-        ``deadline`` (``time.perf_counter()`` seconds) is when the KV should be in, None for no target."""
+    async def run(self, stream: StreamedKV, budget: float, deadline: float | None) -> FetchOutcome:
+        """Fetch the KV of ``stream``'s prompt after the positions it covers (kept, or its head)
+        into it, starting at ``budget``; ``deadline`` (``time.perf_counter()`` seconds) is when the
+        KV should be in, None for no target."""
         started = time.perf_counter()
         outcome = FetchOutcome()
+        prompt_ids = stream.prompt_ids
         n = len(prompt_ids)
-        request: SegmentRequest | None = first_segment(prompt_ids, keep, budget, self.settings.policy)
+        request: SegmentRequest | None = first_segment(prompt_ids, stream.covered, budget, self.settings.policy)
         while request is not None:
             tokens = n - stream.covered
             watch = self._watch(deadline, stream.covered, n) if deadline is not None else None

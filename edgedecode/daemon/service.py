@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -70,7 +71,8 @@ class TurnReport:
     ttft_seconds: float = 0.0
     decode_tokens_per_second: float = 0.0
     slot: int = -1
-    decision: str | None = None  # the KV plan: "remote" or "local" (None: no plan, e.g. no server)
+    decision: str | None = None  # the KV plan: "remote", "local" or "split" (None: no plan, e.g. no server)
+    head_tokens: int = 0  # a split's leading tokens computed here while the rest was pulled
     predicted_seconds: float | None = None  # the plan's predicted time to have the KV
     ttft_target_seconds: float | None = None
 
@@ -98,6 +100,7 @@ class TurnReport:
                 "fetch_ms": round(self.fetch_seconds * 1e3, 2),
                 "prefill_server_ms": None if self.server_seconds is None else round(self.server_seconds * 1e3, 2),
                 "decision": self.decision,
+                "head_tokens": self.head_tokens,
                 "predicted_ms": None if self.predicted_seconds is None else round(self.predicted_seconds * 1e3, 2),
             },
             "ttft_target_ms": None if self.ttft_target_seconds is None else round(self.ttft_target_seconds * 1e3, 2),
@@ -141,6 +144,7 @@ class DecodeService:
         self.breaker = CircuitBreaker(d.breaker_failures, d.breaker_reset_s)
         self._ingest = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-ingest")
         self._http: aiohttp.ClientSession | None = None
+        self._releasing: set[asyncio.Future] = set()  # slots waiting for their fetch to end
         self.memory = KVMemory(
             self.pool,
             d.kv_memory_mb << 20,
@@ -190,73 +194,89 @@ class DecodeService:
 
     async def _pull(
         self, slot: Slot, prompt_ids: np.ndarray, keep: int, report: TurnReport, target_s: float | None
-    ) -> StreamedKV | None:
-        """Pull the KV of the prompt after ``keep`` into the slot at the budget the plan picks for
-        ``target_s`` (the time left under the turn's target; None: none); None to prefill locally
-        (by plan, or as a fallback whose reason is in ``report``)."""
+    ) -> tuple[StreamedKV | None, asyncio.Task | None]:
+        """Pull the KV of the prompt after ``keep`` into the slot as the plan for ``target_s`` says
+        (the time left under the turn's target; None: none): (the stream, None) once it is in; (None,
+        None) to prefill locally (by plan, or as a fallback whose reason is in ``report``); for a
+        split plan at once (the stream, the task fetching its tail) — the engine computes the head
+        meanwhile."""
         url = self.prefill_url()
-        reason, message = None, ""
         if self.config.daemon.local_prefill_only:
-            return None  # by configuration, not a fallback
+            return None, None  # by configuration, not a fallback
         if url is None:
-            reason, message = "unreachable", "no prefill server is running"
-        elif not self.breaker.allow():
-            reason, message = "breaker_open", f"the circuit breaker skips {url} after repeated failures"
-        else:
-            if self._http is None:
-                raise RuntimeError("the decode service was not started (await start() first)")
-            tokens = len(prompt_ids) - keep
-            if target_s is not None:  # the KV must be in before the prompt's last token runs and is sampled
-                target_s -= self.local_speed.predict_seconds(1) if self.local_speed.ready else 0.0
-            plan = self.plan(url, tokens, target_s)
-            report.decision, report.predicted_seconds = plan.decision, plan.predicted_s
-            self.metrics.decisions.labels(plan.decision).inc()
-            if plan.decision == "local" or plan.budget is None:
-                logger.info("prefilling %d tokens locally by plan: %s", tokens, plan.why)
-                return None
-            stream = slot.engine.open_kv_stream(prompt_ids, keep)
-            d = self.config.daemon
-            report.budget = self.budget_for(tokens, plan.budget)
-            settings = PullSettings(
-                url,
-                self._prefill_token,
-                d.policy,
-                d.max_payload_bytes,
-                aiohttp.ClientTimeout(
-                    total=d.fetch_timeout_s, sock_connect=d.connect_timeout_s, sock_read=d.idle_read_timeout_s
-                ),
-            )
-            fetch = KVFetch(
-                self._http,
-                settings,
-                self._ingest,
-                self.links.get(url),
-                self.local_speed,
-                min_budget=d.min_budget,
-                quality=self.quality,
-                fp16_bytes_per_token=self.model.spec.kv_bytes_per_token_fp16,
-                wire_budget=self.budget_for,
-            )
-            deadline = None if target_s is None else time.perf_counter() + target_s
-            outcome = await fetch.run(stream, prompt_ids, keep, report.budget, deadline)
-            self._record_fetch(outcome, stream, keep, report)
-            failure = outcome.failure
-            if failure is None or stream.covered > keep:
-                self.breaker.record_success()  # the endpoint delivered (all, or part of it)
-            elif failure.endpoint_fault:
-                self.breaker.record_failure()
-            if failure is None:
-                return stream
-            reason, message = failure.reason, str(failure)
-            if stream.covered > keep:  # what arrived is kept; the rest is computed here
-                report.fallback_reason = reason
-                self.metrics.fallbacks.labels(reason).inc()
-                logger.warning("computing the KV after position %d locally (%s): %s", stream.covered, reason, message)
-                return stream
+            self._fallback(report, "unreachable", "no prefill server is running")
+            return None, None
+        if not self.breaker.allow():
+            self._fallback(report, "breaker_open", f"the circuit breaker skips {url} after repeated failures")
+            return None, None
+        if self._http is None:
+            raise RuntimeError("the decode service was not started (await start() first)")
+        tokens = len(prompt_ids) - keep
+        if target_s is not None:  # the KV must be in before the prompt's last token runs and is sampled
+            target_s -= self.local_speed.predict_seconds(1) if self.local_speed.ready else 0.0
+        plan = self.plan(url, keep, len(prompt_ids), target_s)
+        report.decision, report.predicted_seconds, report.head_tokens = plan.decision, plan.predicted_s, plan.head
+        self.metrics.decisions.labels(plan.decision).inc()
+        if plan.decision == "local" or plan.budget is None:
+            logger.info("prefilling %d tokens locally by plan: %s", tokens, plan.why)
+            return None, None
+        stream = slot.engine.open_kv_stream(prompt_ids, keep, head=plan.head)
+        report.budget = self.budget_for(tokens - plan.head, plan.budget)
+        deadline = None if target_s is None else time.perf_counter() + target_s
+        fetching = self._fetch(self._fetcher(url), stream, report, deadline)
+        if plan.head:
+            return stream, asyncio.create_task(fetching)
+        return (stream if await fetching else None), None
+
+    def _fetcher(self, url: str) -> KVFetch:
+        d = self.config.daemon
+        assert self._http is not None
+        settings = PullSettings(
+            url,
+            self._prefill_token,
+            d.policy,
+            d.max_payload_bytes,
+            aiohttp.ClientTimeout(
+                total=d.fetch_timeout_s, sock_connect=d.connect_timeout_s, sock_read=d.idle_read_timeout_s
+            ),
+        )
+        return KVFetch(
+            self._http,
+            settings,
+            self._ingest,
+            self.links.get(url),
+            self.local_speed,
+            min_budget=d.min_budget,
+            quality=self.quality,
+            fp16_bytes_per_token=self.model.spec.kv_bytes_per_token_fp16,
+            wire_budget=self.budget_for,
+        )
+
+    async def _fetch(self, fetch: KVFetch, stream: StreamedKV, report: TurnReport, deadline: float | None) -> bool:
+        """Run ``fetch`` into ``stream`` and account for it; whether the stream is of use to the
+        turn (something arrived, or it has a head computed here), else the turn prefills locally."""
+        start = stream.covered
+        assert report.budget is not None
+        outcome = await fetch.run(stream, report.budget, deadline)
+        self._record_fetch(outcome, stream, start, report)
+        failure = outcome.failure
+        arrived = stream.covered > start
+        if failure is None or arrived:
+            self.breaker.record_success()  # the endpoint delivered (all, or part of it)
+        elif failure.endpoint_fault:
+            self.breaker.record_failure()
+        if failure is None:
+            return True
+        if arrived or stream.head:  # what arrived is kept; the rest is computed here
+            self._fallback(report, failure.reason, f"computing the KV after position {stream.covered} here: {failure}")
+            return True
+        self._fallback(report, failure.reason, f"prefilling locally: {failure}")
+        return False
+
+    def _fallback(self, report: TurnReport, reason: str, message: str) -> None:
         report.fallback_reason = reason
         self.metrics.fallbacks.labels(reason).inc()
-        logger.warning("prefilling locally (%s): %s", reason, message)
-        return None
+        logger.warning("%s (%s)", message, reason)
 
     def budget_for(self, tokens: int, budget: float | None = None) -> float:
         """The budget asked for ``tokens`` tokens' KV: ``budget`` (default: the configured one), raised
@@ -266,32 +286,37 @@ class DecodeService:
         fp16_bytes = max(tokens, 1) * self.model.spec.kv_bytes_per_token_fp16
         return min(1.0, max(d.budget if budget is None else budget, d.min_wire_bytes / fp16_bytes))
 
-    def plan(self, url: str, tokens: int, target_s: float | None) -> KVPlan:
-        """Where ``tokens`` tokens' KV should come from to arrive within ``target_s`` (see adaptive.py)."""
+    def plan(self, url: str, keep: int, prompt_tokens: int, target_s: float | None) -> KVPlan:
+        """Where the KV of the prompt's positions after ``keep`` should come from to arrive within
+        ``target_s`` (see adaptive.py)."""
         link = self.links.get(url)
+        tokens = prompt_tokens - keep
         fp16_bytes = max(tokens, 1) * self.model.spec.kv_bytes_per_token_fp16
+        local = self.local_speed
         return plan_kv(
             PlanInputs(
                 target_s=target_s,
                 fixed_budget=self.config.daemon.budget,
                 wire_bytes=lambda budget: int(self.budget_for(tokens, budget) * fp16_bytes),
                 predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, tokens),
-                local_s=self.local_speed.predict_seconds(tokens),
+                local_s=local.predict_seconds(tokens),
                 min_budget=self.config.daemon.min_budget,
                 quality=self.quality,
+                tokens=tokens,
+                local_head_s=lambda head: local.predict_seconds(keep + head) - local.predict_seconds(keep),
             )
         )
 
-    def _record_fetch(self, outcome: FetchOutcome, stream: StreamedKV, keep: int, report: TurnReport) -> None:
-        """Put what the fetch brought in the report and the metrics."""
+    def _record_fetch(self, outcome: FetchOutcome, stream: StreamedKV, start: int, report: TurnReport) -> None:
+        """Put what the fetch brought (positions from ``start`` on) in the report and the metrics."""
         results = outcome.results
         report.segments = [segment.to_json() for segment in outcome.segments]
         report.fetch_seconds = outcome.seconds
         self.metrics.kv_fetch.observe(outcome.seconds)
-        if stream.covered == keep:
+        if stream.covered == start:
             return  # nothing arrived: the turn prefills locally
         report.kv_source = "prefill_server"
-        report.pulled_tokens = stream.covered - keep  # until the engine says which it computed (Turn.pieces)
+        report.pulled_tokens = stream.covered - start  # until the engine says which it computed (Turn.pieces)
         report.wire_bytes = sum(r.wire_bytes for r in results)
         report.fp16_bytes = sum(r.fp16_bytes for r in results)
         tiers: dict[str, int] = {}
@@ -311,10 +336,31 @@ class DecodeService:
         done = asyncio.get_running_loop().run_in_executor(self._ingest, lambda: None)
         done.add_done_callback(lambda _: self._release(slot))
 
+    def _release_after_fetch(self, slot: Slot, fetching: asyncio.Task) -> None:
+        """Give the slot back once its fetch has ended (cancelled if the turn ended first) and the
+        ingest thread is done with it."""
+
+        async def release() -> None:
+            fetching.cancel()  # a no-op once it has ended
+            await asyncio.gather(fetching, return_exceptions=True)
+            self._release_after_ingest(slot)
+
+        self._releasing.add(task := asyncio.ensure_future(release()))
+        task.add_done_callback(self._releasing.discard)
+
     def _release(self, slot: Slot) -> None:
         """The turn is over with ``slot``: its reservation shrinks to the KV it holds; serve the next."""
         self.memory.settle(slot)
         self.pool.release(slot)
+
+
+def _split_steps(engine: DecodeEngine, request: CompletionRequest, stream: StreamedKV, arrived: threading.Event):
+    """A split turn on the worker: compute the head while the tail's KV arrives (None while waiting:
+    the worker serves the others meanwhile), then generate from both."""
+    engine.compute_head(stream)
+    while not arrived.is_set():
+        yield None
+    yield from engine.generate(request.prompt_ids, request.params, kv=stream)
 
 
 class Turn:
@@ -352,13 +398,20 @@ class Turn:
             )
             self.report.ttft_target_seconds = target_ms / 1e3 if target_ms > 0 else None
             left = None if target_ms <= 0 else target_ms / 1e3 - (time.perf_counter() - self.arrived)
-            stream = await service._pull(slot, request.prompt_ids, keep, self.report, left)
+            stream, fetching = await service._pull(slot, request.prompt_ids, keep, self.report, left)
         except BaseException:
             service._release_after_ingest(slot)
             raise
-        steps = engine.generate(request.prompt_ids, request.params, kv=stream, keep=keep)
         self._slot = slot
-        self._generation = service.worker.submit(steps, on_done=lambda: service._release(slot))
+        if fetching is None:
+            steps = engine.generate(request.prompt_ids, request.params, kv=stream, keep=keep)
+            self._generation = service.worker.submit(steps, on_done=lambda: service._release(slot))
+            return
+        assert stream is not None
+        arrived = threading.Event()
+        fetching.add_done_callback(lambda _: arrived.set())
+        steps = _split_steps(engine, request, stream, arrived)
+        self._generation = service.worker.submit(steps, on_done=lambda: service._release_after_fetch(slot, fetching))
 
     async def pieces(self) -> AsyncIterator[str]:
         """The generated text as it comes (stop strings cut it); then ``finish_reason``,

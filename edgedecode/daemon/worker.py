@@ -2,9 +2,11 @@
 
 Generations are Python iterators (``Engine.generate``); the worker advances each by one token per
 turn, round-robin, so concurrent requests share the device token by token and none waits for
-another to finish. Tokens go back to the event loop through ``call_soon_threadsafe``; a consumer
-that reads slowly only lets its own queue grow (bounded by its max_tokens), it never stalls the loop
-or the worker.
+another to finish. A generation that yields None is waiting for something outside the worker (its
+KV still arriving): nothing is delivered, and it gets its turn again; when every active generation
+waits, the worker sleeps ``PENDING_SLEEP_S`` between rounds rather than spin. Tokens go back to
+the event loop through ``call_soon_threadsafe``; a consumer that reads slowly only lets its own
+queue grow (bounded by its max_tokens), it never stalls the loop or the worker.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 logger = logging.getLogger(__name__)
 _DONE = object()
+PENDING_SLEEP_S = 0.002
 
 
 class Generation:
@@ -30,6 +33,7 @@ class Generation:
         self._on_done = on_done
         self._queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
+        self.pending = False  # its last step yielded None: it waits for something outside the worker
 
     def cancel(self) -> None:
         """Stop at the next turn (the client went away); thread-safe."""
@@ -90,6 +94,7 @@ class DecodeWorker:
 
     def _loop(self) -> None:
         active: deque[Generation] = deque()
+        waiting = 0  # generations in a row that yielded None
         while True:
             try:
                 while True:  # take everything submitted; block only when there is nothing to run
@@ -109,11 +114,18 @@ class DecodeWorker:
                 active.append(generation)
             self.active = len(active)
             self.last_step = time.monotonic()
+            waiting = waiting + 1 if generation.pending else 0
+            if active and waiting >= len(active):  # a whole round of generations waiting
+                time.sleep(PENDING_SLEEP_S)
+                waiting = 0
 
     def _step(self, generation: Generation) -> bool:
         """Advance one item; False once the generation is over."""
         try:
-            generation._deliver(next(generation._steps))
+            item = next(generation._steps)
+            generation.pending = item is None
+            if item is not None:
+                generation._deliver(item)
             return True
         except StopIteration:
             generation._end(_DONE)

@@ -373,7 +373,7 @@ class Engine:
         self.cache.length = injected
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected)
 
-    def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0) -> StreamedKV:
+    def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0, head: int = 0) -> StreamedKV:
         """The handoff of EDKV streams holding KV of (part of) ``prompt_ids`` after the ``keep``
         positions kept from this engine's previous use (see ``prefill``); those are kept from now on.
 
@@ -383,9 +383,16 @@ class Engine:
         ``generate`` with the same prompt. A segment for another model, another prompt, positions
         already covered or too many tokens fails with a typed error at its header, before anything
         is written.
+
+        ``head``: positions after the kept ones that this engine computes itself (``compute_head``,
+        e.g. on another thread while the segments arrive; else when the stream is adopted): the
+        segments hold KV of positions after them, landing in the slots after theirs.
         """
         prompt_ids = self._checked_prompt(prompt_ids)
+        if not 0 <= head < len(prompt_ids) - keep:
+            raise ValueError(f"head must be in [0, {len(prompt_ids) - keep}) for this prompt and keep, not {head}")
         kept = self._keep(prompt_ids, keep)
+        self._check_room(head)
 
         def open_reader(first_position: int, first_slot: int) -> EDKVReader:
             def target(header: EDKVHeader) -> np.ndarray:
@@ -395,7 +402,17 @@ class Engine:
 
             return EDKVReader(self.spec.kv_contract, max_tokens=self.max_context - first_slot, target_factory=target)
 
-        return StreamedKV(open_reader, prompt_ids, keep, kept, owner=self)
+        return StreamedKV(open_reader, prompt_ids, keep, kept, owner=self, head=head)
+
+    def compute_head(self, stream: StreamedKV) -> None:
+        """Run the stream's head positions (``open_kv_stream(head=...)``) through the graph, into
+        the slots before the segments'; the segments may be arriving meanwhile. Once per stream."""
+        if stream.owner is not self:
+            raise KVInjectionError("the KV stream was opened by another engine")
+        if self.length != stream.kept_slots:
+            raise KVInjectionError("the stream's head was computed already, or the cache changed since it was opened")
+        if stream.head:
+            self.forward(stream.prompt_ids[stream.keep : stream.keep + stream.head])
 
     def restore(self, prompt_ids: np.ndarray, payload: bytes | bytearray | memoryview) -> int:
         """Take back a conversation's KV kept as one EDKV payload (e.g. compressed while its slot held
@@ -441,16 +458,26 @@ class Engine:
             raise KVInjectionError(f"the KV stream was opened keeping {stream.keep} positions, not {keep}")
         if not np.array_equal(prompt_ids, stream.prompt_ids):
             raise KVInjectionError("the KV stream was opened for another prompt")
+        if self.length == stream.kept_slots and stream.head:
+            self.compute_head(stream)
         if not stream.ended:
             stream.finish()
         token_ids, positions = stream.adopted()
         injected = self._injectable_count(positions, prompt_ids)
+        after_head = stream.kept_slots + stream.head
         self.cache.commit_ingest(
-            [(segment.first_slot, segment.slots) for segment in stream.segments], stream.kept_slots + injected
+            [(segment.first_slot, segment.slots) for segment in stream.segments], after_head + injected
         )
-        return self._process_prompt(
-            prompt_ids, stream.kept_slots, stream.keep, token_ids[:injected], positions[:injected]
+        logits = self._process_prompt(
+            prompt_ids,
+            after_head,
+            stream.keep + stream.head,
+            token_ids[:injected],
+            positions[:injected],
         )
+        self.stats.reused_tokens = stream.keep
+        self.stats.computed_tokens += stream.head
+        return logits
 
     def _check_after_kept(self, positions: np.ndarray, keep: int, kept_slots: int) -> None:
         """Received KV must start after the kept positions and fit the slots left after them."""

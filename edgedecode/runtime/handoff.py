@@ -64,7 +64,9 @@ class StreamedKV:
     ``open_reader(position, slot)`` makes a segment's reader (its tokens must start at ``position``
     or later and land from cache slot ``slot`` on); ``prompt_ids``: the prompt the KV is for;
     ``keep``: leading positions the engine keeps from its previous use; ``kept_slots``: the cache
-    slots those occupy; ``owner``: the engine writing it (only that one may adopt it).
+    slots those occupy; ``head``: positions after them that the engine computes itself, while the
+    segments arrive (a split prefill: the segments start after them); ``owner``: the engine writing
+    it (only that one may adopt it).
     """
 
     def __init__(
@@ -74,16 +76,18 @@ class StreamedKV:
         keep: int,
         kept_slots: int,
         owner: object = None,
+        head: int = 0,
     ) -> None:
         self._open_reader = open_reader
         self.prompt_ids = prompt_ids
         self.keep = keep
         self.kept_slots = kept_slots
+        self.head = head
         self.owner = owner
         self.segments: list[Segment] = []  # ended segments, in order
-        self.covered = keep  # positions before this one are kept or in ended segments
-        self.slots = kept_slots  # cache slots filled by the kept positions and the ended segments
-        self.reader = open_reader(keep, kept_slots)
+        self.covered = keep + head  # positions before this one are kept, computed here or in ended segments
+        self.slots = kept_slots + head  # cache slots filled by those
+        self.reader = open_reader(self.covered, self.slots)
         self._ended = False  # the current segment (self.reader) ended
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
