@@ -268,3 +268,57 @@ def test_worker_delivers_errors_and_closes_cancelled_generations():
 
     asyncio.run(scenario())
     assert closed == [True]
+
+
+def test_a_waiting_generation_delivers_nothing_and_lets_the_others_run():
+    import threading
+
+    from edgedecode.daemon.worker import DecodeWorker
+
+    ready, spins = threading.Event(), []
+
+    def waiting():
+        while not ready.is_set():
+            spins.append(1)
+            yield None  # its KV is still arriving
+        yield "w0"
+
+    def running():
+        for i in range(5):
+            yield f"r{i}"
+        ready.set()
+
+    async def scenario():
+        worker = DecodeWorker()
+        w, r = worker.submit(waiting()), worker.submit(running())
+        got_r = [item async for item in r]
+        got_w = [item async for item in w]
+        worker.stop()
+        return got_w, got_r
+
+    got_w, got_r = asyncio.run(scenario())
+    assert got_r == ["r0", "r1", "r2", "r3", "r4"] and got_w == ["w0"]  # no None delivered
+    assert 0 < len(spins) < 100  # it waited in turns, not in a spin or a block
+
+
+def test_a_generation_waiting_alone_sleeps_between_its_turns():
+    import time
+
+    from edgedecode.daemon.worker import PENDING_SLEEP_S, DecodeWorker
+
+    spins = []
+
+    def waiting(until: float):
+        while time.monotonic() < until:
+            spins.append(1)
+            yield None
+        yield "done"
+
+    async def scenario():
+        worker = DecodeWorker()
+        got = [item async for item in worker.submit(waiting(time.monotonic() + 0.2))]
+        worker.stop()
+        return got
+
+    assert asyncio.run(scenario()) == ["done"]
+    assert len(spins) <= 0.2 / PENDING_SLEEP_S + 5  # about one turn per sleep, not a busy loop
