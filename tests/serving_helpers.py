@@ -32,6 +32,12 @@ def metric_samples(url: str, token: str) -> dict[str, float]:
     return samples
 
 
+def lighthouse_chat(sentences: int) -> list[dict]:
+    """A chat prompt asking to summarize ``sentences`` repetitions of one sentence (~12 tokens each)."""
+    sentence = "The lighthouse keeper wrote down the weather every morning before dawn."
+    return [{"role": "user", "content": "Summarize: " + " ".join([sentence] * sentences)}]
+
+
 def server_config(directory: Path, name: str, *, prefill_token: str, budget: float, **daemon) -> str:
     """A TOML config for test servers (threads and context sized for the CI machine); ``daemon``
     adds or overrides [daemon] keys. Returns its path."""

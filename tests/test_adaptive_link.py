@@ -10,7 +10,7 @@ import time
 
 import pytest
 from openai import OpenAI
-from serving_helpers import ByteUpstream, ServerProcess, metric_samples, receive, server_config
+from serving_helpers import ByteUpstream, ServerProcess, lighthouse_chat, metric_samples, receive, server_config
 
 from edgedecode.evaluation.link_shaper import LinkShaper
 
@@ -18,13 +18,7 @@ TOKEN, PREFILL_TOKEN = "daemon-secret", "prefill-secret"
 BUDGET = 0.3
 RATE = 1.25e6  # 10 Mbit/s
 DELAY_S = 0.010
-PROMPT = [
-    {
-        "role": "user",
-        "content": "Summarize: "
-        + " ".join(["The lighthouse keeper wrote down the weather every morning before dawn."] * 34),
-    }
-]
+PROMPT = lighthouse_chat(34)
 
 
 # --- the shaper on its own ----------------------------------------------------------------------

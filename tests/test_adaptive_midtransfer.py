@@ -12,20 +12,14 @@ import time
 
 import pytest
 from openai import OpenAI
-from serving_helpers import ServerProcess, server_config
+from serving_helpers import ServerProcess, lighthouse_chat, server_config
 
 from edgedecode.evaluation.link_shaper import LinkShaper
 
 TOKEN, PREFILL_TOKEN = "daemon-secret", "prefill-secret"
 RATE = 1.25e6  # 10 Mbit/s
 DELAY_S = 0.010
-PROMPT = [
-    {
-        "role": "user",
-        "content": "Summarize: "
-        + " ".join(["The lighthouse keeper wrote down the weather every morning before dawn."] * 60),
-    }
-]
+PROMPT = lighthouse_chat(60)
 ANSWER_TOKENS = 8
 
 
