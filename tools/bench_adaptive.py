@@ -39,12 +39,14 @@ its payload.
         [--prompt-tokens 1024 2048 4096] [--runs 3] [--target-ms 1500] [--cell-timeout-s 60]
         [--prefill-device cpu|cuda] [--edge-cpus 0,1] [--threads 2] [--json PATH]
         [--write-docs] [--docs-dir docs] [--quick]
+    python tools/bench_adaptive.py --report RUN.json [--write-docs --docs-dir DIR]   # a saved run's report
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import platform
 import subprocess
@@ -112,6 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--write-docs", action="store_true", help="write adaptive.md and adaptive.png")
     p.add_argument("--docs-dir", type=Path, default=Path("docs"))
     p.add_argument("--quick", action="store_true", help="20 and 100 Mbit/s, constant + step, 1024 tokens, 1 run")
+    p.add_argument("--report", type=Path, default=None, help="report a saved run (its --json) instead of running")
     args = p.parse_args(argv)
     if args.quick:
         args.mbits, args.traces, args.prompt_tokens, args.runs = [20, 100], ["constant", "step"], [1024], 1
@@ -331,6 +334,12 @@ def machine() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report is not None:  # e.g. a run made on another machine
+        saved = json.loads(args.report.read_text())
+        print_summary(saved)
+        if args.write_docs:
+            write_docs(saved, args.docs_dir)
+        return 0
     started = time.time()
     model = load_model()
     prompts, warmups = load_prompts(model, args)
