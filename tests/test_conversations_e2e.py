@@ -81,7 +81,7 @@ def test_conversations_sharing_one_slot_come_back_from_the_store_with_the_same_a
 
 def test_a_turn_larger_than_the_kv_budget_is_a_503_naming_it_and_the_daemon_keeps_serving(daemons):
     tight, _ = daemons
-    long = " ".join(["The keeper logged the weather before dawn."] * 170)  # ~1500 tokens: past 64 MiB
+    long = " ".join(["The keeper logged the weather before dawn."] * 210)  # ~1700 tokens: past 64 MiB
     with pytest.raises(APIStatusError) as refused:
         _chat(tight, "long", [{"role": "user", "content": long}])
     error = refused.value.response.json()["error"]
