@@ -115,9 +115,10 @@ class _FakeEngine:
     class spec:  # mirrors Engine.spec
         vocab_size = 1000
 
-    def __init__(self) -> None:
+    def __init__(self, max_context: int = 4096) -> None:
         self.prompts: list[np.ndarray] = []
         self.length = 0
+        self.max_context = max_context
 
     def prefill(self, prompt_ids: np.ndarray) -> np.ndarray:
         self.prompts.append(np.array(prompt_ids))
@@ -143,6 +144,14 @@ def test_calibrate_measures_each_length_and_leaves_the_engine_reset():
     assert [round(n) for n, _ in model.points()] == [16, 128, 512]
     assert model.predict_seconds(512) == pytest.approx(2e-5 * 512, rel=0.5)
     assert 0 < model.calibration_seconds < 1.0
+
+
+def test_calibrate_keeps_to_the_engine_s_context():
+    """A context shorter than a calibration length (daemon.max_context may be 64): the longest prompt
+    it takes is measured instead, once, and the daemon starts."""
+    engine = _FakeEngine(max_context=100)
+    LocalPrefillModel().calibrate(engine, (16, 128, 512), runs=1)  # type: ignore[arg-type]
+    assert [len(p) for p in engine.prompts] == [1, 16, 99]
 
 
 def test_calibrate_real_model_predicts_a_real_prefill(decoder):

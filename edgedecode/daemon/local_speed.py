@@ -110,7 +110,8 @@ class LocalPrefillModel:
         budget_seconds: float = 1.5,
     ) -> LocalPrefillModel:
         """Measure ``engine.prefill`` (computed locally) on synthetic prompts of each of ``lengths``
-        tokens, the median of ``runs`` runs per length (runs past the second are skipped once
+        tokens (those the engine's context holds: a length past it is measured at the longest prompt
+        it takes), the median of ``runs`` runs per length (runs past the second are skipped once
         ``budget_seconds`` have passed), and make those medians this model's points (earlier ones
         are dropped). Returns the model itself; ``calibration_seconds`` is how long it took.
 
@@ -127,7 +128,7 @@ class LocalPrefillModel:
         samples = []
         try:
             engine.prefill(pattern[:1])  # warm-up: first-run allocations are not prefill speed
-            for n_tokens in sorted(lengths):
+            for n_tokens in sorted({min(n, engine.max_context - 1) for n in lengths}):
                 prompt = np.resize(pattern, n_tokens)
                 times = []
                 for run in range(runs):
