@@ -60,6 +60,7 @@ class DaemonConfig:
     ttft_target_ms: float = 0.0  # time-to-first-token target: the KV plan adapts to the link; 0: the fixed budget
     min_budget: float = 0.2  # quality floor of adaptive budgets (SmolLM2: lowest b with Δ PPL <= +2 %, kv-quality.md)
     local_dppl_pct: float = 0.0  # quality cost of prefilling here vs the server's FP16 KV (SmolLM2: -0.01 %, none)
+    split_slowdown: float = 1.3  # a split's pull vs alone, until measured here (2 cores of the H100 host: 1.27-1.28)
     min_wire_bytes: int = 64 << 10  # a payload this small is never squeezed below it (short prompts keep their tokens)
     policy: str = "ours"
     max_tokens: int = 256  # completion length when a request gives none
@@ -247,6 +248,8 @@ def _validate(config: Config) -> None:
         problems.append(f"daemon.budget must be in (0, 1] (wire bytes / FP16 bytes), not {d.budget}")
     if d.ttft_target_ms < 0:
         problems.append("daemon.ttft_target_ms must be >= 0 (0: no target, the fixed budget)")
+    if not 1 <= d.split_slowdown <= 10:
+        problems.append(f"daemon.split_slowdown must be in [1, 10], not {d.split_slowdown}")
     if not 0 <= d.local_dppl_pct < 1000:
         problems.append(f"daemon.local_dppl_pct must be in [0, 1000) (Δ perplexity, %), not {d.local_dppl_pct}")
     if not 0 < d.min_budget <= 1:

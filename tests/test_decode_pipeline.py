@@ -602,3 +602,4 @@ def test_a_split_turn_computes_its_head_while_the_tail_is_pulled(prefill):
     assert report.computed_tokens == report.head_tokens + 1  # the head and the last token, here
     assert report.pulled_tokens == len(PROMPT) - report.head_tokens - 1
     assert service.pool.busy == 0
+    assert service.split_slowdown.value(time.monotonic()) is not None  # the pull's time against its prediction

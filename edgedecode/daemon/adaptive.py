@@ -53,6 +53,7 @@ class KVPlan:
     predicted_s: float | None
     why: str
     head: int = 0  # "split": leading tokens computed here while the rest's KV is pulled at ``budget``
+    pull_s: float | None = None  # "split": the tail's pull as the link model predicts it, alone
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class PlanInputs:
     quality: QualityCosts = field(default_factory=QualityCosts)
     tokens: int = 0  # the tokens whose KV the plan gets (0: no split is considered)
     local_head_s: Callable[[int], float] | None = None  # seconds to compute the first n of them here
+    split_slowdown: float = 1.0  # a split's pull takes this much longer than alone (the head's compute competes)
 
 
 SPLIT_FRACTIONS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875)  # heads tried for a split, of the tokens
@@ -111,13 +113,15 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
     else:
         chosen = min(options, key=seconds)
         why = f"{chosen.why}: nothing meets the target; the fastest"
-    return KVPlan(chosen.decision, chosen.budget, chosen.predicted_s, why, chosen.head)
+    return KVPlan(chosen.decision, chosen.budget, chosen.predicted_s, why, chosen.head, chosen.pull_s)
 
 
 def _splits(inputs: PlanInputs, predicted: list[tuple[float, float | None]]) -> list[KVPlan]:
     """Split options: a head computed here while the tail's KV is pulled at a budget, both at once;
     ready when the slower of the two is (the server still prefills the whole prompt: its compute
-    and the round trip stay, only the tail's bytes travel)."""
+    and the round trip stay, only the tail's bytes travel). The pull is predicted
+    ``split_slowdown`` times slower than alone: the head's compute and the tail's ingest share the
+    box's cores."""
     if inputs.local_head_s is None or inputs.tokens < 2:
         return []
     splits = []
@@ -132,8 +136,9 @@ def _splits(inputs: PlanInputs, predicted: list[tuple[float, float | None]]) -> 
             tail_s = inputs.predict_remote_s(tail_bytes)
             if tail_s is None:
                 continue
-            seconds = max(inputs.local_head_s(head), tail_s)
-            splits.append(KVPlan("split", budget, seconds, f"{head} tokens here, the rest at b {budget:g}", head))
+            seconds = max(inputs.local_head_s(head), tail_s * inputs.split_slowdown)
+            why = f"{head} tokens here, the rest at b {budget:g}"
+            splits.append(KVPlan("split", budget, seconds, why, head, tail_s))
     return splits
 
 

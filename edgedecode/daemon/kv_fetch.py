@@ -80,7 +80,8 @@ class FetchOutcome:
 class KVFetch:
     """Fetches one turn's KV into a ``StreamedKV`` (see the module docstring).
 
-    ``link``: the endpoint's link model (taught by every segment); ``local``: this box's prefill
+    ``link``: the endpoint's link model (taught by every segment unless ``teach_link`` is False);
+    ``local``: this box's prefill
     speed; ``min_budget``: the quality floor; ``quality``: what each way to get the rest costs;
     ``fp16_bytes_per_token``: the model's FP16 KV size.
     """
@@ -97,6 +98,7 @@ class KVFetch:
         quality: QualityCosts,
         fp16_bytes_per_token: int,
         wire_budget: Callable[[int, float], float],
+        teach_link: bool = True,
     ) -> None:
         self.http = http
         self.settings = settings
@@ -107,6 +109,7 @@ class KVFetch:
         self.quality = quality
         self.fp16_bytes_per_token = fp16_bytes_per_token
         self.wire_budget = wire_budget  # (tokens, budget) -> the budget asked (raised for tiny payloads)
+        self.teach_link = teach_link  # False while other work shares the CPU (a split): its pulls are not the link's
 
     async def run(self, stream: StreamedKV, budget: float, deadline: float | None) -> FetchOutcome:
         """Fetch the KV of ``stream``'s prompt after the positions it covers (kept, or its head)
@@ -127,7 +130,8 @@ class KVFetch:
             if result.failure is not None:
                 logger.warning("KV segment at budget %.3g ended: %s", request.budget, result.failure)
             else:
-                self.link.observe(result, tokens if request.path == "/v1/prefill" else 0)
+                if self.teach_link:
+                    self.link.observe(result, tokens if request.path == "/v1/prefill" else 0)
                 if result.cut_reason:
                     logger.info("KV segment cut after %d tokens: %s", result.tokens, result.cut_reason)
             request = self._next(stream, n, outcome, deadline, watch)

@@ -26,7 +26,7 @@ from edgedecode.daemon.breaker import CircuitBreaker
 from edgedecode.daemon.kv_fetch import FetchOutcome, KVFetch
 from edgedecode.daemon.kv_memory import KVMemory
 from edgedecode.daemon.kv_pull import PullSettings
-from edgedecode.daemon.link import LinkModels
+from edgedecode.daemon.link import DecayingMean, LinkModels
 from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest, StopText
@@ -156,6 +156,9 @@ class DecodeService:
         self.links = LinkModels(metrics.registry)
         self.local_speed = LocalPrefillModel()  # daemon/run.py calibrates it on a real engine before serving
         self.quality = QualityCosts(local=d.local_dppl_pct)
+        # how much longer a split's pull takes than alone, as measured on this box (the configured
+        # value until a split has been seen, and again after hours without one)
+        self.split_slowdown = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
         metrics.resident_kv.set_function(
             lambda: sum(slot.engine.length for slot in self.pool.slots) * self.kv_bytes_per_slot_token
         )
@@ -223,12 +226,12 @@ class DecodeService:
         stream = slot.engine.open_kv_stream(prompt_ids, keep, head=plan.head)
         report.budget = self.budget_for(tokens - plan.head, plan.budget)
         deadline = None if target_s is None else time.perf_counter() + target_s
-        fetching = self._fetch(self._fetcher(url), stream, report, deadline)
         if plan.head:
+            fetching = self._fetch(self._fetcher(url, teach_link=False), stream, report, deadline, plan.pull_s)
             return stream, asyncio.create_task(fetching)
-        return (stream if await fetching else None), None
+        return (stream if await self._fetch(self._fetcher(url), stream, report, deadline) else None), None
 
-    def _fetcher(self, url: str) -> KVFetch:
+    def _fetcher(self, url: str, teach_link: bool = True) -> KVFetch:
         d = self.config.daemon
         assert self._http is not None
         settings = PullSettings(
@@ -250,15 +253,27 @@ class DecodeService:
             quality=self.quality,
             fp16_bytes_per_token=self.model.spec.kv_bytes_per_token_fp16,
             wire_budget=self.budget_for,
+            teach_link=teach_link,
         )
 
-    async def _fetch(self, fetch: KVFetch, stream: StreamedKV, report: TurnReport, deadline: float | None) -> bool:
+    async def _fetch(
+        self,
+        fetch: KVFetch,
+        stream: StreamedKV,
+        report: TurnReport,
+        deadline: float | None,
+        split_pull_s: float | None = None,
+    ) -> bool:
         """Run ``fetch`` into ``stream`` and account for it; whether the stream is of use to the
-        turn (something arrived, or it has a head computed here), else the turn prefills locally."""
+        turn (something arrived, or it has a head computed here), else the turn prefills locally.
+        ``split_pull_s``: a split's tail pull as predicted alone; what it took teaches the split
+        slowdown."""
         start = stream.covered
         assert report.budget is not None
         outcome = await fetch.run(stream, report.budget, deadline)
         self._record_fetch(outcome, stream, start, report)
+        if split_pull_s and len(outcome.segments) == 1 and outcome.segments[0].result.complete:
+            self.split_slowdown.add(outcome.seconds / split_pull_s, time.monotonic())
         failure = outcome.failure
         arrived = stream.covered > start
         if failure is None or arrived:
@@ -290,20 +305,22 @@ class DecodeService:
         """Where the KV of the prompt's positions after ``keep`` should come from to arrive within
         ``target_s`` (see adaptive.py)."""
         link = self.links.get(url)
+        d = self.config.daemon
         tokens = prompt_tokens - keep
         fp16_bytes = max(tokens, 1) * self.model.spec.kv_bytes_per_token_fp16
         local = self.local_speed
         return plan_kv(
             PlanInputs(
                 target_s=target_s,
-                fixed_budget=self.config.daemon.budget,
+                fixed_budget=d.budget,
                 wire_bytes=lambda budget: int(self.budget_for(tokens, budget) * fp16_bytes),
                 predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, tokens),
                 local_s=local.predict_seconds(tokens),
-                min_budget=self.config.daemon.min_budget,
+                min_budget=d.min_budget,
                 quality=self.quality,
                 tokens=tokens,
                 local_head_s=lambda head: local.predict_seconds(keep + head) - local.predict_seconds(keep),
+                split_slowdown=max(self.split_slowdown.value(time.monotonic()) or d.split_slowdown, 1.0),
             )
         )
 
