@@ -71,10 +71,30 @@ def test_lossless_options_are_told_apart_by_speed_and_a_costly_local_loses_to_th
     assert (plan_kv(costly_local).decision, plan_kv(costly_local).budget) == ("remote", 0.5)
 
 
-def test_measured_costs_are_interpolated_between_budgets():
-    costs = QualityCosts({1.0: 0.0, 0.5: 0.0, 0.3: 0.3, 0.2: 1.5})
+def test_measured_costs_are_interpolated_between_budgets_and_lengths():
+    costs = QualityCosts(
+        {1024: {1.0: 0.0, 0.5: 0.0, 0.3: 0.3, 0.2: 1.5}, 4096: {1.0: 0.0, 0.3: 0.7, 0.2: 3.5, 0.15: 3.0}}
+    )
     assert costs.of_budget(0.4) == pytest.approx(0.15) and costs.of_budget(0.25) == pytest.approx(0.9)
     assert costs.of_budget(0.1) == 1.5 and costs.of_budget(0.75) == 0.0
+    assert costs.of_budget(0.2, 2048) == pytest.approx(2.5)  # halfway between 1k and 4k in log2 of the length
+    assert costs.of_budget(0.15, 4096) == 3.5  # never cheaper at a lower budget (a noisy measured mean)
+    assert costs.of_budget(0.2, 8192) == 3.5 and costs.of_budget(0.2, 100) == 1.5
+
+
+def test_the_quality_floor_holds_at_the_prompt_s_length():
+    """Nothing meets the target, local is slow: the fastest pull allowed, which at 1k tokens may be
+    b 0.2 (+1.53 %) but at 4k tokens must cost no more than +2 % there (b 0.2 is +3.62 %)."""
+
+    def plan_for(length: int):
+        inputs = dataclasses.replace(_inputs(0.5, 20e6 / 8, local_s=60.0, min_budget=0.1), context_tokens=length)
+        return plan_kv(inputs)
+
+    short, long = plan_for(1024), plan_for(4096)
+    assert (short.decision, short.budget) == ("remote", 0.2)
+    costs = QualityCosts()
+    assert long.decision == "remote" and long.budget is not None and long.budget > 0.2
+    assert costs.of_budget(long.budget, 4096) <= 2.0 < costs.of_budget(0.2, 4096)
 
 
 def test_when_no_budget_meets_the_target_local_does_if_it_can():

@@ -2,13 +2,14 @@
 a budget the link delivers in time, or computed on this box — whichever costs the least quality
 among those that make it, the fastest of them where they cost the same.
 
-Every option has a quality cost, the Δ perplexity the quality harness measured for it (``QualityCosts``):
-a remote budget's from ``tools/kv_quality.py`` (docs/kv-quality.md: +0.00 % at b 1.0 and 0.5, +0.29 %
-at 0.3, +1.53 % at 0.2 on SmolLM2-135M), local prefill's from ``tools/bench_adaptive.py`` (the decode
-graph's own KV against the prefill graph's FP16 KV: -0.01 %, i.e. none). The plan is, among the options
-predicted to meet the target, those within ``QUALITY_TIE_PCT`` of the best cost, the fastest; when
-none meets it, the fastest of all. Budgets below the quality floor ``min_budget`` (the lowest whose
-measured cost is within +2 %) are never asked for. Without a target, or while the link is unknown
+Every option has a quality cost, the Δ perplexity the quality harness measured for it at the
+prompt's length (``QualityCosts``): a remote budget's from ``tools/kv_quality.py`` (SmolLM2-135M, b 0.2:
++1.53 % on 1k-token prompts, +4.07 % on 2k, +3.62 % on 4k; b 0.3: +0.29, +0.48, +0.62 %), local
+prefill's from ``tools/bench_adaptive.py`` (the decode graph's own KV against the prefill graph's FP16
+KV: -0.01 %, i.e. none). The plan is, among the options predicted to meet the target, those within
+``QUALITY_TIE_PCT`` of the best cost, the fastest; when none meets it, the fastest of all. The quality
+floor: no option costing more than ``QUALITY_FLOOR_PCT`` (+2 %) at the prompt's length is planned,
+and no budget below the operator's ``min_budget`` is asked for. Without a target, or while the link is unknown
 (no pull yet, or idle long enough for its estimate to lapse), the configured budget is asked for, as
 before — and that pull teaches the link model.
 """
@@ -25,22 +26,39 @@ import numpy as np
 # Budgets tried from the best down; those below the quality floor are never asked for.
 BUDGET_LADDER = (1.0, 0.75, 0.5, 0.4, 0.3, 0.25, 0.2, 0.15, 0.1)
 QUALITY_TIE_PCT = 0.1  # options whose Δ perplexity differs by less than this count as the same quality
+QUALITY_FLOOR_PCT = 2.0  # no option that costs more (at the prompt's length) is planned
 
 
 @dataclass(frozen=True)
 class QualityCosts:
-    """Δ perplexity (%) of each way to get the KV: remote budgets (measured points, interpolated
-    linearly in between, the nearest point's beyond them) and local prefill. The defaults are
-    SmolLM2-135M's, measured as the module docstring says."""
+    """Δ perplexity (%) of each way to get the KV: remote budgets by prompt length (measured points:
+    linear in the budget between them, linear in log2 of the length between lengths, the nearest
+    point's beyond both; each length's costs made non-increasing in the budget, since the measured
+    means are noisy) and local prefill. The defaults are SmolLM2-135M's, measured by
+    ``tools/kv_quality.py`` with the "ours" policy: 1k tokens from docs/kv-quality.md (8 contexts),
+    2k and 4k from ``--policies ours --contexts 4 --context-tokens 2048|4096`` runs
+    (docs/bench/kv-quality-{2k,4k}-ours-4contexts*.json; 4 contexts each, so their intervals are wide)."""
 
-    remote: Mapping[float, float] = field(
-        default_factory=lambda: {1.0: 0.0, 0.5: 0.0, 0.3: 0.29, 0.2: 1.53, 0.15: 3.72, 0.1: 6.61}
+    remote: Mapping[int, Mapping[float, float]] = field(
+        default_factory=lambda: {
+            1024: {1.0: 0.0, 0.5: 0.0, 0.3: 0.29, 0.2: 1.53, 0.15: 3.72, 0.1: 6.61},
+            2048: {1.0: 0.0, 0.5: 0.0, 0.3: 0.48, 0.25: 1.01, 0.2: 4.07, 0.15: 5.77},
+            4096: {1.0: 0.0, 0.5: 0.13, 0.4: 0.0, 0.3: 0.62, 0.25: 2.29, 0.2: 3.62, 0.15: 3.52},
+        }
     )
     local: float = 0.0
 
-    def of_budget(self, budget: float) -> float:
-        budgets, costs = zip(*sorted(self.remote.items()))
-        return float(np.interp(budget, budgets, costs))  # the end points' costs beyond them
+    def of_budget(self, budget: float, tokens: int = 1024) -> float:
+        """Δ PPL (%) of a pull at ``budget`` for a prompt of ``tokens`` tokens."""
+        lengths = sorted(self.remote)
+        costs = [self._at_length(self.remote[length], budget) for length in lengths]
+        return float(np.interp(np.log2(max(tokens, 1)), np.log2(lengths), costs))
+
+    @staticmethod
+    def _at_length(points: Mapping[float, float], budget: float) -> float:
+        budgets = np.array(sorted(points, reverse=True))  # from the best down
+        costs = np.maximum.accumulate([points[b] for b in budgets])  # never cheaper at a lower budget
+        return float(np.interp(budget, budgets[::-1], costs[::-1]))
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,7 @@ class PlanInputs:
     min_budget: float  # the quality floor
     quality: QualityCosts = field(default_factory=QualityCosts)
     tokens: int = 0  # the tokens whose KV the plan gets (0: no split is considered)
+    context_tokens: int = 0  # the whole prompt's, for its quality costs (0: ``tokens``)
     local_head_s: Callable[[int], float] | None = None  # seconds to compute the first n of them here
     split_slowdown: float = 1.0  # a split's pull takes this much longer than alone (the head's compute competes)
 
@@ -96,11 +115,16 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
     options.append(KVPlan("local", None, inputs.local_s, "local prefill"))
     options += _splits(inputs, predicted)
 
+    length = inputs.context_tokens or inputs.tokens
+
     def cost(option: KVPlan) -> float:
         if option.budget is None:
             return quality.local
         pulled = 1 - option.head / inputs.tokens if option.head else 1.0
-        return (1 - pulled) * quality.local + pulled * quality.of_budget(option.budget)
+        return (1 - pulled) * quality.local + pulled * quality.of_budget(option.budget, length)
+
+    # the quality floor at this prompt's length (local prefill is always kept: it is the fallback)
+    options = [option for option in options if option.budget is None or cost(option) <= QUALITY_FLOOR_PCT]
 
     def seconds(option: KVPlan) -> float:
         return math.inf if option.predicted_s is None else option.predicted_s

@@ -201,5 +201,6 @@ class KVFetch:
                 local_s=self._local_tail_s(covered, n),
                 min_budget=min(self.min_budget, budget),
                 quality=self.quality,
+                context_tokens=n,
             )
         )

@@ -319,6 +319,7 @@ class DecodeService:
                 min_budget=d.min_budget,
                 quality=self.quality,
                 tokens=tokens,
+                context_tokens=prompt_tokens,
                 local_head_s=lambda head: local.predict_seconds(keep + head) - local.predict_seconds(keep),
                 split_slowdown=max(self.split_slowdown.value(time.monotonic()) or d.split_slowdown, 1.0),
             )
