@@ -9,7 +9,7 @@ positions, 20 % INT8, 65 % INT4, 10 % DROP). b_raw / b_zstd: chunk bytes before 
 FP16 bytes. Medians over --runs; the process is pinned to one CPU. On a shared machine, --cpu-time measures
 the process's CPU time instead of wall time, which other load inflates far less.
 
-    python tools/bench_kv.py [--tokens 4096] [--runs 5] [--level 3] [--cpu-time] [--json]
+    python tools/bench_kv.py [--tokens 4096] [--runs 5] [--level 3] [--chunk-tokens 256] [--cpu-time] [--json]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def bench_mix(snapshot: KVSnapshot, tiers: np.ndarray, args: argparse.Namespace)
 
     def encode() -> None:
         nonlocal payload
-        payload = b"".join(encode_payload(snapshot, tiers, level=args.level))
+        payload = b"".join(encode_payload(snapshot, tiers, level=args.level, chunk_tokens=args.chunk_tokens))
 
     clock = time.process_time if args.cpu_time else time.perf_counter
     encode_s = median_seconds(encode, args.runs, clock)
@@ -117,6 +117,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--level", type=int, default=3, help="zstd level of the writer")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="tokens per EDKV chunk (all layers in each)")
     parser.add_argument("--cpu-time", action="store_true", help="time with process CPU time, not wall time")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args()
