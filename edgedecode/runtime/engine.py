@@ -542,11 +542,13 @@ class Engine:
         held = np.zeros(n, bool)
         held[self._positions[0, : self.length]] = True
         held_kv = self.export_kv()
-        s = self.spec
-        keys = np.zeros((s.n_layers, s.n_kv_heads, n, s.head_dim), held_kv.keys.dtype)
-        values = np.zeros_like(keys)
-        keys[:, :, held] = held_kv.keys
-        values[:, :, held] = held_kv.values
+        keys, values = held_kv.keys, held_kv.values
+        if not held.all():  # spread over every position (a second copy only where tokens were dropped)
+            s = self.spec
+            keys = np.zeros((s.n_layers, s.n_kv_heads, n, s.head_dim), held_kv.keys.dtype)
+            values = np.zeros_like(keys)
+            keys[:, :, held] = held_kv.keys
+            values[:, :, held] = held_kv.values
         snapshot = KVSnapshot(
             held_kv.contract, self._history[:n].copy(), np.arange(n, dtype=np.int64), keys, values, held_kv.producer
         )
