@@ -212,14 +212,7 @@ async def _transfer(
             timing.server_seconds = _header_float(response.headers.get("X-Prefill-Seconds"))
             announced = _header_int(response.headers.get("X-EDKV-Wire-Bytes"))
             while True:
-                tick = asyncio.timeout(WATCH_TICK_S if watch is not None else None)
-                try:
-                    async with tick:
-                        data = await response.content.readany()
-                except TimeoutError:
-                    if not tick.expired():
-                        raise  # aiohttp's own timeout
-                    data = None  # silence: ask the watch
+                data = await _read(response.content, WATCH_TICK_S if watch is not None else None)
                 if data == b"":
                     break
                 now = time.perf_counter()
@@ -269,6 +262,20 @@ async def _transfer(
             await asyncio.wait([pending])  # the caller reuses the KV buffers: the ingest thread must be done
         if not stream.ended:
             stream.cut()  # a failure: what was verified stays
+
+
+async def _read(content: aiohttp.StreamReader, tick_s: float | None) -> bytes | None:
+    """The body's next piece (b"" at its end); None after ``tick_s`` of silence (None: wait)."""
+    if tick_s is None:
+        return await content.readany()
+    tick = asyncio.timeout(tick_s)
+    try:
+        async with tick:
+            return await content.readany()
+    except TimeoutError:
+        if not tick.expired():
+            raise  # aiohttp's own timeout
+        return None
 
 
 def _header_float(value: str | None) -> float | None:
