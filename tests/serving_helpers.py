@@ -70,6 +70,13 @@ class ServerProcess:
 class ThreadedApp:
     """An aiohttp application served on 127.0.0.1 from its own event loop in a thread."""
 
+    @classmethod
+    def posting(cls, path: str, handler) -> ThreadedApp:
+        """An application answering POST ``path`` with ``handler``, served."""
+        app = web.Application()
+        app.router.add_post(path, handler)
+        return cls(app)
+
     def __init__(self, app: web.Application) -> None:
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()

@@ -205,9 +205,7 @@ class PrefillEndpoint:
     def __init__(self) -> None:
         self.mode = "good"
         self.bodies: list[dict] = []
-        app = web.Application()
-        app.router.add_post("/v1/prefill", self.prefill)
-        self.server = ThreadedApp(app)
+        self.server = ThreadedApp.posting("/v1/prefill", self.prefill)
         self.url = self.server.url
 
     async def prefill(self, request: web.Request) -> web.StreamResponse:

@@ -221,9 +221,7 @@ def test_a_pull_times_its_round_trip_and_transfer_and_teaches_the_link(clock):
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/prefill", prefill)
-    server = ThreadedApp(app)
+    server = ThreadedApp.posting("/v1/prefill", prefill)
     buffer = np.zeros((LAYERS, 2, HEADS, N_TOKENS, HEAD_DIM), np.float32)
     stream = StreamedKV(
         lambda position, slot: EDKVReader(CONTRACT, max_tokens=N_TOKENS, target_factory=lambda header: buffer),

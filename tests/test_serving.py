@@ -556,9 +556,7 @@ class FaultyPrefill:
         self.model = model
         self.mode = "relay"
         self.kill_pid: int | None = None
-        app = web.Application()
-        app.router.add_post("/v1/prefill", self.prefill)
-        self.server = ThreadedApp(app)
+        self.server = ThreadedApp.posting("/v1/prefill", self.prefill)
         self.url = self.server.url
 
     async def prefill(self, request: web.Request) -> web.StreamResponse:
