@@ -172,3 +172,12 @@ def test_calibrate_real_model_predicts_a_real_prefill(decoder):
     decoder.reset()
     actual = float(np.median(times))
     assert 0.5 * actual <= model.predict_seconds(300) <= 2.0 * actual
+
+
+def test_a_range_of_positions_costs_the_difference_and_infinity_before_any_point():
+    """What a split's head or a cut pull's rest costs here: never NaN, never negative."""
+    assert LocalPrefillModel().predict_between(100, 400) == float("inf")
+    assert LocalPrefillModel().predict_between(400, 400) == 0.0
+    model = LocalPrefillModel([(100, 0.1), (400, 0.5)])
+    assert model.predict_between(100, 400) == pytest.approx(0.4)
+    assert model.predict_between(0, 100) == pytest.approx(model.predict_seconds(100))

@@ -147,13 +147,9 @@ class KVFetch:
             rtt = self.link.estimate().rtt_s or 0.0
             wire = self.wire_budget(tokens_left, self.min_budget) * tokens_left * self.fp16_bytes_per_token
             remote = rtt + wire / goodput if goodput > 0 else float("inf")
-            return min(remote, self._local_tail_s(end - tokens_left, end))
+            return min(remote, self.local.predict_between(end - tokens_left, end))
 
         return SegmentWatch(deadline - time.perf_counter(), end - start, rest_s)
-
-    def _local_tail_s(self, start: int, end: int) -> float:
-        """Predicted seconds to compute positions [start, end) here, after the ones before them."""
-        return max(self.local.predict_seconds(end) - self.local.predict_seconds(start), 0.0)
 
     def _next(
         self,
@@ -198,7 +194,7 @@ class KVFetch:
                 fixed_budget=budget,
                 wire_bytes=lambda b: int(self.wire_budget(tokens, b) * tokens * self.fp16_bytes_per_token),
                 predict_remote_s=predict,
-                local_s=self._local_tail_s(covered, n),
+                local_s=self.local.predict_between(covered, n),
                 min_budget=min(self.min_budget, budget),
                 quality=self.quality,
                 context_tokens=n,

@@ -209,6 +209,15 @@ class LocalPrefillModel:
             y = float(np.interp(x, curve.log_n, curve.log_s))
         return math.exp(y)
 
+    def predict_between(self, start: int, end: int) -> float:
+        """Predicted seconds to compute prompt positions [start, end) here after those before them
+        (a split's head, a cut pull's rest): 0 for none, infinity before any point."""
+        if end <= start:
+            return 0.0
+        if self._curve is None:
+            return math.inf
+        return max(self.predict_seconds(end) - self.predict_seconds(start), 0.0)
+
     def tokens_per_second(self, n_tokens: int) -> float:
         """Predicted prefill speed for a prompt of ``n_tokens`` tokens (0 before any point)."""
         seconds = self.predict_seconds(n_tokens)

@@ -320,7 +320,7 @@ class DecodeService:
                 quality=self.quality,
                 tokens=tokens,
                 context_tokens=prompt_tokens,
-                local_head_s=lambda head: local.predict_seconds(keep + head) - local.predict_seconds(keep),
+                local_head_s=lambda head: local.predict_between(keep, keep + head),
                 split_slowdown=max(self.split_slowdown.value(time.monotonic()) or d.split_slowdown, 1.0),
             )
         )
