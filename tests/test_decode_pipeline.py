@@ -601,3 +601,30 @@ def test_a_split_turn_computes_its_head_while_the_tail_is_pulled(prefill):
     assert report.pulled_tokens == len(PROMPT) - report.head_tokens - 1
     assert service.pool.busy == 0
     assert service.split_slowdown.value(time.monotonic()) is not None  # the pull's time against its prediction
+
+
+def test_a_split_turn_that_ends_before_its_tail_arrived_gives_its_slot_back_once_the_fetch_is_over(prefill):
+    fp16 = len(PROMPT) * FP16_PER_TOKEN
+    engine = FakeEngine()
+    engine.hold = threading.Event()  # the tail's ingest stops at its header
+    service = make_service(prefill.url, [engine], min_wire_bytes=0)
+    service.local_speed = LocalPrefillModel([(1, 0.001), (16, 0.016), (128, 0.128)])
+    teach_link(service, prefill.url, 0.5 * fp16 / 0.04, rtt_s=0.0)
+
+    async def scenario():
+        turn = service.turn(targeted(35.0), "client", time.perf_counter())
+        await turn.open()  # a split: the generation is on the worker, waiting for the tail
+        assert turn.report.decision == "split"
+        assert await asyncio.to_thread(engine.header_arrived.wait, 5)
+        assert turn._generation is not None
+        turn._generation.cancel()  # the client went away
+        await asyncio.sleep(0.3)
+        held_while_fetching = service.pool.busy
+        assert engine.hold is not None
+        engine.hold.set()
+        released = await wait_until(lambda: service.pool.busy == 0)
+        return held_while_fetching, released
+
+    held_while_fetching, released = drive(service, scenario)
+    assert held_while_fetching == 1  # the fetch may still write into the slot's buffers
+    assert released and engine.used == []  # nothing generated for the turn that went away
