@@ -76,20 +76,16 @@ class KVMemory:
         need = tokens * self.bytes_per_slot_token - slot.reserved
         if need <= 0:
             return
-        try:
-            self.store.reserve(need)
-        except KVMemoryError:
-            for idle in self.pool.idle_held():  # compress resident conversations, least recently used first
-                if idle.busy or idle.session_id is None:
-                    continue  # taken meanwhile
-                await self._compress_idle(idle)
-                try:
-                    self.store.reserve(need)
-                    break
-                except KVMemoryError:
-                    continue
-            else:
-                self.store.reserve(need)  # the store's own rungs once more; raises what still does not fit
+        idle = self.pool.idle_held()  # resident conversations, least recently used first
+        while True:
+            try:
+                self.store.reserve(need)  # the store's own rungs first
+                break
+            except KVMemoryError:
+                idle = [s for s in idle if not s.busy and s.session_id is not None]  # not taken meanwhile
+                if not idle:
+                    raise
+                await self._compress_idle(idle.pop(0))
         slot.reserved += need
 
     def settle(self, slot: Slot) -> None:
@@ -108,7 +104,7 @@ class KVMemory:
     async def restore(self, slot: Slot, session_id: str | None, prompt_ids: np.ndarray) -> tuple[int, dict[str, int]]:
         """Take the conversation's compressed KV back into ``slot`` (it must hold nothing of it):
         (positions of the prompt kept, tokens per tier it was kept at); (0, {}) when the store holds
-        none of it or it no longer matches the prompt (then it is discarded, counted)."""
+        none of it or it is refused for this prompt (then it is discarded, and the reason logged)."""
         entry = self.store.take(session_id) if session_id is not None else None
         if entry is None:
             return 0, {}
