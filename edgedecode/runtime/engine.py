@@ -317,11 +317,27 @@ class Engine:
         self.cache.length = slot + 1
         return logits
 
+    @property
+    def full(self) -> bool:
+        """Whether no further token fits: the cache is full, or the next position is past the model's
+        (dropped tokens advance positions without taking slots)."""
+        return self.length >= self.max_context or self.next_position >= self.spec.context_length
+
     def step(self, token: int) -> np.ndarray:
         """Append ``token`` after what is cached and run it (a decode step: through the captured CUDA
-        graph where there is one); returns its logits [vocab], a view the next run overwrites."""
-        if self.length >= self.max_context:
-            raise ContextOverflowError(f"{self.length + 1} tokens exceed the context of {self.max_context}")
+        graph where there is one); returns its logits [vocab], a view the next run overwrites.
+
+        Raises:
+            ContextOverflowError: the engine is ``full``.
+        """
+        if self.full:
+            raise ContextOverflowError(
+                f"no room for a token after {self.length} cached (context {self.max_context}) at position "
+                f"{self.next_position} (the model's {self.spec.context_length})"
+            )
+        return self._step(token)
+
+    def _step(self, token: int) -> np.ndarray:
         self._tokens[self.length] = token
         return self._run(1, False)
 
@@ -585,9 +601,9 @@ class Engine:
             yield token
             if stats.generated_tokens == params.max_tokens:
                 break
-            if self.length >= self.max_context:
+            if self.full:
                 stats.finish_reason = "context"
                 break
-            logits = self.step(token)
+            logits = self._step(token)  # room checked just above
             stats.decode_steps += 1
         stats.decode_seconds = time.perf_counter() - first_token_at
