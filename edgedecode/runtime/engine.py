@@ -207,6 +207,34 @@ class Engine:
         """Forget the cached context (the buffers are overwritten, not freed)."""
         self.cache.length = 0
 
+    @property
+    def kv_preallocated(self) -> bool:
+        """Whether the KV buffers take their whole size from the start (CUDA), not as they fill (CPU)."""
+        return self.cache.device != "cpu"
+
+    @property
+    def held_positions(self) -> np.ndarray:
+        """The true position of each cache slot's token, [length], increasing (a read-only view)."""
+        view = self._positions[0, : self.length]
+        view.flags.writeable = False
+        return view
+
+    def evict(self, positions: np.ndarray) -> None:
+        """Drop the KV of the held tokens at ``positions`` (the others move down, in order): the
+        context decodes on as after any dropped token, one slot per token lighter."""
+        held = self._positions[0, : self.length]
+        kept = ~np.isin(held, positions)
+        if len(held) - np.count_nonzero(kept) != len(np.unique(positions)):
+            raise KVInjectionError("only positions whose KV is held can be evicted")
+        n = int(np.count_nonzero(kept))
+        self._tokens[:n] = self._tokens[: self.length][kept]
+        self._positions[0, :n] = held[kept]
+        self.cache.compact(kept)
+
+    def release_unused(self) -> None:
+        """Give the memory of the KV buffer's slots past ``length`` back (CPU; see KVCache)."""
+        self.cache.release_unused()
+
     def reusable_prefix(self, prompt_ids) -> int:
         """How many leading positions of ``prompt_ids`` this engine can keep from what it last processed.
 

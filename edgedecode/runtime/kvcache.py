@@ -3,12 +3,14 @@
 Each layer's K and V buffer ``[1, kv_heads, max_context, head_dim]`` is bound to onnxruntime as both
 ``past_key_values.i.*`` and ``present.i.*``, so GroupQueryAttention appends in place and no step
 copies the past. On CPU the buffers are slices of one numpy array ``[layers, 2 (k, v), 1, kv_heads,
-max_context, head_dim]``, so injecting KV is a slice assignment (no graph run); its pages are only
-committed as they are written.
+max_context, head_dim]``, so injecting KV is a slice assignment (no graph run). That array lives in
+an anonymous memory map: its pages are only committed as they are written, and ``release_unused``
+hands the pages of slots past ``length`` back to the OS, so the process's memory follows the KV held.
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,7 +44,10 @@ class KVCache:
         self.device = device
         self.dtype = np.dtype(dtype)
         if device == "cpu":
-            self.host = np.zeros((spec.n_layers, 2, 1, spec.n_kv_heads, max_context, spec.head_dim), dtype)
+            host_shape = (spec.n_layers, 2, 1, spec.n_kv_heads, max_context, spec.head_dim)
+            nbytes = int(np.prod(host_shape)) * self.dtype.itemsize  # private: released pages are gone, not kept aside
+            self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.host = np.frombuffer(self._map, self.dtype).reshape(host_shape)
             self.ortvalues = [
                 [ort.OrtValue.ortvalue_from_numpy(self.host[layer, kind]) for kind in (0, 1)]
                 for layer in range(spec.n_layers)
@@ -67,15 +72,48 @@ class KVCache:
             self._rows.write(start, keys, values)
         self.length = end
 
-    def snapshot(self, token_ids: np.ndarray, positions: np.ndarray, producer: KVProducer) -> KVSnapshot:
-        """Copy out the KV of the first len(token_ids) slots, which hold tokens at ``positions``."""
-        n = len(token_ids)
+    def release_unused(self) -> None:
+        """Give the memory of the slots past ``length`` back to the OS (they read as zeros afterwards):
+        on CPU, the whole pages past each (layer, K/V, head) block's rows in use. On CUDA the buffers
+        are allocated whole up front and nothing is released."""
+        if self.device != "cpu":
+            return
+        row = self.spec.head_dim * self.dtype.itemsize
+        block = self.max_context * row
+        page = mmap.PAGESIZE
+        for start in range(0, len(self._map), block):
+            begin = -(-(start + self.length * row) // page) * page
+            end = (start + block) // page * page
+            if end > begin:
+                self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+    def compact(self, kept: np.ndarray) -> None:
+        """Keep only the slots where bool ``kept [length]`` is set, moved down in order; ``length``
+        becomes their count (the KV of the others is gone)."""
+        kept = np.asarray(kept, bool)
+        if kept.shape != (self.length,):
+            raise KVInjectionError(f"a keep mask for {self.length} slots is needed, got shape {list(kept.shape)}")
+        slots = np.flatnonzero(kept)
+        if self.device == "cpu":
+            self.host[:, :, 0, :, : len(slots)] = np.take(self.host[:, :, 0, :, : self.length], slots, axis=3)
+        else:
+            kv = self._held_rows(self.length)
+            self._rows.write(0, kv[0][:, :, slots], kv[1][:, :, slots])
+        self.length = len(slots)
+
+    def _held_rows(self, n: int) -> np.ndarray:
+        """A copy of the KV of the first ``n`` slots: [2 (k, v), layers, kv_heads, n, head_dim]."""
         kv = np.empty((2, self.spec.n_layers, self.spec.n_kv_heads, n, self.spec.head_dim), self.dtype)
         if self.device == "cpu":
             kv[:] = self.host[:, :, 0, :, :n].swapaxes(0, 1)
         else:  # the device buffer comes back whole (no partial copy); keep only the first n rows
             for layer, kind, value in self._bound():
                 kv[kind, layer] = value.numpy()[0, :, :n]
+        return kv
+
+    def snapshot(self, token_ids: np.ndarray, positions: np.ndarray, producer: KVProducer) -> KVSnapshot:
+        """Copy out the KV of the first len(token_ids) slots, which hold tokens at ``positions``."""
+        kv = self._held_rows(len(token_ids))
         return KVSnapshot(
             contract=self.spec.kv_contract,
             token_ids=np.asarray(token_ids, np.int64).copy(),
