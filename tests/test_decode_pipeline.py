@@ -100,6 +100,21 @@ class FakeEngine:
     def compute_head(self, stream: StreamedKV) -> None:
         self.heads.append((stream.head, stream.ended))
 
+    kv_preallocated = False
+
+    @property
+    def held_positions(self) -> np.ndarray:
+        return np.arange(self.length)  # every position held, one per slot
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def evict(self, positions: np.ndarray) -> None:
+        raise AssertionError("the pipeline tests never evict an active conversation's tokens")
+
+    def release_unused(self) -> None:
+        self.buffer[:, :, :, self.length :] = 0
+
     def export_positions(self) -> tuple[KVSnapshot, np.ndarray]:
         n = len(self.history)
         kv = self.buffer[:, :, :, :n]

@@ -10,7 +10,9 @@ pressure ladder relieves idle conversations, least recently put first, each rung
 and only as far as needed before the next:
 
 1. re-tier: every token above INT4 goes to INT4, except the pinned ones (attention sinks and the
-   recent window, ``kv.policy.pinned_mask``), which keep their tier;
+   ``STORE_RECENT_TOKENS`` newest, ``kv.policy.pinned_mask``), which keep their tier. The window is
+   shorter than the prefill policy's: with 64, a conversation of a few short turns would be pinned
+   whole, and the ladder could only evict it;
 2. drop: the least important unpinned tokens become DROP, down to ``min_kept_fraction`` of the
    conversation's tokens. Positions are kept (the engine decodes after the gaps as after any dropped
    token) and the header still lists every token, so the next prompt is checked against all of them;
@@ -49,6 +51,8 @@ DEFAULT_TIER = Tier.INT8  # SmolLM2: KL at the decode graph's noise floor (docs/
 RETIER_TIER = Tier.INT4
 MIN_KEPT_FRACTION = 0.5  # the drop rung keeps at least this share of a conversation's tokens
 _DROP_MARGIN = 1.05  # the drop rung aims this much past the shortfall: its byte estimate is approximate
+STORE_RECENT_TOKENS = 16  # an idle conversation's newest tokens the ladder leaves at their tier (with the sinks)
+REMEMBERED_EVICTIONS = 4096  # evicted conversations remembered, so that their next turn is reported as such
 
 
 class KVMemoryError(EdgeDecodeError):
@@ -136,6 +140,8 @@ class ConversationStore:
         self._entries: OrderedDict[str, StoredConversation] = OrderedDict()  # least recently put first
         self._compressed_nbytes = 0
         self._reserved_nbytes = 0
+        self._peak_nbytes = 0
+        self._evicted: OrderedDict[str, str] = OrderedDict()  # conversation -> reason, most recent last
         self._lock = threading.Lock()
         self._publish()
 
@@ -151,6 +157,11 @@ class ConversationStore:
     def nbytes(self) -> int:
         """Bytes counted against the budget: stored conversations and reservations."""
         return self._compressed_nbytes + self._reserved_nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        """The most ``nbytes`` has been since the store was made."""
+        return self._peak_nbytes
 
     @property
     def compressed_nbytes(self) -> int:
@@ -188,25 +199,55 @@ class ConversationStore:
         Raises:
             ValueError: tiers or importance not shaped [n], no tokens, or KV that ``encode_payload`` refuses.
         """
-        entry = self._compressed(session_id, snapshot, importance, tiers)
+        return self.add(self.compress(session_id, snapshot, importance, tiers))
+
+    def compress(
+        self,
+        session_id: str,
+        snapshot: KVSnapshot,
+        importance: np.ndarray | None = None,
+        tiers: Tier | np.ndarray = DEFAULT_TIER,
+    ) -> StoredConversation:
+        """``put``'s first half: the conversation compressed, not yet kept (the store is unchanged);
+        ``add`` keeps it. Lets the caller make room for ``nbytes`` its own way in between."""
+        return self._compressed(session_id, snapshot, importance, tiers)
+
+    def add(self, entry: StoredConversation, max_sessions: int | None = None) -> list[LadderStep]:
+        """``put``'s second half: keep ``entry`` (from ``compress``), with at most ``max_sessions``
+        conversations in all (default and upper bound: the store's); returns what the store did."""
+        keep_at_most = self.max_sessions if max_sessions is None else min(max(max_sessions, 1), self.max_sessions)
         with self._lock:
-            replaced = self._entries.pop(session_id, None)
+            replaced = self._entries.pop(entry.session_id, None)
             if replaced is not None:
                 self._compressed_nbytes -= replaced.nbytes
-            overflow = list(self._entries)[: max(len(self) + 1 - self.max_sessions, 0)]  # least recently put
+            overflow = list(self._entries)[: max(len(self) + 1 - keep_at_most, 0)]  # least recently put
             steps = [self._evict(oldest, "max_sessions") for oldest in overflow]
-            self._entries[session_id] = entry
+            self._entries[entry.session_id] = entry
             self._compressed_nbytes += entry.nbytes
             steps += self._relieve(0)
             self._publish()
         return steps
 
-    def take(self, session_id: str) -> StoredConversation | None:
-        """Remove and return the conversation's stored KV; None when the store does not hold it."""
+    def record_eviction(self, session_id: str, reason: str) -> None:
+        """Count a conversation whose KV the daemon discarded without it ever being stored (e.g. no
+        room is kept for compressed ones), as an eviction for ``reason``."""
+        with self._lock:
+            self._note_eviction(session_id, reason)
+
+    def evicted(self, session_id: str) -> str | None:
+        """Why the conversation's KV was evicted (and forget it), or None when it was not (lately)."""
+        with self._lock:
+            return self._evicted.pop(session_id, None)
+
+    def take(self, session_id: str, keep_counted: bool = False) -> StoredConversation | None:
+        """Remove and return the conversation's stored KV; None when the store does not hold it.
+        ``keep_counted``: its bytes stay counted, as reserved (``release`` them once it is gone)."""
         with self._lock:
             entry = self._entries.pop(session_id, None)
             if entry is not None:
                 self._compressed_nbytes -= entry.nbytes
+                if keep_counted:
+                    self._reserved_nbytes += entry.nbytes
                 self._publish()
         return entry
 
@@ -214,6 +255,10 @@ class ConversationStore:
         """The conversation's stored KV, left in the store and in its place; None when not held."""
         with self._lock:
             return self._entries.get(session_id)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit under the budget as the store is, without the ladder."""
+        return self.nbytes + nbytes <= self.budget_bytes
 
     def make_room(self, nbytes: int) -> list[LadderStep]:
         """Apply the pressure ladder until ``nbytes`` more fit under the budget (nothing is held).
@@ -277,7 +322,7 @@ class ConversationStore:
             snapshot.contract,
             tier_map.astype(np.uint8),
             scores,
-            pinned_mask(positions),
+            pinned_mask(positions, recent=STORE_RECENT_TOKENS),
         )
 
     def _encoded(self, snapshot: KVSnapshot, tiers: np.ndarray) -> tuple[bytes, int]:
@@ -342,12 +387,19 @@ class ConversationStore:
     def _evict(self, session_id: str, reason: str) -> LadderStep:
         entry = self._entries.pop(session_id)
         self._compressed_nbytes -= entry.nbytes
-        if self._metrics is not None:
-            self._metrics.evictions.labels(reason).inc()
+        self._note_eviction(session_id, reason)
         logger.info(
             "evicted conversation %s (%d tokens, %d bytes): %s", session_id, entry.n_tokens, entry.nbytes, reason
         )
         return LadderStep("evict", session_id, entry.n_tokens, entry.nbytes, reason)
+
+    def _note_eviction(self, session_id: str, reason: str) -> None:
+        self._evicted.pop(session_id, None)
+        self._evicted[session_id] = reason
+        if len(self._evicted) > REMEMBERED_EVICTIONS:
+            self._evicted.popitem(last=False)
+        if self._metrics is not None:
+            self._metrics.evictions.labels(reason).inc()
 
     def _count_retier(self, old: np.ndarray, new: np.ndarray) -> None:
         if self._metrics is None or len(old) == 0:
@@ -357,7 +409,9 @@ class ConversationStore:
             self._metrics.retier.labels(Tier(int(high)).name, Tier(int(low)).name).inc(int(count))
 
     def _publish(self) -> None:
+        self._peak_nbytes = max(self._peak_nbytes, self.nbytes)
         if self._metrics is not None:
+            self._metrics.kv_memory_peak.set(self._peak_nbytes)
             self._metrics.sessions.labels("compressed").set(len(self._entries))
             self._metrics.kv_memory.labels("compressed").set(self._compressed_nbytes)
 

@@ -143,3 +143,14 @@ class ConversationMetrics:
         )
         for reason in EVICTION_REASONS:
             self.evictions.labels(reason)
+        self.kv_memory_peak = Gauge(
+            "edgedecode_kv_memory_peak_bytes",
+            "The most bytes of KV daemon.kv_memory_mb has counted at once since the daemon started.",
+            registry=registry,
+        )
+        self.active_evicted = Counter(
+            "edgedecode_active_kv_evicted_tokens_total",
+            "Tokens of an active conversation's own KV evicted so that its turn fits daemon.kv_memory_mb "
+            "(the pressure ladder's last rung, once every idle conversation is evicted).",
+            registry=registry,
+        )

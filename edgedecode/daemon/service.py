@@ -56,9 +56,12 @@ class TurnReport:
     kv_source: str = "local"  # "prefill_server" or "local" (a fallback names its reason)
     fallback_reason: str | None = None
     prompt_tokens: int = 0
+    resume: str = "new"  # where the conversation's earlier KV was: "new" (none), "resident" (in its
+    # slot), "compressed" (in the conversation store) or "evicted" (discarded under pressure: re-prefilled)
     reused_tokens: int = 0  # positions whose KV the slot held from the conversation's earlier turns
     restored_tokens: int = 0  # of those, positions whose KV came back from the compressed store
     restored_tiers: dict[str, int] = field(default_factory=dict)  # the tiers they were kept at (tokens)
+    evicted_tokens: int = 0  # kept tokens whose KV this turn evicted to fit daemon.kv_memory_mb
     pulled_tokens: int = 0  # prompt positions whose KV the prefill server sent and the engine used
     computed_tokens: int = 0  # prompt positions run through the decode graph here (at least the last)
     budget: float | None = None  # first asked of the prefill server
@@ -86,9 +89,11 @@ class TurnReport:
             "kv": {
                 "source": self.kv_source,
                 "fallback_reason": self.fallback_reason,
+                "resume": self.resume,
                 "reused_tokens": self.reused_tokens,
                 "restored_tokens": self.restored_tokens,
                 "restored_tiers": self.restored_tiers,
+                "evicted_tokens": self.evicted_tokens,
                 "pulled_tokens": self.pulled_tokens,
                 "computed_tokens": self.computed_tokens,
                 "budget": self.budget,
@@ -148,10 +153,11 @@ class DecodeService:
         self.memory = KVMemory(
             self.pool,
             d.kv_memory_mb << 20,
-            d.max_sessions - len(engines),
+            d.max_sessions,
             self.kv_bytes_per_slot_token,
             self._ingest,
             metrics.conversations,
+            preallocated=engines[0].kv_preallocated,
         )
         self.links = LinkModels(metrics.registry)
         self.local_speed = LocalPrefillModel()  # daemon/run.py calibrates it on a real engine before serving
@@ -401,16 +407,18 @@ class Turn:
         service, request = self.service, self.request
         slot = await service.pool.acquire(self.client, request.session_id)
         try:
-            engine = slot.engine
+            engine, report = slot.engine, self.report
             if slot.resumed:
                 keep = engine.reusable_prefix(request.prompt_ids)
+                report.resume = "resident" if keep else "new"
             else:
-                await service.memory.retain(slot)  # the slot's previous conversation, kept compressed
-                keep, tiers = await service.memory.restore(slot, request.session_id, request.prompt_ids)
-                self.report.restored_tokens, self.report.restored_tiers = keep, tiers
-            service._admit(len(request.prompt_ids) - keep + request.params.max_tokens)
-            await service.memory.admit(slot, len(request.prompt_ids) + request.params.max_tokens)
-            self.report.reused_tokens, self.report.slot = keep, slot.index
+                resumed = await service.memory.resume(slot, request.session_id, request.prompt_ids)
+                keep, report.restored_tiers, report.resume = resumed
+                report.restored_tokens = keep
+            new_tokens = len(request.prompt_ids) - keep + request.params.max_tokens
+            service._admit(new_tokens)
+            report.evicted_tokens = await service.memory.admit(slot, keep, new_tokens)
+            report.reused_tokens, report.slot = keep, slot.index
             target_ms = (
                 service.config.daemon.ttft_target_ms if request.ttft_target_ms is None else request.ttft_target_ms
             )

@@ -42,6 +42,28 @@ class DecodeEngine(Protocol):
     def kv_bytes_per_slot(self) -> int: ...
 
     @property
+    def kv_preallocated(self) -> bool:
+        """Whether the KV buffers are allocated whole from the start (then reserved whole)."""
+        ...
+
+    @property
+    def held_positions(self) -> np.ndarray:
+        """The true position of each held token, one per cache slot in use."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the cached context."""
+        ...
+
+    def evict(self, positions: np.ndarray) -> None:
+        """Drop the KV of the held tokens at ``positions``."""
+        ...
+
+    def release_unused(self) -> None:
+        """Give back the memory of the KV buffer past the slots in use."""
+        ...
+
+    @property
     def stats(self) -> GenerationStats:
         """What the last generation did (complete once its iterator is exhausted)."""
         ...
