@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Where the decode daemon's memory goes: the process's RSS after each stage of what the daemon does
+at start and on a turn, for onnxruntime's default CPU session settings and the variants that could
+cut memory (no CPU memory arena; no weight prepacking), each measured in a fresh process.
+
+Stages (a daemon's own order): Python and the imports; the model's spec and tokenizer (the GGUF
+reader is dropped once they are read); the INT4 decode session with --slots engines (weights,
+onnxruntime's prepacked copies; the slots' KV buffers commit no page yet); a --prompt-tokens turn
+computed locally plus 16 decode steps (its KV, float32, and the activations); the KV given back
+(``Engine.release_unused``: what stays is onnxruntime's working memory); a second such turn. Decode
+speed: the median ms per token of 64 steps after a 16-token prompt, over --runs runs, as a ratio
+against the default settings measured in the same run.
+
+    python tools/rss_breakdown.py [--prompt-tokens 2048] [--slots 2] [--max-context 4096] [--threads 2]
+                                  [--runs 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = {
+    "default": {},
+    "no CPU memory arena": {"arena": False},
+    "no prepacking": {"config": {"session.disable_prepacking": "1"}},
+}
+
+
+def measure(variant: dict, prompt_tokens: int, slots: int, max_context: int, threads: int, runs: int) -> dict:
+    """The stages' RSS (MiB) and the decode speed in this process, under ``variant``'s session settings."""
+    import psutil
+
+    process = psutil.Process()
+
+    def rss_mib() -> float:
+        return process.memory_info().rss / (1 << 20)
+
+    stages = [("python", rss_mib())]
+    import numpy as np
+
+    from edgedecode.model.graph import GraphOptions
+    from edgedecode.model.loader import load_model
+    from edgedecode.runtime.engine import Engine
+    from edgedecode.runtime.sampler import SamplingParams
+    from edgedecode.runtime.session import import_onnxruntime
+
+    ort = import_onnxruntime()
+    stages.append(("imports (numpy, onnxruntime, tokenizers, ...)", rss_mib()))
+    _configure_sessions(ort, variant)
+    model = load_model()
+    stages.append(("model spec and tokenizer", rss_mib()))
+    options = GraphOptions.for_device("decode", "cpu")
+    first = Engine(model, options, max_context=max_context, device="cpu", threads=threads)
+    engines = [first] + [
+        Engine(model, options, max_context=max_context, device="cpu", threads=threads, share=first)
+        for _ in range(slots - 1)
+    ]
+    stages.append((f"INT4 decode session, {slots} slots", rss_mib()))
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(max_tokens=16, temperature=0, stop_token_ids=())
+    engine = engines[0]
+    list(engine.generate(rng.integers(100, model.spec.vocab_size, prompt_tokens), greedy))
+    stages.append((f"a {prompt_tokens}-token turn + 16 steps", rss_mib()))
+    engine.reset()
+    engine.release_unused()
+    stages.append(("its KV given back", rss_mib()))
+    list(engine.generate(rng.integers(100, model.spec.vocab_size, prompt_tokens), greedy))
+    stages.append((f"a second {prompt_tokens}-token turn", rss_mib()))
+    engine.reset()
+    engine.release_unused()
+    steps = SamplingParams(max_tokens=65, temperature=0, stop_token_ids=())
+    per_token = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        list(engine.generate(rng.integers(100, model.spec.vocab_size, 16), steps))
+        per_token.append((time.perf_counter() - started - engine.stats.prefill_seconds) / engine.stats.decode_steps)
+    return {
+        "stages": stages,
+        "kv_bytes_per_token": engine.kv_bytes_per_slot,
+        "decode_ms_per_token": 1e3 * statistics.median(per_token),
+    }
+
+
+def _configure_sessions(ort, variant: dict) -> None:
+    """Make every onnxruntime session this process creates use ``variant``'s settings."""
+    base = ort.SessionOptions
+
+    def options():
+        made = base()
+        made.enable_cpu_mem_arena = variant.get("arena", True)
+        for key, value in variant.get("config", {}).items():
+            made.add_session_config_entry(key, value)
+        return made
+
+    ort.SessionOptions = options
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--max-context", type=int, default=4096)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # a child process measuring one variant
+    args = parser.parse_args()
+    sizes = (args.prompt_tokens, args.slots, args.max_context, args.threads, args.runs)
+    if args.variant:
+        print(json.dumps(measure(VARIANTS[args.variant], *sizes)))
+        return
+    results = {}
+    for name in VARIANTS:
+        child = subprocess.run(
+            [sys.executable, __file__, "--variant", name, *_size_args(args)], capture_output=True, text=True, check=True
+        )
+        results[name] = json.loads(child.stdout.strip().splitlines()[-1])
+    _print(results, args.prompt_tokens)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=2)
+
+
+def _size_args(args: argparse.Namespace) -> list[str]:
+    return [
+        f"--prompt-tokens={args.prompt_tokens}",
+        f"--slots={args.slots}",
+        f"--max-context={args.max_context}",
+        f"--threads={args.threads}",
+        f"--runs={args.runs}",
+    ]
+
+
+def _print(results: dict, prompt_tokens: int) -> None:
+    names = list(results)
+    print("| stage | " + " | ".join(f"{name}: RSS MiB (Δ)" for name in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for i, (stage, _) in enumerate(results[names[0]]["stages"]):
+        cells = []
+        for name in names:
+            rss = results[name]["stages"][i][1]
+            delta = rss - results[name]["stages"][i - 1][1] if i else 0.0
+            cells.append(f"{rss:.0f} ({delta:+.0f})")
+        print(f"| {stage} | " + " | ".join(cells) + " |")
+    baseline = results[names[0]]["decode_ms_per_token"]
+    speeds = ", ".join(
+        f"{name} {r['decode_ms_per_token']:.2f} ms ({r['decode_ms_per_token'] / baseline:.2f}×)"
+        for name, r in results.items()
+    )
+    kv_mib = results[names[0]]["kv_bytes_per_token"] * prompt_tokens / (1 << 20)
+    print(f"\ndecode ms/token at past 16, median: {speeds}; a {prompt_tokens}-token turn's KV: {kv_mib:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
