@@ -643,3 +643,28 @@ def test_a_split_turn_that_ends_before_its_tail_arrived_gives_its_slot_back_once
     held_while_fetching, released = drive(service, scenario)
     assert held_while_fetching == 1  # the fetch may still write into the slot's buffers
     assert released and engine.used == []  # nothing generated for the turn that went away
+
+
+def test_kv_buffers_allocated_whole_up_front_are_reserved_whole(prefill):
+    def engines(n: int) -> list[FakeEngine]:
+        made = [FakeEngine(max_context=64) for _ in range(n)]
+        for engine in made:
+            engine.kv_preallocated = True  # as on CUDA
+            engine.kv_bytes_per_slot = 8 << 10  # 512 KiB per slot, whatever it holds
+        return made
+
+    with pytest.raises(KVMemoryError, match=r"3 slots' KV buffers.* 1\.5 MiB: more than daemon\.kv_memory_mb \(1\.0 MiB\)"):
+        make_service(prefill.url, engines(3), slots=3, kv_memory_mb=1)  # 1.5 MiB of buffers
+
+    service = make_service(prefill.url, engines(1), kv_memory_mb=1)
+    assert service.memory.store.reserved_nbytes == 512 << 10
+
+    async def scenario():
+        await run_turn(service, session="a")
+        after_turn = service.memory.store.reserved_nbytes
+        await run_turn(service, np.arange(50, 70), session="b")  # a leaves the slot, compressed
+        return after_turn
+
+    after_turn = drive(service, scenario)
+    assert after_turn == service.memory.store.reserved_nbytes == 512 << 10  # neither grows nor shrinks
+    assert "a" in service.memory.store and service.memory.store.nbytes <= 1 << 20

@@ -75,7 +75,8 @@ class KVMemory:
         if preallocated_nbytes > budget_bytes:
             raise KVMemoryError(
                 f"the {len(pool.slots)} slots' KV buffers, allocated whole on the device, take "
-                f"{preallocated_nbytes >> 20} MiB: more than daemon.kv_memory_mb ({budget_bytes >> 20} MiB); "
+                f"{preallocated_nbytes / (1 << 20):.1f} MiB: more than daemon.kv_memory_mb "
+                f"({budget_bytes / (1 << 20):.1f} MiB); "
                 "raise it, or lower daemon.slots or daemon.max_context"
             )
         for slot, floor in self.floor.items():
