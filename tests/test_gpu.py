@@ -302,3 +302,17 @@ def test_engines_sharing_a_cuda_session_each_replay_their_own_graph(
         interleaved[0].append(a)
         interleaved[1].append(b)
     assert interleaved == alone
+
+
+@on_cuda
+def test_evicting_tokens_on_the_device_keeps_the_others_in_order(cuda_decoder, long_prompt):
+    cuda_decoder.prefill(long_prompt[:200])
+    whole = cuda_decoder.export_kv()
+    evicted = np.arange(10, 60)
+    cuda_decoder.evict(evicted)
+    kept = ~np.isin(whole.positions, evicted)
+    after = cuda_decoder.export_kv()
+    np.testing.assert_array_equal(after.positions, whole.positions[kept])
+    np.testing.assert_array_equal(after.keys, whole.keys[:, :, kept])
+    np.testing.assert_array_equal(after.values, whole.values[:, :, kept])
+    assert cuda_decoder.kv_preallocated and np.isfinite(cuda_decoder.step(int(long_prompt[200]))).all()
