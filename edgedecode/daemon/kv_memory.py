@@ -40,16 +40,16 @@ from edgedecode.kv.wire import KVFormatError
 from edgedecode.runtime.kvcache import KVInjectionError
 
 logger = logging.getLogger(__name__)
-Resumed = tuple[int, dict[str, int], str]  # positions kept, tokens per tier they were kept at, how
+Resumed = tuple[int, dict[str, int], str]  # positions kept, tokens per tier they were kept at, how it resumed
 
 
 class KVMemory:
     """The slots' reservations and the conversation store (see the module docstring).
 
-    ``max_sessions``: conversations kept at once, resident in a slot or compressed (as many as slots:
-    none is kept once its slot is taken); ``ingest``: the thread that writes into the slots' KV (exports, restores
-    and evictions run there, after any ingest still under way); ``preallocated``: the slots' KV
-    buffers are allocated whole up front (CUDA), and reserved whole.
+    ``max_sessions``: conversations kept at once, resident in a slot or compressed (as many as
+    slots: none is kept once its slot is taken); ``ingest``: the thread that writes into the slots'
+    KV (exports, restores and evictions run there, after any ingest still under way);
+    ``preallocated``: the slots' KV buffers are allocated whole up front (CUDA), and reserved whole.
 
     Raises:
         KVMemoryError: the slots' preallocated buffers alone exceed the budget.
@@ -187,9 +187,10 @@ class KVMemory:
     async def _restore(self, slot: Slot, entry: StoredConversation, prompt_ids: np.ndarray) -> Resumed:
         counts = np.bincount(entry.tiers, minlength=len(Tier))
         tiers = {tier.name: int(counts[tier]) for tier in Tier if counts[tier]}
-        try:
-            await self._reserve(slot, entry.n_kept * self.bytes_per_slot_token)  # float32 again, in the slot
+        try:  # its KV as the slot holds it (nothing more where the slot's buffers are reserved whole)
+            await self._reserve(slot, entry.n_kept * self.bytes_per_slot_token - self.floor[slot])
         except KVMemoryError:
+            self.settle(slot)  # gives its compressed bytes back: it is evicted
             self.store.record_eviction(entry.session_id, "memory")
             logger.info("KV memory: evict %s (%d tokens): no room to restore it", entry.session_id, entry.n_tokens)
             return 0, {}, "evicted"
