@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from edgedecode.config import ConfigError, load_config
-from edgedecode.daemon.conversations import STORE_RECENT_TOKENS, ConversationStore, KVMemoryError, StoredConversation
+from edgedecode.daemon.conversations import ConversationStore, KVMemoryError, StoredConversation, store_pins
 from edgedecode.daemon.metrics import ConversationMetrics, DaemonMetrics
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
-from edgedecode.kv.policy import SINK_TOKENS
+from edgedecode.kv.policy import RECENT_TOKENS, SINK_TOKENS
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, decode_snapshot
@@ -139,7 +139,7 @@ def test_the_ladder_re_tiers_the_least_recently_put_first_and_only_as_far_as_nee
     assert store.nbytes == before - steps[0].freed_nbytes and store.nbytes + BIG - before + 1 <= BIG
     a, b = stored(store, "a"), stored(store, "b")
     pinned = np.zeros(300, bool)
-    pinned[:SINK_TOKENS] = pinned[-STORE_RECENT_TOKENS:] = True
+    pinned[:SINK_TOKENS] = pinned[-RECENT_TOKENS:] = True  # 64 of 300: within a quarter
     np.testing.assert_array_equal(a.pinned, pinned)
     np.testing.assert_array_equal(a.tiers, np.where(pinned, Tier.INT8, Tier.INT4))
     assert (b.tiers == Tier.INT8).all()
@@ -379,3 +379,9 @@ def test_a_trimmed_conversation_rehydrates_with_its_true_positions(decoder, seco
     new_tokens = len(prompt) - kv.n_tokens
     assert decoder.next_position == len(prompt) + len(answer) - (decoder.stats.finish_reason != "stop")
     assert decoder.length == entry.n_kept + new_tokens + len(answer) - (decoder.stats.finish_reason != "stop")
+
+
+def test_a_short_conversation_pins_at_most_a_quarter_of_its_tokens():
+    short = store_pins(np.arange(48))
+    assert short[:SINK_TOKENS].all() and short[-12:].all() and np.count_nonzero(short) == SINK_TOKENS + 12
+    assert np.count_nonzero(store_pins(np.arange(2048))) == SINK_TOKENS + RECENT_TOKENS

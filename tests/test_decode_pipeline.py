@@ -653,7 +653,8 @@ def test_kv_buffers_allocated_whole_up_front_are_reserved_whole(prefill):
             engine.kv_bytes_per_slot = 8 << 10  # 512 KiB per slot, whatever it holds
         return made
 
-    with pytest.raises(KVMemoryError, match=r"3 slots' KV buffers.* 1\.5 MiB: more than daemon\.kv_memory_mb \(1\.0 MiB\)"):
+    refused = r"3 slots' KV buffers.* 1\.5 MiB: more than daemon\.kv_memory_mb \(1\.0 MiB\)"
+    with pytest.raises(KVMemoryError, match=refused):
         make_service(prefill.url, engines(3), slots=3, kv_memory_mb=1)  # 1.5 MiB of buffers
 
     service = make_service(prefill.url, engines(1), kv_memory_mb=1)

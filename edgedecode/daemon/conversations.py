@@ -10,9 +10,9 @@ pressure ladder relieves idle conversations, least recently put first, each rung
 and only as far as needed before the next:
 
 1. re-tier: every token above INT4 goes to INT4, except the pinned ones (attention sinks and the
-   ``STORE_RECENT_TOKENS`` newest, ``kv.policy.pinned_mask``), which keep their tier. The window is
-   shorter than the prefill policy's: with 64, a conversation of a few short turns would be pinned
-   whole, and the ladder could only evict it;
+   recent window, ``kv.policy.pinned_mask``), which keep their tier. The window is the prefill
+   policy's 64 tokens, but at most a quarter of the conversation (``store_pins``): with 64, a
+   conversation of a few short turns would be pinned whole, and the ladder could only evict it;
 2. drop: the least important unpinned tokens become DROP, down to ``min_kept_fraction`` of the
    conversation's tokens. Positions are kept (the engine decodes after the gaps as after any dropped
    token) and the header still lists every token, so the next prompt is checked against all of them;
@@ -38,7 +38,7 @@ import numpy as np
 from edgedecode.daemon.metrics import ConversationMetrics
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.importance import position_importance
-from edgedecode.kv.policy import pinned_mask
+from edgedecode.kv.policy import RECENT_TOKENS, pinned_mask
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
@@ -51,7 +51,6 @@ DEFAULT_TIER = Tier.INT8  # SmolLM2: KL at the decode graph's noise floor (docs/
 RETIER_TIER = Tier.INT4
 MIN_KEPT_FRACTION = 0.5  # the drop rung keeps at least this share of a conversation's tokens
 _DROP_MARGIN = 1.05  # the drop rung aims this much past the shortfall: its byte estimate is approximate
-STORE_RECENT_TOKENS = 16  # an idle conversation's newest tokens the ladder leaves at their tier (with the sinks)
 REMEMBERED_EVICTIONS = 4096  # evicted conversations remembered, so that their next turn is reported as such
 
 
@@ -322,7 +321,7 @@ class ConversationStore:
             snapshot.contract,
             tier_map.astype(np.uint8),
             scores,
-            pinned_mask(positions, recent=STORE_RECENT_TOKENS),
+            store_pins(positions),
         )
 
     def _encoded(self, snapshot: KVSnapshot, tiers: np.ndarray) -> tuple[bytes, int]:
@@ -414,6 +413,13 @@ class ConversationStore:
             self._metrics.kv_memory_peak.set(self._peak_nbytes)
             self._metrics.sessions.labels("compressed").set(len(self._entries))
             self._metrics.kv_memory.labels("compressed").set(self._compressed_nbytes)
+
+
+def store_pins(positions: np.ndarray) -> np.ndarray:
+    """bool [n]: the tokens of a stored conversation the ladder leaves alone: the attention sinks and
+    the recent window, which is at most a quarter of the conversation (the newest tokens carry the
+    most for its next turn; INT4 on them costs the most, docs/serving.md)."""
+    return pinned_mask(positions, recent=min(RECENT_TOKENS, len(positions) // 4))
 
 
 def _drop_order(entry: StoredConversation, min_kept_fraction: float) -> np.ndarray:
