@@ -9,12 +9,12 @@ from __future__ import annotations
 import math
 import threading
 
-import numpy as np
 import pytest
 from openai import OpenAI
 from serving_helpers import ServerProcess, metric_samples, server_config
 
 from edgedecode.daemon.openai_api import parse_request
+from edgedecode.evaluation.agreement import divergence_gap
 
 TOKEN = "daemon-secret"
 MODEL = "smollm2-135m-instruct"
@@ -78,16 +78,15 @@ class KVMemorySampler:
 
 
 def _near_tie(model, engine, messages: list[dict], answer: str, other: str) -> tuple[bool, float]:
-    """Whether the first token where ``other`` departs from ``answer`` is a near-tie for the model given
-    the uncompressed context: (near, the logit gap between the two tokens there)."""
+    """Whether ``other`` departs from ``answer`` only at a near-tie for the model given the
+    uncompressed context: (near, the logit gap between the two tokens there)."""
     request = parse_request({"messages": messages}, "chat", model, default_max_tokens=MAX_TOKENS, session_header=None)
-    ours = model.tokenizer.encode(answer)
-    theirs = model.tokenizer.encode(other)
-    common = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-    if common >= min(len(ours), len(theirs)):
-        return True, 0.0  # one stops where the other goes on: the stop token competed (within MAX_TOKENS)
-    logits = engine.prefill(np.concatenate([request.prompt_ids, np.asarray(ours[:common], np.int64)]))
-    gap = float(abs(logits[ours[common]] - logits[theirs[common]]))
+    gap = divergence_gap(
+        engine,
+        request.prompt_ids,
+        model.tokenizer.encode(answer, add_bos=False),
+        model.tokenizer.encode(other, add_bos=False),
+    )
     return gap <= NEAR_TIE, gap
 
 
