@@ -365,6 +365,14 @@ def serve(
 def chat(
     url: str | None = typer.Option(None, help="A running daemon (default: start one for this chat)."),
     token: str | None = typer.Option(None, envvar="EDGEDECODE_DAEMON_AUTH_TOKEN", help="Its bearer token."),
+    ca_file: Path | None = typer.Option(
+        None,
+        "--ca-file",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        help="PEM CA certificates that verify an https daemon (default: the system's).",
+    ),
     config: Path | None = typer.Option(None, "--config", "-c", help="Config for the daemon started here."),
     system: str | None = typer.Option(None, help="System message."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
@@ -380,6 +388,7 @@ def chat(
                 url=url,
                 token=token or "",
                 config_path=config,
+                ca_file=ca_file,
                 system=system,
                 max_tokens=max_tokens,
                 temperature=temperature,
