@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 import typer
 
@@ -298,10 +298,10 @@ def probe(
         typer.echo(f"saved {path}")
 
 
-def _load_config(config_path: Path | None, section: str, **flags):
+def _load_config(config_path: Path | None, section: Literal["daemon", "prefill"], **flags):
     from edgedecode.config import load_config
 
-    return load_config(config_path, overrides={section: flags})
+    return load_config(config_path, overrides={section: flags}, server=section)
 
 
 def _announce(server: str) -> Callable[[str], None]:

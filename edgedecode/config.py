@@ -16,7 +16,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 from edgedecode.errors import EdgeDecodeError
@@ -123,10 +123,15 @@ def load_config(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    server: Literal["daemon", "prefill"] | None = None,
 ) -> Config:
     """The configuration from ``path`` (default: /etc/edgedecode/edgedecode.toml when it exists),
     then ``EDGEDECODE_<SECTION>_<KEY>`` variables of ``env`` (default: the process environment),
     then ``overrides`` (command-line flags; None values are ignored), validated.
+
+    ``server`` ("daemon" or "prefill") is the section whose server is about to run: only its TLS
+    files are read (one file may serve two units on a host, each of which can read only its own
+    key); None reads both sections' files.
 
     Raises:
         ConfigError: naming the file, variable or flag and the key at fault.
@@ -152,7 +157,7 @@ def load_config(
         )
     sections = {section: _build(_SECTION_TYPES[section], section, items) for section, items in values.items()}
     config = Config(**sections, source=source)
-    _validate(config)
+    _validate(config, server)
     return config
 
 
@@ -214,38 +219,38 @@ def _coerce(value: Any, type_name: str, where: str) -> Any:
     raise ConfigError(f"{where}: expected {type_name}, got {value!r}")
 
 
-def _validate(config: Config) -> None:
+def _validate(config: Config, server: Literal["daemon", "prefill"] | None) -> None:
     m, d, p = config.model, config.daemon, config.prefill
     problems = []
     if m.device not in ("cpu", "cuda"):
         problems.append(f"model.device must be cpu or cuda, not {m.device!r}")
     if m.threads < 0:
         problems.append("model.threads must be >= 0 (0: one per physical core)")
-    for section, server in (("daemon", d), ("prefill", p)):
-        if not 0 <= server.port <= 65535:
+    for section, listener in (("daemon", d), ("prefill", p)):
+        if not 0 <= listener.port <= 65535:
             problems.append(f"{section}.port must be in 0..65535 (0: any free port)")
-        if not is_loopback(server.host) and not server.auth_token:
+        if not is_loopback(listener.host) and not listener.auth_token:
             problems.append(
-                f"{section}.host is {server.host!r}, not loopback: set {section}.auth_token "
+                f"{section}.host is {listener.host!r}, not loopback: set {section}.auth_token "
                 f"(or {ENV_PREFIX}{section.upper()}_AUTH_TOKEN) so clients must authenticate"
             )
-        if server.max_body_bytes < 1024:
+        if listener.max_body_bytes < 1024:
             problems.append(f"{section}.max_body_bytes must be >= 1024")
-        if server.max_queue < 1:
+        if listener.max_queue < 1:
             problems.append(f"{section}.max_queue must be >= 1")
         for name in ("client_timeout_s", "header_timeout_s"):
-            if getattr(server, name) <= 0:
+            if getattr(listener, name) <= 0:
                 problems.append(f"{section}.{name} must be > 0")
-        if server.previous_auth_token and not server.auth_token:
+        if listener.previous_auth_token and not listener.auth_token:
             problems.append(f"{section}.previous_auth_token needs {section}.auth_token (the token that replaces it)")
-        problems += _server_tls_problems(section, server)
+        problems += _server_tls_problems(section, listener, read=server in (None, section))
     if d.prefill_url and d.local_prefill_only:
         problems.append("daemon.prefill_url and daemon.local_prefill_only exclude each other")
     if d.prefill_url:
         parsed = urlparse(d.prefill_url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             problems.append(f"daemon.prefill_url must be an http(s) URL, not {d.prefill_url!r}")
-    problems += _prefill_tls_problems(d)
+    problems += _prefill_tls_problems(d, read=server in (None, "daemon"))
     if d.slots < 1:
         problems.append("daemon.slots must be >= 1")
     if d.kv_memory_mb < 1:
@@ -293,13 +298,16 @@ def _validate(config: Config) -> None:
         raise ConfigError(f"invalid configuration ({config.source}): " + "; ".join(problems))
 
 
-def _server_tls_problems(section: str, server: DaemonConfig | PrefillConfig) -> list[str]:
-    """What keeps ``server``'s certificate and key from serving HTTPS: both or neither, readable, a matching pair."""
-    cert, key = server.tls_cert_file, server.tls_key_file
+def _server_tls_problems(section: str, listener: DaemonConfig | PrefillConfig, read: bool) -> list[str]:
+    """What keeps ``listener``'s certificate and key from serving HTTPS: both or neither, and with
+    ``read``, readable files of a PEM certificate and its key."""
+    cert, key = listener.tls_cert_file, listener.tls_key_file
     if not cert and not key:
         return []
     if not cert or not key:
         return [f"{section}.tls_cert_file and {section}.tls_key_file go together: set both (HTTPS) or neither (HTTP)"]
+    if not read:
+        return []
     unreadable = _unreadable(section, "tls_cert_file", cert) + _unreadable(section, "tls_key_file", key)
     if unreadable:
         return unreadable
@@ -313,12 +321,15 @@ def _server_tls_problems(section: str, server: DaemonConfig | PrefillConfig) -> 
     return []
 
 
-def _prefill_tls_problems(d: DaemonConfig) -> list[str]:
-    """Whether the daemon can verify the prefill server's certificate: never pull KV over unverified TLS."""
+def _prefill_tls_problems(d: DaemonConfig, read: bool) -> list[str]:
+    """Whether the daemon can verify the prefill server's certificate (with ``read``, its CA file's
+    or the system's CAs): never pull KV over unverified TLS."""
     https = urlparse(d.prefill_url).scheme == "https"
     if d.prefill_ca_file:
         if not https:
             return [f"daemon.prefill_ca_file is set, but daemon.prefill_url ({d.prefill_url!r}) is not an https URL"]
+        if not read:
+            return []
         unreadable = _unreadable("daemon", "prefill_ca_file", d.prefill_ca_file)
         if unreadable:
             return unreadable
@@ -326,7 +337,7 @@ def _prefill_tls_problems(d: DaemonConfig) -> list[str]:
             client_tls(d.prefill_ca_file)
         except ssl.SSLError as exc:
             return [f"daemon.prefill_ca_file ({d.prefill_ca_file}) holds no PEM CA certificate: {exc}"]
-    elif https:
+    elif https and read:
         paths = ssl.get_default_verify_paths()
         if paths.cafile is None and paths.capath is None:
             return [

@@ -207,3 +207,12 @@ def test_an_https_prefill_url_without_any_ca_to_verify_it_is_refused(tmp_path, m
     with pytest.raises(ConfigError, match=r"no CA certificates to verify it with: set daemon\.prefill_ca_file"):
         _load(tmp_path, {"prefill_url": "https://prefill.example:8089"})
     assert _load(tmp_path, {"prefill_url": "http://prefill.example:8089"}).daemon.prefill_ca_file == ""
+
+
+def test_only_the_running_servers_tls_files_are_read(tmp_path, tls_files):
+    other_units_key = str(tmp_path / "readable-by-the-prefill-unit-only.pem")  # one file, two units, one host
+    path = tmp_path / "shared.toml"
+    path.write_text(f'[prefill]\ntls_cert_file = "{tls_files.cert}"\ntls_key_file = "{other_units_key}"\n')
+    assert load_config(path, env={}, server="daemon").prefill.tls_key_file == other_units_key
+    with pytest.raises(ConfigError, match=r"prefill\.tls_key_file: cannot read"):
+        load_config(path, env={}, server="prefill")
