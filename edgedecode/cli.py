@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 import typer
 
@@ -298,10 +298,10 @@ def probe(
         typer.echo(f"saved {path}")
 
 
-def _load_config(config_path: Path | None, section: str, **flags):
+def _load_config(config_path: Path | None, section: Literal["daemon", "prefill"], **flags):
     from edgedecode.config import load_config
 
-    return load_config(config_path, overrides={section: flags})
+    return load_config(config_path, overrides={section: flags}, server=section)
 
 
 def _announce(server: str) -> Callable[[str], None]:
@@ -365,6 +365,14 @@ def serve(
 def chat(
     url: str | None = typer.Option(None, help="A running daemon (default: start one for this chat)."),
     token: str | None = typer.Option(None, envvar="EDGEDECODE_DAEMON_AUTH_TOKEN", help="Its bearer token."),
+    ca_file: Path | None = typer.Option(
+        None,
+        "--ca-file",
+        exists=True,
+        dir_okay=False,
+        readable=True,
+        help="PEM CA certificates that verify an https daemon (default: the system's).",
+    ),
     config: Path | None = typer.Option(None, "--config", "-c", help="Config for the daemon started here."),
     system: str | None = typer.Option(None, help="System message."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
@@ -380,6 +388,7 @@ def chat(
                 url=url,
                 token=token or "",
                 config_path=config,
+                ca_file=ca_file,
                 system=system,
                 max_tokens=max_tokens,
                 temperature=temperature,

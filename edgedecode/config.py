@@ -11,16 +11,18 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import os
+import ssl
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlparse
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.policy import POLICIES
 from edgedecode.kv.wire.frames import MAX_TRANSFER_TTL_S
+from edgedecode.tls import client_tls, server_tls
 
 DEFAULT_CONFIG_PATH = Path("/etc/edgedecode/edgedecode.toml")
 ENV_PREFIX = "EDGEDECODE_"
@@ -46,7 +48,11 @@ class DaemonConfig:
     host: str = "127.0.0.1"
     port: int = 8088
     auth_token: str = ""  # bearer token clients must send; required when host is not loopback
+    previous_auth_token: str = ""  # also accepted while clients move to a new auth_token (rotation)
+    tls_cert_file: str = ""  # PEM certificate (chain) to serve HTTPS with, with tls_key_file; empty: plain HTTP
+    tls_key_file: str = ""  # PEM private key of tls_cert_file
     prefill_url: str = ""  # empty: start an embedded prefill server on 127.0.0.1
+    prefill_ca_file: str = ""  # PEM CA certificates that verify an https prefill_url; empty: the system's
     local_prefill_only: bool = False  # never ask a prefill server: prefill every prompt on this box
     prefill_token: str = ""  # bearer token sent to the prefill server
     slots: int = 2  # conversations whose KV stays resident at once
@@ -84,6 +90,9 @@ class PrefillConfig:
     host: str = "127.0.0.1"
     port: int = 8089
     auth_token: str = ""  # bearer token clients must send; required when host is not loopback
+    previous_auth_token: str = ""  # also accepted while clients move to a new auth_token (rotation)
+    tls_cert_file: str = ""  # PEM certificate (chain) to serve HTTPS with, with tls_key_file; empty: plain HTTP
+    tls_key_file: str = ""  # PEM private key of tls_cert_file
     prefix_cache_mb: int = 256  # prompt KV kept for the next turns of conversations
     transfer_cache_mb: int = 512  # prefill KV kept for receivers to resume a cut pull; 0: none
     transfer_ttl_s: float = 30.0  # how long a transfer is kept after its last payload
@@ -114,10 +123,15 @@ def load_config(
     *,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    server: Literal["daemon", "prefill"] | None = None,
 ) -> Config:
     """The configuration from ``path`` (default: /etc/edgedecode/edgedecode.toml when it exists),
     then ``EDGEDECODE_<SECTION>_<KEY>`` variables of ``env`` (default: the process environment),
     then ``overrides`` (command-line flags; None values are ignored), validated.
+
+    ``server`` ("daemon" or "prefill") is the section whose server is about to run: only its TLS
+    files are read (one file may serve two units on a host, each of which can read only its own
+    key); None reads both sections' files.
 
     Raises:
         ConfigError: naming the file, variable or flag and the key at fault.
@@ -143,7 +157,7 @@ def load_config(
         )
     sections = {section: _build(_SECTION_TYPES[section], section, items) for section, items in values.items()}
     config = Config(**sections, source=source)
-    _validate(config)
+    _validate(config, server)
     return config
 
 
@@ -205,34 +219,38 @@ def _coerce(value: Any, type_name: str, where: str) -> Any:
     raise ConfigError(f"{where}: expected {type_name}, got {value!r}")
 
 
-def _validate(config: Config) -> None:
+def _validate(config: Config, server: Literal["daemon", "prefill"] | None) -> None:
     m, d, p = config.model, config.daemon, config.prefill
     problems = []
     if m.device not in ("cpu", "cuda"):
         problems.append(f"model.device must be cpu or cuda, not {m.device!r}")
     if m.threads < 0:
         problems.append("model.threads must be >= 0 (0: one per physical core)")
-    for section, server in (("daemon", d), ("prefill", p)):
-        if not 0 <= server.port <= 65535:
+    for section, listener in (("daemon", d), ("prefill", p)):
+        if not 0 <= listener.port <= 65535:
             problems.append(f"{section}.port must be in 0..65535 (0: any free port)")
-        if not is_loopback(server.host) and not server.auth_token:
+        if not is_loopback(listener.host) and not listener.auth_token:
             problems.append(
-                f"{section}.host is {server.host!r}, not loopback: set {section}.auth_token "
+                f"{section}.host is {listener.host!r}, not loopback: set {section}.auth_token "
                 f"(or {ENV_PREFIX}{section.upper()}_AUTH_TOKEN) so clients must authenticate"
             )
-        if server.max_body_bytes < 1024:
+        if listener.max_body_bytes < 1024:
             problems.append(f"{section}.max_body_bytes must be >= 1024")
-        if server.max_queue < 1:
+        if listener.max_queue < 1:
             problems.append(f"{section}.max_queue must be >= 1")
         for name in ("client_timeout_s", "header_timeout_s"):
-            if getattr(server, name) <= 0:
+            if getattr(listener, name) <= 0:
                 problems.append(f"{section}.{name} must be > 0")
+        if listener.previous_auth_token and not listener.auth_token:
+            problems.append(f"{section}.previous_auth_token needs {section}.auth_token (the token that replaces it)")
+        problems += _server_tls_problems(section, listener, read=server in (None, section))
     if d.prefill_url and d.local_prefill_only:
         problems.append("daemon.prefill_url and daemon.local_prefill_only exclude each other")
     if d.prefill_url:
         parsed = urlparse(d.prefill_url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             problems.append(f"daemon.prefill_url must be an http(s) URL, not {d.prefill_url!r}")
+    problems += _prefill_tls_problems(d, read=server in (None, "daemon"))
     if d.slots < 1:
         problems.append("daemon.slots must be >= 1")
     if d.kv_memory_mb < 1:
@@ -278,6 +296,63 @@ def _validate(config: Config) -> None:
         )
     if problems:
         raise ConfigError(f"invalid configuration ({config.source}): " + "; ".join(problems))
+
+
+def _server_tls_problems(section: str, listener: DaemonConfig | PrefillConfig, read: bool) -> list[str]:
+    """What keeps ``listener``'s certificate and key from serving HTTPS: both or neither, and with
+    ``read``, readable files of a PEM certificate and its key."""
+    cert, key = listener.tls_cert_file, listener.tls_key_file
+    if not cert and not key:
+        return []
+    if not cert or not key:
+        return [f"{section}.tls_cert_file and {section}.tls_key_file go together: set both (HTTPS) or neither (HTTP)"]
+    if not read:
+        return []
+    unreadable = _unreadable(section, "tls_cert_file", cert) + _unreadable(section, "tls_key_file", key)
+    if unreadable:
+        return unreadable
+    try:
+        server_tls(cert, key)
+    except ssl.SSLError as exc:
+        return [
+            f"{section}.tls_cert_file ({cert}) and {section}.tls_key_file ({key}) are not a PEM certificate "
+            f"and its private key: {exc}"
+        ]
+    return []
+
+
+def _prefill_tls_problems(d: DaemonConfig, read: bool) -> list[str]:
+    """Whether the daemon can verify the prefill server's certificate (with ``read``, its CA file's
+    or the system's CAs): never pull KV over unverified TLS."""
+    https = urlparse(d.prefill_url).scheme == "https"
+    if d.prefill_ca_file:
+        if not https:
+            return [f"daemon.prefill_ca_file is set, but daemon.prefill_url ({d.prefill_url!r}) is not an https URL"]
+        if not read:
+            return []
+        unreadable = _unreadable("daemon", "prefill_ca_file", d.prefill_ca_file)
+        if unreadable:
+            return unreadable
+        try:
+            client_tls(d.prefill_ca_file)
+        except ssl.SSLError as exc:
+            return [f"daemon.prefill_ca_file ({d.prefill_ca_file}) holds no PEM CA certificate: {exc}"]
+    elif https and read:
+        paths = ssl.get_default_verify_paths()
+        if paths.cafile is None and paths.capath is None:
+            return [
+                "daemon.prefill_url is https, but this system has no CA certificates to verify it with: "
+                "set daemon.prefill_ca_file"
+            ]
+    return []
+
+
+def _unreadable(section: str, key: str, path: str) -> list[str]:
+    try:
+        with open(path, "rb"):
+            return []
+    except OSError as exc:
+        return [f"{section}.{key}: cannot read {path}: {exc.strerror or exc}"]
 
 
 def is_loopback(host: str) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -110,3 +111,28 @@ def logit_vectors() -> dict[str, np.ndarray]:
 @pytest.fixture(scope="session")
 def vector_meta() -> dict:
     return json.loads((VECTORS_DIR / "meta.json").read_text())
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files of a throwaway certificate authority and a server certificate it signed."""
+
+    ca: Path  # the CA's certificate: what a client trusts
+    cert: Path  # the server's certificate chain, for 127.0.0.1 and localhost
+    key: Path  # the server's private key
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory) -> TLSFiles:
+    """A CA made for this test session (trustme) and a certificate it issued for 127.0.0.1."""
+    import trustme
+
+    directory = tmp_path_factory.mktemp("tls")
+    ca = trustme.CA()
+    issued = ca.issue_cert("127.0.0.1", "localhost")
+    files = TLSFiles(directory / "ca.pem", directory / "cert.pem", directory / "key.pem")
+    ca.cert_pem.write_to_path(files.ca)
+    issued.private_key_pem.write_to_path(files.key)
+    for blob in issued.cert_chain_pems:
+        blob.write_to_path(files.cert, append=True)
+    return files

@@ -229,6 +229,8 @@ class PrefillEndpoint:
         token_ids, held = np.asarray(body["token_ids"], np.int64), body["held_tokens"]
         if self.mode == "http_error":
             return web.Response(status=500, text="the prefill graph failed")
+        if self.mode == "redirect" and "redirected" not in request.query:  # to a good answer, on this server
+            raise web.HTTPTemporaryRedirect("/v1/prefill?redirected=1")
         if self.mode == "rejected":
             return web.Response(status=400, text="bad request")
         if self.mode == "slow":
@@ -354,6 +356,7 @@ def test_a_good_pull_is_used(prefill):
         ("other-prompt", "bad_payload"),  # the engine's stream target refuses it at the header
         ("slow", "timeout"),
         ("http_error", "http_error"),
+        ("redirect", "http_error"),  # never followed
         ("rejected", "rejected"),
         ("refused", "unreachable"),
     ],

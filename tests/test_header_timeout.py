@@ -10,6 +10,7 @@ import asyncio
 import logging
 import selectors
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from edgedecode.serving.header_deadline import start_site
+from edgedecode.tls import client_tls, server_tls
 
 TIMEOUT = 0.5  # the server's header timeout in these tests
 REQUEST = b"GET /hello HTTP/1.1\r\nHost: test\r\nUser-Agent: drip\r\nAccept: */*\r\n\r\n"
@@ -52,16 +54,16 @@ def _app() -> web.Application:
 
 
 class _Server:
-    """The app, served with the header deadline from its own event loop in a thread."""
+    """The app, served with the header deadline from its own event loop in a thread (HTTPS with ``ssl_context``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         started = threading.Event()
 
         def run() -> None:
             asyncio.set_event_loop(self.loop)
             self.runner, site = self.loop.run_until_complete(
-                start_site(_app(), "127.0.0.1", 0, header_timeout=TIMEOUT, access_log=None)
+                start_site(_app(), "127.0.0.1", 0, header_timeout=TIMEOUT, ssl_context=ssl_context, access_log=None)
             )
             self.port = site.port
             started.set()
@@ -81,6 +83,13 @@ class _Server:
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
     server = _Server()
+    yield server.port
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_port(tls_files) -> Iterator[int]:
+    server = _Server(server_tls(str(tls_files.cert), str(tls_files.key)))
     yield server.port
     server.stop()
 
@@ -258,3 +267,22 @@ def test_many_dripping_connections_are_cut_and_others_served(port: int) -> None:
     assert not open_, f"{len(open_)} of {count} dripping connections still open after {elapsed:.1f} s"
     assert elapsed <= TIMEOUT + 1.0
     assert served_in is not None and served_in < TIMEOUT
+
+
+def test_over_tls_a_connection_that_never_starts_its_handshake_is_cut(tls_port: int) -> None:
+    with _connect(tls_port) as sock:
+        started = time.monotonic()
+        assert _closed(sock, 4 * TIMEOUT) == b"", "a TLS connection that sent no ClientHello stayed open"
+        assert TIMEOUT * 0.8 <= time.monotonic() - started <= TIMEOUT + 0.5
+
+
+def test_over_tls_requests_are_answered_and_dripped_headers_cut(tls_port: int, tls_files) -> None:
+    context = client_tls(str(tls_files.ca))
+    with context.wrap_socket(_connect(tls_port), server_hostname="127.0.0.1") as sock:
+        sock.sendall(REQUEST)
+        assert _response(sock).endswith(b"hello")
+    with context.wrap_socket(_connect(tls_port), server_hostname="127.0.0.1") as sock:
+        started = time.monotonic()  # the handshake is over: the header timer runs from here
+        sock.sendall(REQUEST[:20])
+        assert _closed(sock, 4 * TIMEOUT) == b"", "a TLS client whose headers never completed stayed connected"
+        assert TIMEOUT * 0.8 <= time.monotonic() - started <= TIMEOUT + 0.5

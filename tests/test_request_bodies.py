@@ -61,7 +61,7 @@ class _App:
 
     def __init__(self) -> None:
         self.counted: list[tuple[str, str]] = []
-        app = web.Application(middlewares=[error_middleware("", lambda r, s: self.counted.append((r.path, s)))])
+        app = web.Application(middlewares=[error_middleware((), lambda r, s: self.counted.append((r.path, s)))])
 
         async def echo(request: web.Request) -> web.Response:
             return web.json_response(await read_json(request, 5))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import secrets
+import ssl
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from typing import Any, TextIO
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.serving.process import ServerStartError, start_server, stop_server
+from edgedecode.tls import client_tls
 
 
 class ChatError(EdgeDecodeError):
@@ -33,6 +35,7 @@ class ChatSettings:
     url: str | None
     token: str
     config_path: Path | None
+    ca_file: Path | None  # PEM CA certificates that verify an https daemon (None: the system's)
     system: str | None
     max_tokens: int
     temperature: float
@@ -60,9 +63,14 @@ class ChatClient:
         max_tokens: int = 256,
         temperature: float = 0.0,
         timeout: float = 600,
+        ca_file: Path | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.token = token
+        try:
+            self.tls = client_tls(str(ca_file or ""))
+        except OSError as exc:  # ssl.SSLError too
+            raise ChatError(f"cannot verify the daemon with the CA certificates of {ca_file}: {exc}") from None
         self.system = system
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -90,7 +98,7 @@ class ChatClient:
         report: dict[str, Any] = {}
         completion = 0
         try:
-            for event in stream_events(self.url, "/v1/chat/completions", body, self.token, self.timeout):
+            for event in stream_events(self.url, "/v1/chat/completions", body, self.token, self.timeout, self.tls):
                 if "error" in event:
                     raise ChatError(f"the daemon failed: {event['error'].get('message')}")
                 for choice in event.get("choices", []):
@@ -109,15 +117,18 @@ class ChatClient:
         return TurnResult(text_out, report, completion, time.perf_counter() - started)
 
 
-def stream_events(url: str, path: str, body: dict, token: str = "", timeout: float = 600) -> Iterator[dict]:
+def stream_events(
+    url: str, path: str, body: dict, token: str = "", timeout: float = 600, tls: ssl.SSLContext | None = None
+) -> Iterator[dict]:
     """POST ``body`` to the daemon at ``url`` + ``path`` and yield the JSON of each server-sent event
-    until ``[DONE]``. Raises ChatError with the daemon's message on an HTTP error."""
+    until ``[DONE]``; an https daemon is verified with ``tls`` (None: the system's CAs). Raises
+    ChatError with the daemon's message on an HTTP error."""
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     request = urllib.request.Request(url.rstrip("/") + path, json.dumps(body).encode(), headers)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout, context=tls) as response:
             for raw in response:
                 line = raw.decode().strip()
                 if not line.startswith("data:"):
@@ -175,7 +186,12 @@ def run_chat(
         err.write("starting the decode daemon (and its prefill server)...\n")
         process, url = start_daemon(settings.config_path)
     client = ChatClient(
-        url, settings.token, settings.system, max_tokens=settings.max_tokens, temperature=settings.temperature
+        url,
+        settings.token,
+        settings.system,
+        max_tokens=settings.max_tokens,
+        temperature=settings.temperature,
+        ca_file=settings.ca_file,
     )
     interactive = stdin.isatty()
     try:

@@ -44,7 +44,8 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
             metrics.requests.labels(endpoints[request.path], status).inc()
 
     app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[error_middleware(settings.auth_token, count)]
+        client_max_size=settings.max_body_bytes,
+        middlewares=[error_middleware((settings.auth_token, settings.previous_auth_token), count)],
     )
     app[SERVICE_KEY] = service
     model_name = service.model.record.name

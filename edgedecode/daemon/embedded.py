@@ -23,6 +23,14 @@ from edgedecode.serving.http import LISTENING
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+# The child serves only this daemon, on loopback: its own token alone, plain HTTP (a [prefill] TLS
+# certificate in a shared config file is for the prefill node's name, which 127.0.0.1 is not).
+_CHILD_ENV = {
+    "EDGEDECODE_PREFILL_PREVIOUS_AUTH_TOKEN": "",
+    "EDGEDECODE_PREFILL_TLS_CERT_FILE": "",
+    "EDGEDECODE_PREFILL_TLS_KEY_FILE": "",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 class EmbeddedPrefillError(EdgeDecodeError):
@@ -52,7 +60,7 @@ class EmbeddedPrefill:
         command = [sys.executable, "-m", "edgedecode", "prefill-server", "--host", "127.0.0.1", "--port", "0"]
         if self.config_path is not None:
             command += ["--config", str(self.config_path)]
-        env = {**os.environ, "EDGEDECODE_PREFILL_AUTH_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **_CHILD_ENV, "EDGEDECODE_PREFILL_AUTH_TOKEN": self.token}
         env.pop("NOTIFY_SOCKET", None)  # the child must not report readiness for the daemon's unit
         self._process = await asyncio.create_subprocess_exec(
             *command, stdout=asyncio.subprocess.PIPE, env=env, preexec_fn=_die_with_parent

@@ -200,11 +200,19 @@ async def _transfer(
     buffered = bytearray()
     try:
         sent = time.perf_counter()
+        # No redirects: the prompt goes to the configured server only, never on to where it points
+        # (another host, or plain http after https).
         async with http.post(
-            settings.url.rstrip("/") + request.path, json=request.body, headers=headers, timeout=settings.timeout
+            settings.url.rstrip("/") + request.path,
+            json=request.body,
+            headers=headers,
+            timeout=settings.timeout,
+            allow_redirects=False,
         ) as response:
             if response.status != 200:
                 detail = (await response.text())[:500]
+                if 300 <= response.status < 400:
+                    detail = f"a redirect to {response.headers.get('Location')!r}, not followed"
                 client_fault = 400 <= response.status < 500 and response.status not in (408, 429)
                 reason = "rejected" if client_fault else "http_error"
                 raise KVPullError(reason, f"the prefill server answered {response.status}: {detail}")

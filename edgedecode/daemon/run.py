@@ -18,6 +18,7 @@ from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import Engine
 from edgedecode.serving import systemd
 from edgedecode.serving.lifecycle import serve_as_service
+from edgedecode.tls import server_tls
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ def build_engines(model: LoadedModel, config: Config) -> list[Engine]:
 def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, announce: Callable[[str], None]) -> None:
     """Serve ``model`` per ``config.daemon`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
     settings = config.daemon
+    ssl_context = server_tls(settings.tls_cert_file, settings.tls_key_file)  # checked by load_config
 
     async def main() -> None:
         embedded = None
@@ -62,6 +64,7 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
                 settings.host,
                 settings.port,
                 header_timeout=settings.header_timeout_s,
+                ssl_context=ssl_context,
                 announce=announce,
                 status=lambda url: f"serving {model.record.name} at {url}; KV from {prefill_url()}",
                 healthy=service.healthy,

@@ -36,6 +36,7 @@ from edgedecode.errors import EdgeDecodeError
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import StreamedKV
+from edgedecode.tls import client_tls
 
 logger = logging.getLogger(__name__)
 WORKER_STALL_SECONDS = 60.0  # a step taking longer than this marks the daemon unhealthy (watchdog)
@@ -173,8 +174,10 @@ class DecodeService:
         metrics.breaker_open.set_function(lambda: float(self.breaker.state == "open"))
 
     async def start(self) -> None:
-        """Open the HTTP client used to pull KV (call on the serving event loop)."""
-        self._http = aiohttp.ClientSession()
+        """Open the HTTP client used to pull KV (call on the serving event loop); an https prefill
+        server's certificate is verified against ``daemon.prefill_ca_file`` (else the system's CAs)."""
+        tls = client_tls(self.config.daemon.prefill_ca_file)
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=tls))
 
     async def close(self) -> None:
         if self._http is not None:

@@ -12,6 +12,7 @@ from edgedecode.model.loader import LoadedModel
 from edgedecode.prefill.server import create_app
 from edgedecode.prefill.service import PrefillService
 from edgedecode.serving.lifecycle import serve_as_service
+from edgedecode.tls import server_tls
 
 logger = logging.getLogger(__name__)
 
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[str], None]) -> None:
     """Serve ``model`` per ``config.prefill`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
     settings = config.prefill
+    ssl_context = server_tls(settings.tls_cert_file, settings.tls_key_file)  # checked by load_config
     service = PrefillService(
         model,
         device=config.model.device,
@@ -38,6 +40,7 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
                 settings.host,
                 settings.port,
                 header_timeout=settings.header_timeout_s,
+                ssl_context=ssl_context,
                 announce=announce,
                 status=lambda url: f"prefilling {model.record.name} at {url}",
                 healthy=service.healthy,

@@ -89,7 +89,8 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
             metrics.requests.labels(status).inc()
 
     app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[error_middleware(settings.auth_token, count)]
+        client_max_size=settings.max_body_bytes,
+        middlewares=[error_middleware((settings.auth_token, settings.previous_auth_token), count)],
     )
     app[SERVICE_KEY] = service
     waiting = 0

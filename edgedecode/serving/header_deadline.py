@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from typing import Any, cast
 
 from aiohttp import web
@@ -128,22 +129,34 @@ def add_header_deadline(app: web.Application) -> None:
 
 class HeaderDeadlineSite(web.BaseSite):
     """A TCP site like ``web.TCPSite`` whose connections are cut when a request's headers take longer than
-    ``header_timeout`` seconds. The runner's app needs ``add_header_deadline`` (checked at start)."""
+    ``header_timeout`` seconds. The runner's app needs ``add_header_deadline`` (checked at start).
+
+    With an ``ssl_context`` it serves HTTPS only; the TLS handshake must also end within ``header_timeout``
+    (the header timer starts once it has)."""
 
     __slots__ = ("_header_timeout", "_host", "_port")
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, *, header_timeout: float) -> None:
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        *,
+        header_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         if header_timeout <= 0:
             raise ValueError(f"header_timeout must be > 0, not {header_timeout}")
-        super().__init__(runner)
+        super().__init__(runner, ssl_context=ssl_context)
         self._host = host
         self._port = port
         self._header_timeout = header_timeout
 
     @property
     def name(self) -> str:
+        """The site's URL (``https://`` with TLS), with the bound port once started."""
         host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self._ssl_context else 'http'}://{host}:{self.port}"
 
     @property
     def port(self) -> int:
@@ -164,19 +177,31 @@ class HeaderDeadlineSite(web.BaseSite):
         assert server is not None
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: HeaderDeadline(server(), self._header_timeout, loop), self._host, self._port, backlog=self._backlog
+            lambda: HeaderDeadline(server(), self._header_timeout, loop),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=self._header_timeout if self._ssl_context else None,
         )
 
 
 async def start_site(
-    app: web.Application, host: str, port: int, *, header_timeout: float, **runner_kwargs: Any
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    header_timeout: float,
+    ssl_context: ssl.SSLContext | None = None,
+    **runner_kwargs: Any,
 ) -> tuple[web.AppRunner, HeaderDeadlineSite]:
     """Set ``app`` up (an ``AppRunner`` with ``runner_kwargs``) and listen on host:port (0: any free port)
-    with the header deadline. The caller owns the runner: ``await runner.cleanup()`` stops everything."""
+    with the header deadline, over TLS with ``ssl_context``. The caller owns the runner: ``await
+    runner.cleanup()`` stops everything."""
     add_header_deadline(app)
     runner = web.AppRunner(app, **runner_kwargs)
     await runner.setup()
-    site = HeaderDeadlineSite(runner, host, port, header_timeout=header_timeout)
+    site = HeaderDeadlineSite(runner, host, port, header_timeout=header_timeout, ssl_context=ssl_context)
     try:
         await site.start()
     except BaseException:

@@ -8,7 +8,8 @@ import hmac
 import logging
 import re
 import signal
-from collections.abc import Awaitable, Callable
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
 
 import psutil
 from aiohttp import web
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 UNAUTHENTICATED_PATHS = frozenset({"/healthz"})  # liveness only: says nothing about the model or the data
 # What a server prints on stdout once it listens; whoever starts one as a child reads its URL from it.
 LISTENING_LINE = "edgedecode {server} listening on {url}"
-LISTENING = re.compile(r"listening on (http://\S+)")
+LISTENING = re.compile(r"listening on (https?://\S+)")
 
 
 def json_error(
@@ -46,17 +47,20 @@ OUTCOME = web.RequestKey("edgedecode_outcome", str)
 ResponseCounter = Callable[[web.Request, str], None]
 
 
-def error_middleware(auth_token: str, count: ResponseCounter | None = None):
-    """Middleware: bearer-token auth (when ``auth_token`` is set), every error answered as JSON
+def error_middleware(auth_tokens: Sequence[str], count: ResponseCounter | None = None):
+    """Middleware: bearer-token auth (any of the non-empty ``auth_tokens`` is accepted, two while a
+    token is rotated; none given: no auth), every error answered as JSON
     (aiohttp's own too: 413 for an oversized body, 404, 405; an ``EdgeDecodeError`` as its class
     declares, see ``error_response``), and ``count(request, status)`` called exactly once per
     request with the status it ended with ("499" when the client went away first)."""
+
+    accepted = [token.encode() for token in auth_tokens if token]
 
     @web.middleware
     async def middleware(request: web.Request, handler):
         status = "499"
         try:
-            response = await _answer(request, handler, auth_token)
+            response = await _answer(request, handler, accepted)
             status = request.get(OUTCOME, str(response.status))
             return response
         finally:
@@ -66,10 +70,11 @@ def error_middleware(auth_token: str, count: ResponseCounter | None = None):
     return middleware
 
 
-async def _answer(request: web.Request, handler, auth_token: str) -> web.StreamResponse:
-    if auth_token and request.path not in UNAUTHENTICATED_PATHS:
+async def _answer(request: web.Request, handler, accepted: list[bytes]) -> web.StreamResponse:
+    if accepted and request.path not in UNAUTHENTICATED_PATHS:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), auth_token.encode()):
+        presented = given.strip().encode()
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(presented, token) for token in accepted):
             reason = "missing bearer token" if not given else "wrong bearer token"
             return json_error(
                 401,
@@ -156,9 +161,11 @@ async def serve_until_stopped(
     port: int,
     *,
     header_timeout: float,
+    ssl_context: ssl.SSLContext | None = None,
     on_listening: Callable[[str], Awaitable[None] | None] | None = None,
 ) -> None:
-    """Run ``app`` on host:port (port 0: any free one) until SIGTERM or SIGINT, then shut down cleanly.
+    """Run ``app`` on host:port (port 0: any free one) until SIGTERM or SIGINT, then shut down cleanly;
+    HTTPS only with ``ssl_context`` (``edgedecode.tls.server_tls``), else plain HTTP.
 
     A connection whose request headers take longer than ``header_timeout`` seconds to arrive is closed
     (see ``header_deadline``). ``on_listening`` gets the bound URL once the socket accepts connections.
@@ -168,10 +175,10 @@ async def serve_until_stopped(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runner, site = await start_site(
-        app, host, port, header_timeout=header_timeout, handle_signals=False, access_log=None
+        app, host, port, header_timeout=header_timeout, ssl_context=ssl_context, handle_signals=False, access_log=None
     )
     try:
-        url = f"http://{_url_host(host)}:{site.port}"  # the real port when 0 was asked for
+        url = site.name  # the real port when 0 was asked for
         if on_listening is not None:
             result = on_listening(url)
             if asyncio.iscoroutine(result):
@@ -180,7 +187,3 @@ async def serve_until_stopped(
         logger.info("shutting down")
     finally:
         await runner.cleanup()
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

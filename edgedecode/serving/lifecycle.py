@@ -5,6 +5,7 @@ way out. Without systemd (no NOTIFY_SOCKET) the notifications are no-ops."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable
 
 from aiohttp import web
@@ -19,13 +20,14 @@ async def serve_as_service(
     port: int,
     *,
     header_timeout: float,
+    ssl_context: ssl.SSLContext | None,
     announce: Callable[[str], None],
     status: Callable[[str], str],
     healthy: Callable[[], bool],
 ) -> None:
-    """Serve ``app`` on host:port until stopped; ``announce`` gets the bound URL, ``status(url)`` the
-    line systemd shows, and the watchdog is pinged only while ``healthy()``. The caller closes
-    what the app used once this returns (or raises)."""
+    """Serve ``app`` on host:port until stopped (HTTPS with ``ssl_context``); ``announce`` gets the
+    bound URL, ``status(url)`` the line systemd shows, and the watchdog is pinged only while
+    ``healthy()``. The caller closes what the app used once this returns (or raises)."""
     watchdog: list[asyncio.Task] = []
 
     async def listening(url: str) -> None:
@@ -36,7 +38,9 @@ async def serve_as_service(
             watchdog.append(asyncio.create_task(systemd.run_watchdog(healthy, interval)))
 
     try:
-        await serve_until_stopped(app, host, port, header_timeout=header_timeout, on_listening=listening)
+        await serve_until_stopped(
+            app, host, port, header_timeout=header_timeout, ssl_context=ssl_context, on_listening=listening
+        )
     finally:
         systemd.notify("STOPPING=1")
         for task in watchdog:
