@@ -182,8 +182,9 @@ def _write_gguf(path: Path, arch: str = "llama", kind: GGMLQuantizationType = GG
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(["a", "b", "<|endoftext|>"])
     writer.add_eos_token_id(2)
-    if kind == GGMLQuantizationType.Q5_0:  # one 32-element block of 22 bytes
-        writer.add_tensor("token_embd.weight", np.zeros((1, 22), np.uint8), raw_dtype=kind)
+    if kind == GGMLQuantizationType.Q2_K:  # one 256-element super-block of 84 bytes, in two tensors
+        for name in ("token_embd.weight", "blk.0.attn_q.weight"):
+            writer.add_tensor(name, np.zeros((1, 84), np.uint8), raw_dtype=kind)
     else:
         writer.add_tensor("token_embd.weight", np.zeros((1, 32), np.float32))
     writer.write_header_to_file()
@@ -196,8 +197,8 @@ def _write_gguf(path: Path, arch: str = "llama", kind: GGMLQuantizationType = GG
 def test_register_unsupported_gguf(home, tmp_path):
     with pytest.raises(ModelFileError, match="unsupported architecture 'mamba'"):
         register_gguf(_write_gguf(tmp_path / "mamba.gguf", "mamba"))
-    with pytest.raises(ModelFileError, match="unsupported tensor types Q5_0"):
-        register_gguf(_write_gguf(tmp_path / "q5.gguf", "llama", GGMLQuantizationType.Q5_0))
+    with pytest.raises(ModelFileError, match=r"unsupported tensor types: Q2_K \('token_embd.weight' and 1 more\)"):
+        register_gguf(_write_gguf(tmp_path / "q2.gguf", "llama", GGMLQuantizationType.Q2_K))
     assert list_models() == []
     tiny = register_gguf(_write_gguf(tmp_path / "Tiny Llama (F32).gguf"))  # supported: named after its stem
     assert tiny.name == "tiny-llama-f32" and resolve_model("tiny-llama-f32") == tiny

@@ -37,7 +37,7 @@ from edgedecode.model.registry import (
     save_record,
 )
 from edgedecode.model.spec import ModelSpec
-from edgedecode.model.weights import check_tensor_types
+from edgedecode.model.tensor_types import check_tensor_types
 
 logger = logging.getLogger(__name__)
 

@@ -2,10 +2,12 @@
 
 Two variants share every block but the linear layers, the embedding and the head:
 
-* ``decode``: the INT4 edge graph. Linear layers are MatMulNBits without zero points (the fast path)
-  plus, for Q4_1, a per-block correction ``blocksum(x) @ C`` computed once per distinct input (or,
-  per ``GraphOptions.q4_1``, float zero points ``−m/d``: the CUDA default, or a K-doubled "stacked"
-  form); the 8-bit embedding table is shared by GatherBlockQuantized and the tied 8-bit LM head.
+* ``decode``: the INT4 edge graph. Linear layers are MatMulNBits without zero points (the fast path),
+  4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
+  for the asymmetric types (Q4_1, Q4_K, Q5_1, Q5_K), a per-block correction ``blocksum(x) @ C``
+  computed once per distinct input (or, per ``GraphOptions.q4_1``, float zero points ``−m/d``: the
+  CUDA default, or a K-doubled "stacked" form); the block embedding table is shared by
+  GatherBlockQuantized and a tied LM head.
 * ``prefill``: the higher-precision graph over dequantized weights (plain MatMul / Gemm).
 
 Both use GroupQueryAttention with RoPE fused (rotate-half order, post-RoPE keys written to the
@@ -20,6 +22,7 @@ logits are computed, so a prompt pass pays for one LM-head row instead of S.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import groupby
 
 import numpy as np
 import onnx
@@ -57,6 +60,9 @@ Q4_1_MODES = ("correction", "zero_point", "stacked")
 # prompt passes than "stacked"; docs/performance.md). CPU: the correction, since onnxruntime's CPU
 # kernel takes a ~20x slower path with float zero points.
 DEVICE_Q4_1 = {"cpu": "correction", "cuda": "zero_point"}
+# The widths onnxruntime 1.31's CPU MatMulNBits takes float zero points at ("Only 2b and 4b quantization
+# is supported for unpacked compute"); 8-bit weights with offsets (Q5_1, Q5_K) keep the correction in every mode.
+FLOAT_ZERO_POINT_BITS = (2, 4)
 
 
 class GraphOptionsError(EdgeDecodeError, ValueError):
@@ -149,6 +155,7 @@ class _Emitter:
         self._doubled: dict[str, str] = {}
         self._shared: dict[str, str] = {}
         self.embed_table: str | None = None  # initializer name, reused by a tied LM head
+        self.embed: BlockQuantized | None = None  # the block embedding table, whose codes a tied head shares
 
     def const(self, name: str, array: np.ndarray) -> str:
         return self.g.initializer(name, np.asarray(array))
@@ -170,22 +177,29 @@ class _Emitter:
         return self.g.op1("MatMul", [x, self.weight(f"{name}.weight_t", weight.T)], name=name)
 
     def linear_fused(self, x: str, weights: list, name: str) -> str:
-        """One matmul over weights stacked along N (QKV, gate+up)."""
-        if all(isinstance(w, BlockQuantized) for w in weights) and len({w.bits for w in weights}) == 1:
-            return self.linear(x, concat_rows(weights), name)
-        if not any(isinstance(w, BlockQuantized) for w in weights):
-            return self.linear(x, np.concatenate(weights), name)
-        parts = [self.linear(x, w, f"{name}.{i}") for i, w in enumerate(weights)]
+        """Weights stacked along N (QKV, gate+up): one matmul per run of neighbours in the same form.
+
+        A GGUF may store them in different types (Q4_K_M: Q4_K q/k, Q6_K v), and MatMulNBits takes
+        one bit width and block size, so each run gets its own matmul and a Concat joins them.
+        """
+        runs = [list(run) for _, run in groupby(weights, key=_weight_form)]
+        if len(runs) == 1:
+            return self.linear(x, _stack(weights), name)
+        parts = [self.linear(x, _stack(run), f"{name}.{i}") for i, run in enumerate(runs)]
         return self.g.op1("Concat", parts, name=f"{name}.concat", axis=-1)
 
-    def _linear_nbits(self, x: str, w: BlockQuantized, name: str) -> str:
+    def _linear_nbits(self, x: str, w: BlockQuantized, name: str, output: str | None = None) -> str:
+        """MatMulNBits plus the offsets in the options' q4_1 mode; ``output`` names the result (else generated)."""
         n, k = w.shape
+        outputs = None if output is None else [output]
         mode = self.opt.q4_1 if w.offsets is not None else None
+        if mode == "zero_point" and w.bits not in FLOAT_ZERO_POINT_BITS:
+            mode = "correction"
         if mode == "zero_point":
             w, zero_points = w.zero_point_form()
         elif mode == "stacked" and k % w.block_size == 0:
-            return self._linear_stacked(x, w, name)
-        inputs = [x, self.const(f"{name}.qweight", w.packed()), self.weight(f"{name}.scales", w.scales.reshape(-1))]
+            return self._linear_stacked(x, w, name, outputs)
+        inputs = [x, self._qweight(name, w), self.weight(f"{name}.scales", w.scales.reshape(-1))]
         if mode == "zero_point":
             inputs.append(self.weight(f"{name}.zero_points", zero_points))
         y = self.g.op1(
@@ -193,6 +207,7 @@ class _Emitter:
             inputs,
             name=name,
             domain=MS_DOMAIN,
+            outputs=outputs if w.offsets is None else None,
             K=k,
             N=n,
             bits=w.bits,
@@ -205,9 +220,17 @@ class _Emitter:
         correction = self.g.op1(
             "MatMul", [blocksum, self.weight(f"{name}.correction", w.offsets.T)], name=f"{name}.correction"
         )
-        return self.g.op1("Add", [y, correction], name=f"{name}.corrected")
+        return self.g.op1("Add", [y, correction], name=f"{name}.corrected", outputs=outputs)
 
-    def _linear_stacked(self, x: str, w: BlockQuantized, name: str) -> str:
+    def _qweight(self, name: str, w: BlockQuantized) -> str:
+        """The packed codes' initializer: the embedding's when ``w`` has its very codes (a tied LM head)."""
+        shared = self.embed
+        same = shared is not None and w.codes is shared.codes and _weight_form(w) == _weight_form(shared)
+        if same and self.embed_table is not None:
+            return self.embed_table
+        return self.const(f"{name}.qweight", w.packed())
+
+    def _linear_stacked(self, x: str, w: BlockQuantized, name: str, outputs: list[str] | None) -> str:
         """``[x, x] @ [d·(q − z) | C·1]``: the offsets as a second K half of constant codes z + 1 scaled by C."""
         n, k = w.shape
         ones = np.full_like(w.codes, (1 << (w.bits - 1)) + 1)
@@ -230,6 +253,7 @@ class _Emitter:
             inputs,
             name=name,
             domain=MS_DOMAIN,
+            outputs=outputs,
             K=2 * k,
             N=n,
             bits=w.bits,
@@ -253,11 +277,17 @@ class _Emitter:
 
     # ---- blocks ----------------------------------------------------------------------------
     def embedding(self, ids: str, table) -> str:
+        """The rows of ``ids``: Gather over a dense table, GatherBlockQuantized (plus offsets) over a block one.
+
+        The block table's packed codes ([V, blocks, block_size·bits/8], MatMulNBits' layout) are kept
+        for a tied LM head; its offsets, where the type has them, are gathered and added per block.
+        """
         if not isinstance(table, BlockQuantized):
             self.embed_table = self.weight("embed.weight", table)
             return self.g.op1("Gather", [self.embed_table, ids], name="embed", axis=0)
         hidden = table.shape[1]
-        self.embed_table = data = self.const("embed.qweight", table.packed())  # [V, H/32, 32]
+        self.embed = table
+        self.embed_table = data = self.const("embed.qweight", table.packed())
         scales = self.weight("embed.scales", table.scales[..., None])
         blocks = self.g.op1(
             "GatherBlockQuantized",
@@ -267,8 +297,12 @@ class _Emitter:
             gather_axis=0,
             quantize_axis=2,
             block_size=table.block_size,
-            bits=8,
+            bits=table.bits,
         )
+        if table.offsets is not None:
+            offsets = self.weight("embed.offsets", table.offsets[..., None])
+            gathered = self.g.op1("Gather", [offsets, ids], name="embed.offsets", axis=0)
+            blocks = self.g.op1("Add", [blocks, gathered], name="embed.offset")
         shape = self.const("embed_shape", np.array([0, 0, hidden], np.int64))
         return self.g.op1("Reshape", [blocks, shape], name="embed.reshape")
 
@@ -281,20 +315,7 @@ class _Emitter:
         tied = tensors.lm_head is None
         table = tensors.embedding if tensors.lm_head is None else tensors.lm_head
         if isinstance(table, BlockQuantized):
-            data = self._tied_table() if tied else self.const("lm_head.qweight", table.packed())
-            vocab, hidden = table.shape
-            return self.g.op1(
-                "MatMulNBits",
-                [h, data, self.weight("lm_head.scales", table.scales.reshape(-1))],
-                name="lm_head",
-                domain=MS_DOMAIN,
-                K=hidden,
-                N=vocab,
-                bits=8,
-                block_size=table.block_size,
-                accuracy_level=self.opt.accuracy_level,
-                outputs=["logits"],
-            )
+            return self._linear_nbits(h, table, "lm_head", output="logits")
         weight = self._tied_table() if tied else self.weight("lm_head.weight", table)
         flat = self.g.op1("Reshape", [h, self.const("head_flat", np.array([-1, self.spec.hidden_size], np.int64))])
         logits = self.g.op1("Gemm", [flat, weight], name="lm_head", transB=1)
@@ -382,6 +403,18 @@ class _Emitter:
         )
         total = self.g.op1("Cast", [width], name="total_seq_len", to=INT32)
         return seqlens, total
+
+
+def _weight_form(weight) -> tuple[int, int] | None:
+    """What a matmul over the weight needs to share with others it is fused with: (bits, block size); None: dense."""
+    return (weight.bits, weight.block_size) if isinstance(weight, BlockQuantized) else None
+
+
+def _stack(weights: list) -> BlockQuantized | np.ndarray:
+    """Weights of one form stacked along N."""
+    if len(weights) == 1:
+        return weights[0]
+    return concat_rows(weights) if isinstance(weights[0], BlockQuantized) else np.concatenate(weights)
 
 
 def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -> onnx.ModelProto:

@@ -3,8 +3,11 @@
 * ``BlockQuantized``: a weight as ``W[n, k] = scale[n, b] * (code[n, k] - 2**(bits-1)) + offset[n, b]``
   with ``b = k // block_size`` (the last block may be short). Codes minus the implicit zero point
   is exactly what onnxruntime's MatMulNBits computes on its fast path (no zero-point input);
-  ``offset`` is the per-block correction that makes Q4_1 exact (``d*q + m = d*(q - 8) + (m + 8d)``)
-  and any asymmetric re-quantization (``requant.py``), None where it is zero (Q4_0, Q8_0).
+  ``offset`` is the per-block correction that makes the asymmetric types exact
+  (``d*q + m = d*(q - 8) + (m + 8d)`` for Q4_1; Q5_1, Q4_K, Q5_K alike) and any asymmetric
+  re-quantization (``requant.py``), None where it is zero (Q4_0, Q5_0, Q8_0, Q6_K). Every GGUF
+  quantized type maps exactly (``tensor_types.py`` unpacks them): 4-bit types to 4-bit codes,
+  5-, 6- and 8-bit types to 8-bit codes (MatMulNBits has no 5- or 6-bit form).
 * dense float32 ``[N, K]`` arrays for the higher-precision prefill graph and the numpy reference.
 
 GGUF stores the Q and K projection rows permuted for llama.cpp's interleaved RoPE; both forms
@@ -24,9 +27,15 @@ from gguf.quants import dequantize
 
 from edgedecode.model.gguf_file import ModelFileError, tensor_table
 from edgedecode.model.spec import ModelSpec
+from edgedecode.model.tensor_types import (
+    BLOCK_TYPES,
+    SUPPORTED_TENSOR_TYPES,
+    Unpacked,
+    check_tensor_types,
+    unpack,
+)
 
-SUPPORTED_TENSOR_TYPES = frozenset({QType.F32, QType.F16, QType.Q8_0, QType.Q4_0, QType.Q4_1})
-BLOCK = 32  # every supported GGUF quantized type uses 32-element blocks
+BLOCK = 32  # the block size float weights are quantized into (GGUF's own Q4_0, Q4_1 and Q8_0 size)
 
 
 def n_blocks(k: int, block_size: int) -> int:
@@ -126,16 +135,6 @@ def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
     return np.arange(n_rows).reshape(n_heads, head_dim // 2, 2).swapaxes(1, 2).reshape(n_rows)
 
 
-def _blocks(tensor: ReaderTensor, block_bytes: int) -> np.ndarray:
-    n = int(tensor.shape[1]) if len(tensor.shape) > 1 else 1
-    return np.asarray(tensor.data, dtype=np.uint8).reshape(n, -1, block_bytes)
-
-
-def _q4_codes(qs: np.ndarray) -> np.ndarray:
-    # GGUF Q4 block: byte j holds element j (low nibble) and element j+16 (high nibble).
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
 def quantize_asymmetric(w: np.ndarray, bits: int, block_size: int = BLOCK) -> BlockQuantized:
     """Asymmetric min/max quantization of a float [N, K] weight into ``bits``-wide blocks.
 
@@ -155,7 +154,7 @@ def quantize_asymmetric(w: np.ndarray, bits: int, block_size: int = BLOCK) -> Bl
 
 
 def _quantize_8bit_symmetric(w: np.ndarray) -> BlockQuantized:
-    """Q8_0-style symmetric 8-bit blocks (used for non-Q8_0 embeddings)."""
+    """Q8_0-style symmetric 8-bit blocks (float embedding tables, for the decode graph)."""
     n, k = w.shape
     blocks = w.reshape(n, k // BLOCK, BLOCK)
     scale = (np.abs(blocks).max(-1) / 127.0).astype(np.float32)
@@ -164,24 +163,29 @@ def _quantize_8bit_symmetric(w: np.ndarray) -> BlockQuantized:
     return BlockQuantized(codes.reshape(n, k), scale, None, 8)
 
 
+def _graph_form(matrix: Unpacked) -> BlockQuantized:
+    """An unpacked GGUF matrix in the graphs' form, exactly: 4-bit codes stay 4-bit, 5- to 8-bit ones become 8-bit.
+
+    Codes move up by ``2**(B−1) − 2**(b−1)`` (b the type's bits, B the graph's), so that
+    ``code − 2**(B−1) = q − 2**(b−1)``: Q6_K's ``q − 32`` becomes MatMulNBits' implicit 8-bit zero
+    point. A bias folds into ``offset = bias + 2**(b−1)·scale`` (Q4_1's ``m + 8d``), rounded once to
+    float32; the symmetric types need none.
+    """
+    bits = 4 if matrix.bits <= 4 else 8
+    shift = (1 << (bits - 1)) - (1 << (matrix.bits - 1))
+    offsets = None
+    if matrix.biases is not None:
+        half = float(1 << (matrix.bits - 1))
+        offsets = (matrix.biases.astype(np.float64) + half * matrix.scales).astype(np.float32)
+    codes = (matrix.codes + np.uint8(shift)).astype(np.uint8)
+    return BlockQuantized(codes, matrix.scales, offsets, bits, matrix.block_size)
+
+
 def load_block_quantized(tensor: ReaderTensor) -> BlockQuantized:
-    """Convert a GGUF matrix to block form without loss (Q4_0, Q4_1, Q8_0) or by 4-bit quantization (F16, F32)."""
+    """Convert a GGUF matrix to block form: exactly for every quantized type, by 4-bit quantization for floats."""
     kind = QType(tensor.tensor_type)
-    if kind == QType.Q4_1:
-        raw = _blocks(tensor, 20)
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        codes = _q4_codes(raw[..., 4:20]).reshape(raw.shape[0], -1)
-        return BlockQuantized(codes, d, m + 8.0 * d, 4)
-    if kind == QType.Q4_0:
-        raw = _blocks(tensor, 18)
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        return BlockQuantized(_q4_codes(raw[..., 2:18]).reshape(raw.shape[0], -1), d, None, 4)
-    if kind == QType.Q8_0:
-        raw = _blocks(tensor, 34)
-        d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        codes = (raw[..., 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return BlockQuantized(codes.reshape(raw.shape[0], -1), d, None, 8)
+    if kind in BLOCK_TYPES:
+        return _graph_form(unpack(tensor.data, kind))
     return quantize_asymmetric(load_dense(tensor), 4)
 
 
@@ -191,16 +195,6 @@ def load_dense(tensor: ReaderTensor) -> np.ndarray:
     if kind not in SUPPORTED_TENSOR_TYPES:
         raise ModelFileError(f"tensor {tensor.name!r} has unsupported type {kind.name}")
     return np.asarray(dequantize(tensor.data, kind), dtype=np.float32)
-
-
-def check_tensor_types(reader: GGUFReader) -> None:
-    """Raise ModelFileError naming every tensor whose type the builder cannot handle."""
-    bad = sorted(
-        {QType(t.tensor_type).name for t in reader.tensors if QType(t.tensor_type) not in SUPPORTED_TENSOR_TYPES}
-    )
-    if bad:
-        supported = ", ".join(sorted(t.name for t in SUPPORTED_TENSOR_TYPES))
-        raise ModelFileError(f"unsupported tensor types {', '.join(bad)}; supported: {supported}")
 
 
 Weight: TypeAlias = BlockQuantized | np.ndarray  # a matrix in either form
@@ -222,7 +216,7 @@ class LayerTensors:
 class ModelTensors:
     """All weights of a model in one form (block-quantized or dense)."""
 
-    embedding: Weight  # BlockQuantized (8-bit) or dense [V, hidden]
+    embedding: Weight  # BlockQuantized (its GGUF type's form; 8-bit for float tables) or dense [V, hidden]
     layers: list[LayerTensors]
     output_norm: np.ndarray
     lm_head: Weight | None  # None when tied to the embedding
@@ -250,7 +244,7 @@ def load_tensors(reader: GGUFReader, spec: ModelSpec, dense: bool) -> ModelTenso
         tensor = get(name)
         if dense:
             return load_dense(tensor)
-        if QType(tensor.tensor_type) == QType.Q8_0:
+        if QType(tensor.tensor_type) in BLOCK_TYPES:
             return load_block_quantized(tensor)
         return _quantize_8bit_symmetric(load_dense(tensor))
 
