@@ -98,7 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if len(args.conversation_tokens) != len(args.conversations):
         p.error("give one --conversation-tokens value, or one per --conversations count")
     if min(args.conversations) < args.slots or args.turns < 1 or args.max_tokens < 1 or args.resume_runs < 0:
-        p.error("need --conversations >= --slots (daemon.max_sessions), --turns >= 1, --max-tokens >= 1")
+        p.error(
+            "need --conversations >= --slots (daemon.max_sessions), --turns >= 1, --max-tokens >= 1, --resume-runs >= 0"
+        )
     return args
 
 
@@ -206,12 +208,8 @@ def resume_2k(directory: Path, model: LoadedModel, args: argparse.Namespace) -> 
             send_turn(url, f"long-{run}", first, args.max_tokens)
             for name in ("b", "c"):  # the second takes the long conversation's slot: it goes to the store
                 send_turn(url, f"filler-{name}-{run}", short, args.max_tokens)
-            resumed = send_turn(url, f"long-{run}", second, args.max_tokens)
-            fresh = send_turn(url, f"fresh-{run}", second, args.max_tokens)
-            for done in (resumed, fresh):
-                if done.error is not None or done.report is None or done.ttft_s is None:
-                    raise SystemExit(f"the {args.resume_tokens}-token resume run {run} failed: {done.error}")
-            assert resumed.report is not None and fresh.report is not None
+            resumed = _succeeded(send_turn(url, f"long-{run}", second, args.max_tokens), run)
+            fresh = _succeeded(send_turn(url, f"fresh-{run}", second, args.max_tokens), run)
             runs.append(
                 {
                     "resume_ms": 1e3 * resumed.ttft_s,
@@ -236,6 +234,13 @@ def resume_2k(directory: Path, model: LoadedModel, args: argparse.Namespace) -> 
         "resume_ms": statistics.median(r["resume_ms"] for r in compressed) if compressed else None,
         "reprefill_ms": statistics.median(r["reprefill_ms"] for r in compressed) if compressed else None,
     }
+
+
+def _succeeded(done: StreamedCompletion, run: int) -> StreamedCompletion:
+    """``done``, which must have succeeded (the long-conversation measurement has no use for a failed turn)."""
+    if done.error is not None or done.report is None or done.ttft_s is None:
+        raise SystemExit(f"a turn of the long-conversation resume run {run} failed: {done.error}")
+    return done
 
 
 def run_grid(directory: Path, model: LoadedModel, args: argparse.Namespace, slot_per_token: int) -> tuple[list, dict]:
