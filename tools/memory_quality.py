@@ -117,8 +117,9 @@ class Replayer:
             prompt = conversation.prompt(record["turn"])
             kv = record["report"]["kv"]
             keep, replayed_tiers = self._resume(conversation.session, prompt, record["resume"], kv)
+            uncompressed_keep = self.uncompressed.reusable_prefix(prompt)  # less where its last answer differed
             if _compressed(record) and keep > 0:
-                score = self._score(prompt, keep)
+                score = self._score(prompt, min(keep, uncompressed_keep))
                 scores.append(
                     {
                         "turn": record["turn"],
@@ -132,7 +133,7 @@ class Replayer:
                     }
                 )
             _drain(self.served.generate(prompt, self.params, keep=keep))
-            _drain(self.uncompressed.generate(prompt, self.params, keep=self.uncompressed.reusable_prefix(prompt)))
+            _drain(self.uncompressed.generate(prompt, self.params, keep=uncompressed_keep))
         return scores
 
     def _resume(self, session: str, prompt: np.ndarray, resume: str, kv: dict) -> tuple[int, dict[str, int]]:
