@@ -46,10 +46,10 @@ def server(args: list[str], log: Path, **options) -> Iterator[tuple[subprocess.P
 class StreamedCompletion:
     """A streamed completion as the client saw it."""
 
-    ttft_s: float | None  # the first text, or the whole answer's time when none came; None: an error
+    ttft_s: float | None  # the first text, or the whole answer's time when none came; None: failed before any
     seconds: float  # until the stream ended (or failed)
     report: dict | None  # the daemon's ``edgedecode`` object of the turn (the last one sent)
-    error: str | None  # the daemon's error, or why it could not be reached
+    error: str | None  # the daemon's error (before or during the stream), or why it could not be reached
 
 
 def streamed_completion(url: str, body: dict, timeout: float = 600) -> StreamedCompletion:
@@ -58,6 +58,9 @@ def streamed_completion(url: str, body: dict, timeout: float = 600) -> StreamedC
     started = time.perf_counter()
     try:
         for event in stream_events(url, "/v1/completions", body, timeout=timeout):
+            if "error" in event:  # the generation failed after the answer had begun
+                error = f"the daemon failed mid-stream: {event['error'].get('message')}"
+                break
             if ttft_s is None and any(choice.get("text") for choice in event.get("choices", [])):
                 ttft_s = time.perf_counter() - started
             report = event.get("edgedecode", report)
