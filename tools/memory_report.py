@@ -183,8 +183,9 @@ def _quality_goal(quality: list[dict]) -> str:
             continue
         over = q["dppl_pct"] - DPPL_GOAL_PCT
         low, high = q["dppl_interval"]
+        interval = f"95 % interval {low:+.2f} … {high:+.2f}" if q["n"] > 1 else "one resume: no interval"
         parts.append(
-            f"{name}: mean {q['dppl_pct']:+.2f} % (95 % interval {low:+.2f} … {high:+.2f}) over {q['n']} resumes "
+            f"{name}: mean {q['dppl_pct']:+.2f} % ({interval}) over {q['n']} resumes "
             f"and {q['continuation_tokens']} tokens, worst {q['worst_dppl_pct']:+.2f} % "
             f"({_verdict(over <= 0, f'{over:.2f} points over')})"
         )
