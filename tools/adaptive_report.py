@@ -8,7 +8,6 @@ with one censored side is a bound ("> 3.2×").
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -236,11 +235,6 @@ def print_summary(run: dict) -> None:
     """The table and the goal checks on stdout."""
     rows = summarise(run)
     print("\n".join([*table(run, rows), "", *goal_checks(run, rows), "", *quality_table(run)]))
-
-
-def write_json(run: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(run, indent=1))
 
 
 METHOD = (

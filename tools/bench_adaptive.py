@@ -47,9 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,15 +55,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adaptive_quality import Prompt, quality_costs
-from adaptive_report import LOCAL, POLICIES, print_summary, write_docs, write_json
+from adaptive_report import LOCAL, POLICIES, print_summary, write_docs
+from bench_run import machine, server, streamed_completion, write_json
 from bench_serve import write_config
 
-from edgedecode.client.chat import ChatError, stream_events
 from edgedecode.evaluation.link_shaper import LinkShaper
 from edgedecode.evaluation.link_traces import MBIT, RateTrace, TracePlayer, constant, describe, random_walk, step
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.model.loader import LoadedModel, load_model
-from edgedecode.serving.process import ServerStartError, start_server, stop_server
 
 PRIME_MBITS = 1000.0  # the rate the stateless daemons' one warm-up request runs at
 WALK_EVERY_S = 0.1
@@ -165,59 +161,37 @@ def policy_settings(name: str, args: argparse.Namespace, prefill_url: str) -> di
 
 
 @contextlib.contextmanager
-def server(args: list[str], log: Path, **options) -> Iterator[str]:
-    """A server process for the block (its stderr into ``log``); yields its URL."""
-    with open(log, "wb") as stderr:
-        try:
-            process, url = start_server(args, stderr=stderr, **options)
-        except ServerStartError as exc:
-            raise SystemExit(f"{exc}; its log:\n{log.read_text()[-3000:]}") from None
-        try:
-            yield url
-        finally:
-            stop_server(process)
-
-
-def daemon(
-    name: str, directory: Path, args: argparse.Namespace, prefill_url: str
-) -> contextlib.AbstractContextManager[str]:
-    """The daemon of policy ``name`` (a context manager yielding its URL)."""
+def daemon(name: str, directory: Path, args: argparse.Namespace, prefill_url: str) -> Iterator[str]:
+    """The daemon of policy ``name`` for the block; yields its URL."""
     config = write_config(directory, name, args, **policy_settings(name, args, prefill_url))
     launcher = ["taskset", "-c", args.edge_cpus] if args.edge_cpus else []
-    return server(
+    with server(
         ["serve", "--config", str(config)],
         directory / f"{name}.log",
         launcher=launcher,
         env={"EDGEDECODE_MODEL_DEVICE": "cpu"},
-    )
+    ) as (_, url):
+        yield url
 
 
 def timed_request(url: str, prompt: Prompt, player: TracePlayer, args: argparse.Namespace) -> dict:
     """One streamed completion under the player's trace: client-side TTFT, censoring and the whole
     turn report (whatever fields the daemon sends)."""
     body = {"prompt": prompt.ids.tolist(), "max_tokens": args.max_tokens, "temperature": 0, "stream": True}
-    ttft_s, report, error = None, None, None
     player.start()
-    started = time.perf_counter()
     try:
-        for event in stream_events(url, "/v1/completions", body, timeout=args.cell_timeout_s + REPLY_MARGIN_S):
-            if ttft_s is None and any(choice.get("text") for choice in event.get("choices", [])):
-                ttft_s = time.perf_counter() - started
-            report = event.get("edgedecode", report)
-    except ChatError as exc:
-        error = str(exc)
+        done = streamed_completion(url, body, timeout=args.cell_timeout_s + REPLY_MARGIN_S)
     finally:
         player.stop()
-    if ttft_s is None and error is None:
-        ttft_s = time.perf_counter() - started  # no text at all: the whole answer's time
-    ttft_ms = None if ttft_s is None else 1e3 * ttft_s
+    report = done.report
+    ttft_ms = None if done.ttft_s is None else 1e3 * done.ttft_s
     goodput = player.goodput_bps()
     return {
         "prompt_tokens": prompt.tokens,
         "prompt": prompt.key,
         "ttft_ms": ttft_ms,
         "censored": ttft_ms is None or ttft_ms > 1e3 * args.cell_timeout_s,
-        "error": error,
+        "error": done.error,
         "kv_used": kv_used(report),
         "report": report,
         "goodput_mbits": None if goodput is None else goodput / MBIT,  # what the link delivered
@@ -285,7 +259,7 @@ def run_grid(
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         directory = Path(tmp)
         prefill_config = write_config(directory, "prefill", args)
-        prefill_url = stack.enter_context(
+        _, prefill_url = stack.enter_context(
             server(
                 ["prefill-server", "--config", str(prefill_config)],
                 directory / "prefill.log",
@@ -315,21 +289,6 @@ def run_grid(
                 results += run_cell(cell, {"adaptive": adaptive}, prompts, player, args, fp16_per_token)
             results += run_cell(cell, steady, prompts, player, args, fp16_per_token)
         return results, warmed
-
-
-def machine() -> dict:
-    """Platform, CPU model, core count and GPU name (None without nvidia-smi)."""
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        info = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
-    gpu = None
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
-        )
-        gpu = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    return {"platform": platform.platform(), "cpu": cpu, "cpus": len(os.sched_getaffinity(0)), "gpu": gpu}
 
 
 def main(argv: list[str] | None = None) -> int:

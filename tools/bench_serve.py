@@ -23,12 +23,12 @@ import json
 import platform
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from bench_run import streamed_completion, toml_config
 
-from edgedecode.client.chat import stream_events
+from edgedecode.client.chat import ChatError
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.model.loader import load_model
 from edgedecode.serving.process import start_server, stop_server
@@ -38,27 +38,26 @@ LOCAL = "local prefill"
 
 def write_config(directory: Path, name: str, args, **daemon) -> Path:
     """A TOML config for one server of the run."""
-    lines = ["[model]", f"threads = {args.threads}", "[daemon]"]
-    lines += [
-        f"{key} = {json.dumps(value)}"
-        for key, value in {"slots": 1, "max_context": max(args.prompt_tokens) + args.max_tokens + 64, **daemon}.items()
-    ]
-    lines += ["[prefill]", "prefix_cache_mb = 0", f"max_prompt_tokens = {max(args.prompt_tokens) + 64}"]
-    path = directory / f"{name}.toml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    longest = max(args.prompt_tokens)
+    return toml_config(
+        directory / f"{name}.toml",
+        {
+            "model": {"threads": args.threads},
+            "daemon": {"slots": 1, "max_context": longest + args.max_tokens + 64, **daemon},
+            "prefill": {"prefix_cache_mb": 0, "max_prompt_tokens": longest + 64},
+        },
+    )
 
 
 def one_request(url: str, prompt: np.ndarray, max_tokens: int) -> dict:
     """A streamed completion; client-side TTFT and the daemon's report of the turn."""
     body = {"prompt": prompt.tolist(), "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    started, ttft, report = time.perf_counter(), None, {}
-    for event in stream_events(url, "/v1/completions", body):
-        if ttft is None and any(choice.get("text") for choice in event.get("choices", [])):
-            ttft = time.perf_counter() - started
-        report = event.get("edgedecode", report)
+    done = streamed_completion(url, body)
+    if done.error is not None or done.report is None or done.ttft_s is None:
+        raise ChatError(done.error or "the daemon sent no report of the turn")
+    report = done.report
     return {
-        "ttft_ms": 1e3 * (ttft if ttft is not None else time.perf_counter() - started),
+        "ttft_ms": 1e3 * done.ttft_s,
         "fetch_ms": report["kv"]["fetch_ms"],
         "server_ms": report["kv"]["prefill_server_ms"],
         "wire_bytes": report["kv"]["wire_bytes"],
