@@ -17,6 +17,7 @@ from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import Engine
 from edgedecode.serving import systemd
+from edgedecode.serving.heap import return_freed_buffers
 from edgedecode.serving.lifecycle import serve_as_service
 from edgedecode.tls import server_tls
 
@@ -39,6 +40,7 @@ def build_engines(model: LoadedModel, config: Config) -> list[Engine]:
 def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, announce: Callable[[str], None]) -> None:
     """Serve ``model`` per ``config.daemon`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
     settings = config.daemon
+    return_freed_buffers()  # the daemon's RSS follows its KV budget (serving/heap.py)
     ssl_context = server_tls(settings.tls_cert_file, settings.tls_key_file)  # checked by load_config
 
     async def main() -> None:

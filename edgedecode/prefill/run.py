@@ -11,6 +11,7 @@ from edgedecode.config import Config
 from edgedecode.model.loader import LoadedModel
 from edgedecode.prefill.server import create_app
 from edgedecode.prefill.service import PrefillService
+from edgedecode.serving.heap import return_freed_buffers
 from edgedecode.serving.lifecycle import serve_as_service
 from edgedecode.tls import server_tls
 
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[str], None]) -> None:
     """Serve ``model`` per ``config.prefill`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
     settings = config.prefill
+    return_freed_buffers()  # transient prefills and payloads leave the process (serving/heap.py)
     ssl_context = server_tls(settings.tls_cert_file, settings.tls_key_file)  # checked by load_config
     service = PrefillService(
         model,
