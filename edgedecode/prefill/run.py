@@ -16,10 +16,10 @@ from edgedecode.serving.lifecycle import serve_as_service
 logger = logging.getLogger(__name__)
 
 
-def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[str], None]) -> None:
-    """Serve ``model`` per ``config.prefill`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
+def build_service(model: LoadedModel, config: Config, transfer_id_prefix: str = "") -> PrefillService:
+    """The prefill service of ``model`` as ``config`` sets it up (``[model]`` and ``[prefill]``)."""
     settings = config.prefill
-    service = PrefillService(
+    return PrefillService(
         model,
         device=config.model.device,
         threads=config.model.threads or None,
@@ -29,7 +29,14 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
         transfer_ttl_s=settings.transfer_ttl_s,
         encode_threads=settings.encode_threads or os.cpu_count() or 1,
         allow_special_tokens=settings.allow_special_tokens,
+        transfer_id_prefix=transfer_id_prefix,
     )
+
+
+def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[str], None]) -> None:
+    """Serve ``model`` per ``config.prefill`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
+    settings = config.prefill
+    service = build_service(model, config)
 
     async def main() -> None:
         try:
