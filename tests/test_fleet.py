@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import urllib.error
 from pathlib import Path
 
 import numpy as np
@@ -146,7 +147,7 @@ def test_a_conversations_second_turn_lands_on_the_replica_holding_its_prefix(dae
 def test_losing_the_replica_serving_a_request_still_answers_and_the_tier_recovers(daemon, fleet):
     names = replica_names()
     assert len(names) == 2
-    messages = lighthouse_chat(120)  # ~1.5k tokens: the replica is busy with it for a while
+    messages = lighthouse_chat(60)  # ~800 tokens: the replica is busy with it for a while
     result: dict = {}
     request = threading.Thread(target=lambda: result.update(answer=_chat(daemon, messages, "lost")))
     request.start()
@@ -168,8 +169,21 @@ def test_losing_the_replica_serving_a_request_still_answers_and_the_tier_recover
     # the next request is served, by a live replica
     completion, report = _chat(daemon, [{"role": "user", "content": "Say hello."}], "next")
     assert completion.choices[0].message.content and report["kv"]["source"] == "prefill_server"
-    # Serve replaces the lost replica
+    # Serve replaces the lost replica: two replicas again, each serving (answering its own metrics)
     deadline = time.monotonic() + RESTART_WAIT_S
-    while (len(replica_names()) < 2 or victim in replica_names()) and time.monotonic() < deadline:
+    while not _replaced(fleet, victim) and time.monotonic() < deadline:
         time.sleep(1)
-    assert len(replica_names()) == 2 and victim not in replica_names()
+    assert _replaced(fleet, victim)
+
+
+def _replaced(fleet: str, lost: str) -> bool:
+    names = replica_names()
+    return len(names) == 2 and lost not in names and all(_serving(fleet, name) for name in names)
+
+
+def _serving(fleet: str, name: str) -> bool:
+    try:
+        metric_samples(fleet, PREFILL_TOKEN, f"/metrics?replica={name}")
+    except urllib.error.HTTPError:
+        return False  # 404: it is not serving yet (Serve routes to running replicas only)
+    return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -55,8 +55,10 @@ class PrefillReplica:
 
     async def __init__(self, config: Config) -> None:  # type: ignore[misc]  # Serve awaits an async constructor
         self.name = serve.get_replica_context().replica_id.unique_id
+        self._closers: list[Callable[[], Awaitable[None]]] = []  # what __del__ closes, in reverse order
         model = await asyncio.to_thread(load_model, config.model.name)
         self.service = await asyncio.to_thread(build_service, model, config, self.name)
+        self._closers.append(lambda: asyncio.to_thread(self.service.close))
         self.runner, site = await start_site(
             create_app(self.service, config),
             "127.0.0.1",
@@ -65,11 +67,13 @@ class PrefillReplica:
             handle_signals=False,
             access_log=None,
         )
+        self._closers.append(self.runner.cleanup)
         self.url = f"http://127.0.0.1:{site.port}"
         # no read timeout: a prefill may wait in the server's queue; the caller going away cancels it
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=10), auto_decompress=False
         )
+        self._closers.append(self.session.close)
         logger.info("prefill replica %s serving on %s", self.name, self.url)
 
     async def forward(self, route: Route, request: ForwardedRequest) -> AsyncIterator[ResponseHead | bytes]:
@@ -99,7 +103,7 @@ class PrefillReplica:
         return {STATS_BLOCKS_KEY: frozenset(self.service.cache.block_hashes())}
 
     async def __del__(self) -> None:
-        """Serve stops the replica (after its requests finished, within the graceful timeout)."""
-        await self.session.close()
-        await self.runner.cleanup()
-        await asyncio.to_thread(self.service.close)
+        """Serve stops the replica (after its requests finished, within the graceful timeout), maybe
+        before its constructor finished: close what it opened."""
+        while self._closers:
+            await self._closers.pop()()
