@@ -8,8 +8,9 @@ prompt and a user message, later turns the previous answer and a new user messag
 lengths around ``user_median_tokens`` and ``answer_median_tokens``, σ 0.8 and 0.6 in log space);
 the user reads the answer (decoded at ``decode_tok_s``) and thinks (lognormal around
 ``think_median_s``, σ 0.8) before the next turn. A box's daemon keeps its conversation's KV, so a
-turn asks only for its new tokens' KV (as ``edgedecode serve`` does with a ``session_id``); a
-conversation past ``max_context`` tokens starts over. Each box has one link drawn from
+turn asks only for its new tokens' KV (as ``edgedecode serve`` does with a ``session_id``: the
+answer's KV is the box's own, from decoding it); a conversation past ``max_context`` tokens starts
+over. Each box has one link drawn from
 ``links`` (bandwidth, round trip, share of boxes).
 
 **The budget policy as implemented**: a fixed budget (``fixed-0.3``: the daemon's default without
@@ -24,14 +25,15 @@ prefill loads no replica; a split pulls the tail's bytes only.
 a time). Routing as ``prefill.fleet.router`` does: a conversation stays on the replica that
 served it unless that one has ``imbalance`` more requests outstanding than the least busy
 (then the least busy, which becomes its home); ``round_robin`` for comparison. A replica that
-holds the conversation computes only the new tokens (its prefix cache is assumed big enough to
-keep its conversations: the measured affinity hit rate is within 0.02 of the best possible,
-docs/scale.md); another computes the whole prompt. Service seconds come from measurements of
-the real server (``ServiceModel.from_bench``: ``tools/bench_serve.py``'s ``server_ms``, the
-prefill server's own prefill + scoring + encoding time, prefix cache off), interpolated in tokens
-and budget. The payload (b × FP16 bytes of the tokens sent; measured b_wire is within 0.001 of b)
-follows after the whole prefill (the server encodes every frame before the first is sent), over
-the box's link. TTFT = round trip + queue + service + transfer + one decode step.
+holds the conversation computes only what its prefix cache lacks, the previous answer and the new
+tokens (the cache is assumed big enough to keep its conversations' prompts: the measured
+affinity hit rate is near the best possible, docs/scale.md); another computes the whole prompt.
+Service seconds come from measurements of the real server (``ServiceModel.from_bench``:
+``tools/bench_serve.py``'s ``server_ms``, the prefill server's own prefill + scoring + encoding
+time, prefix cache off), interpolated in tokens and budget. The payload (b × FP16 bytes of the
+tokens sent; measured b_wire is within 0.001 of b) follows after the whole prefill (the server
+encodes every frame before the first is sent), over the box's link.
+TTFT = round trip + queue + service + transfer + one decode step.
 
 Reported per (replicas, policy): requests/s at the tier, egress Gbit/s, p50/p95 TTFT over all
 turns, mean replica utilisation, and the share of turns prefilled locally.
@@ -68,6 +70,7 @@ BENCH = {
 LOCAL_BENCH = ROOT / "docs/bench/serve-cpu-vm-2026-11-26.json"  # the 2-core edge box's own prefill
 MIN_WIRE_BYTES = 64 << 10  # daemon.min_wire_bytes
 MIN_BUDGET, SPLIT_SLOWDOWN = 0.2, 1.3  # daemon.min_budget, daemon.split_slowdown
+USER_SIGMA, ANSWER_SIGMA, THINK_SIGMA = 0.8, 0.6, 0.8  # lognormal spreads (log space) of the workload
 DOCS_BEGIN, DOCS_END = "<!-- sim_fleet: begin -->", "<!-- sim_fleet: end -->"
 
 
@@ -221,23 +224,21 @@ def simulate(
     end = warmup_s + sim_s
     ttfts, egress_bytes, requests, local_turns, turns, busy_s = [], 0.0, 0, 0, 0, 0.0
 
-    def lognormal(median: float, sigma: float) -> int:
-        return max(1, int(median * math.exp(sigma * rng.standard_normal())))
-
     while events:
         t, index = heapq.heappop(events)
         if t >= end:
             break
         now[0] = t
         box = boxes[index]
-        user = lognormal(workload.user_median_tokens, 0.8)
-        if box.turns_left == 0 or box.held + box.last_answer + user > workload.max_context:
+        user = max(1, int(lognormal(rng, workload.user_median_tokens, USER_SIGMA)))
+        if box.turns_left == 0 or box.held + user > workload.max_context:
             box.turns_left = int(rng.geometric(1 / workload.turns_mean))
             box.held, box.last_answer, box.home = 0, 0, None
             new = workload.system_tokens + user
         else:
-            new = box.last_answer + user
+            new = user  # the box decoded the answer: its KV is there; the server's cache holds the prompts only
         prompt = box.held + new
+        uncached = box.last_answer + new  # what the replica holding the conversation computes
         fp16 = new * FP16_BYTES_PER_TOKEN
         decision, budget, head = _plan(box, policy, new, prompt, fp16, local, target_s - workload.first_step_s)
         counted = t >= warmup_s
@@ -249,7 +250,7 @@ def simulate(
             wire = int(min(1.0, max(budget, MIN_WIRE_BYTES / max(fp16, 1))) * sent * FP16_BYTES_PER_TOKEN)
             half_rtt = box.link.rtt_s / 2
             chosen, done, seconds = tier.submit(
-                box.home, t + half_rtt, lambda hit, n=new, p=prompt, b=budget: service.seconds(n if hit else p, b)
+                box.home, t + half_rtt, lambda hit, n=uncached, p=prompt, b=budget: service.seconds(n if hit else p, b)
             )
             box.home = chosen
             headers_s = done + half_rtt - t
@@ -268,11 +269,11 @@ def simulate(
         if counted:
             ttfts.append(ttft)
             turns += 1
-        box.last_answer = lognormal(workload.answer_median_tokens, 0.6)
+        box.last_answer = max(1, int(lognormal(rng, workload.answer_median_tokens, ANSWER_SIGMA)))
         box.held = prompt + box.last_answer
         box.turns_left -= 1
         pause = (
-            lognormal(workload.think_median_s, 0.8)
+            lognormal(rng, workload.think_median_s, THINK_SIGMA)
             if box.turns_left
             else float(rng.exponential(workload.conversation_gap_s))
         )
@@ -291,6 +292,11 @@ def simulate(
         "utilisation": min(busy_s / (sim_s * replicas), 1.0),  # service seconds of the window's requests
         "local_share": local_turns / max(turns, 1),
     }
+
+
+def lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
+    """A lognormal draw around ``median`` (spread ``sigma`` in log space)."""
+    return median * math.exp(sigma * rng.standard_normal())
 
 
 def _plan(

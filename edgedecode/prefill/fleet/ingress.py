@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 from typing import cast
 
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -59,10 +58,11 @@ class PrefillIngress:
                 lost = exc
                 logger.warning("a prefill replica was lost before answering; trying another: %s", exc)
                 continue
-            assert isinstance(head, ResponseHead)  # forward yields its head first
+            if not isinstance(head, ResponseHead):
+                raise TypeError(f"a replica answered {type(head).__name__} before its ResponseHead")
             headers = dict(head.headers)
             headers[REPLICA_HEADER] = head.replica
-            return StreamingResponse(_pieces(answer), status_code=head.status, headers=headers)
+            return StreamingResponse(answer, status_code=head.status, headers=headers)
         return _error(503, f"no prefill replica answered ({ATTEMPTS} tried; the last: {lost})", "server_error")
 
     async def _body(self, request: Request) -> bytes:
@@ -91,11 +91,6 @@ class BodyRefused(Exception):
     def __init__(self, response: Response) -> None:
         super().__init__(response.status_code)
         self.response = response
-
-
-async def _pieces(answer: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
-    async for piece in answer:
-        yield piece
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
