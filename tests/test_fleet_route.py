@@ -11,7 +11,7 @@ from test_transfers import scored
 
 from edgedecode.kv.wire import TransferRef
 from edgedecode.prefill.fleet.route import Route, route_for
-from edgedecode.prefill.prefix_cache import DEFAULT_BLOCK_TOKENS, block_chain
+from edgedecode.prefill.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache, block_chain
 from edgedecode.prefill.transfers import TransferStore
 
 
@@ -58,3 +58,10 @@ def test_a_transfer_id_prefix_is_letters_and_digits_within_edkvs_limit():
         with pytest.raises(ValueError):
             TransferStore(1 << 20, ttl_s=30.0, id_prefix=bad)
     TransferStore(1 << 20, ttl_s=30.0, id_prefix="x" * 47).put(scored(2))  # 47 + "_" + 16 = 64 characters
+
+
+def test_a_prefix_cache_reports_the_block_hashes_a_route_is_matched_against():
+    cache = PrefixCache(1 << 20)
+    kv = scored(2 * DEFAULT_BLOCK_TOKENS + 5).snapshot
+    assert cache.store(kv)
+    assert set(cache.block_hashes()) == set(_prefill({"token_ids": kv.token_ids.tolist()}).blocks)

@@ -14,7 +14,8 @@ requests/s and TTFT p50/p95.
 The simulation then runs the same load: the same number of boxes and workload parameters, two
 replicas, the fixed 0.3 budget, affinity routing; its service times are a least-squares line of
 the replicas' own reported time (``X-Prefill-Seconds``) against the tokens they computed (the
-prompt less ``X-Prefix-Reused-Tokens``), from this run;
+prompt less ``X-Prefix-Reused-Tokens``), from this run, each request's drawn times a measured
+request's ratio to that line (the spread contention on this machine gives service times);
 its link is loopback through the tier's relay, as measured in this run (goodput: payload bytes
 over the time from response headers to the payload's end; round trip: the 10th percentile of the
 headers' wait less the replica's own time). It runs ``--sim-factor`` times longer, for a steady
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=180.0)
     parser.add_argument("--sim-factor", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--records", type=Path, help="write every live request's figures here (JSON)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     workload = Workload(
@@ -148,11 +150,14 @@ def main() -> None:
                 thread.join()
         finally:
             stop_fleet()
+    if args.records:
+        args.records.write_text(json.dumps([{**r, "start": r["start"] - begin} for r in records]))
     measured = [r for r in records if begin + args.warmup_s <= r["start"] < until]
     live = figures([r["ttft_s"] for r in measured], args.duration_s)
 
     slope, intercept = np.polyfit([r["computed_tokens"] for r in records], [r["server_s"] for r in records], 1)
-    service = ServiceModel({BUDGET: [(n, intercept + slope * n) for n in (1, MAX_CONTEXT)]})
+    residuals = tuple(r["server_s"] / (intercept + slope * r["computed_tokens"]) for r in records)
+    service = ServiceModel({BUDGET: [(n, intercept + slope * n) for n in (1, MAX_CONTEXT)]}, residuals)
     goodput = sum(r["bytes"] for r in records) / sum(r["transfer_s"] for r in records)
     rtt = float(np.percentile([r["headers_s"] - r["server_s"] for r in records], 10))
     sim_load = Workload(**{**vars(workload), "links": (Link(goodput * 8 / 1e6, rtt, 1.0),)})
@@ -166,7 +171,7 @@ def main() -> None:
         seed=args.seed,
     )
     report = {
-        "config": {key: value for key, value in vars(args).items() if key != "json"},
+        "config": {key: value for key, value in vars(args).items() if key not in ("json", "records")},
         "fitted": {"service_s": [intercept, slope], "goodput_mbit_s": goodput * 8 / 1e6, "rtt_s": rtt},
         "live": {**live, "requests": len(measured)},
         "sim": {key: sim[key] for key in ("requests_per_s", "ttft_p50_s", "ttft_p95_s", "utilisation")},

@@ -107,9 +107,12 @@ class Workload:
 class ServiceModel:
     """Seconds a replica takes for a request, by tokens computed and budget: measured points
     (tokens, seconds) per budget, linear between them in both (the nearest budget's beyond them;
-    below the fewest tokens measured, that point's time; above the most, its last slope)."""
+    below the fewest tokens measured, that point's time; above the most, its last slope), times a
+    factor drawn from ``residuals`` when given (measured ÷ fitted times of single requests: their
+    spread; medians alone give none)."""
 
     points: dict[float, list[tuple[int, float]]]
+    residuals: tuple[float, ...] = ()
 
     @classmethod
     def from_bench(cls, path: Path) -> ServiceModel:
@@ -122,7 +125,12 @@ class ServiceModel:
                 points[float(found.group(1))] = sorted((int(n), row["server_ms"] / 1e3) for n, row in by_length.items())
         return cls(points)
 
-    def seconds(self, tokens: int, budget: float) -> float:
+    def seconds(self, tokens: int, budget: float, rng: np.random.Generator | None = None) -> float:
+        """The service time of a request computing ``tokens`` at ``budget`` (``rng`` draws its spread)."""
+        base = self._interpolated(tokens, budget)
+        return base * float(rng.choice(self.residuals)) if self.residuals and rng is not None else base
+
+    def _interpolated(self, tokens: int, budget: float) -> float:
         budgets = sorted(self.points)
         if budget <= budgets[0] or len(budgets) == 1:
             return self._at(budgets[0], tokens)
@@ -250,7 +258,9 @@ def simulate(
             wire = int(min(1.0, max(budget, MIN_WIRE_BYTES / max(fp16, 1))) * sent * FP16_BYTES_PER_TOKEN)
             half_rtt = box.link.rtt_s / 2
             chosen, done, seconds = tier.submit(
-                box.home, t + half_rtt, lambda hit, n=uncached, p=prompt, b=budget: service.seconds(n if hit else p, b)
+                box.home,
+                t + half_rtt,
+                lambda hit, n=uncached, p=prompt, b=budget: service.seconds(n if hit else p, b, rng),
             )
             box.home = chosen
             headers_s = done + half_rtt - t
@@ -410,7 +420,8 @@ def _write_docs(args, workload: Workload, rows: list[dict], table: str) -> None:
     needs = {policy: needed_replicas(rows, policy) for policy in args.policies}
     command = (
         f"python tools/sim_fleet.py --boxes {args.boxes} --device {args.device} "
-        f"--replicas {' '.join(map(str, args.replicas))} --policies {' '.join(args.policies)} --write-docs"
+        f"--replicas {' '.join(map(str, args.replicas))} --policies {' '.join(args.policies)} "
+        f"--warmup-s {args.warmup_s:g} --sim-s {args.sim_s:g} --write-docs"
     )
     section = "\n".join(
         [

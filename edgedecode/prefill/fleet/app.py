@@ -77,13 +77,13 @@ def app_builder(args: dict[str, str]) -> serve.Application:
 
 
 def start_fleet(config: Config, **ray_options: Any) -> str:
-    """Connect to Ray (``fleet.ray_address``; "" starts it here, with ``ray_options`` for
-    ``ray.init``), start Serve's HTTP proxy on ``prefill.host``/``prefill.port`` (0: a free port)
+    """Connect to Ray (``fleet.ray_address``; "" starts a Ray instance of its own here, with
+    ``ray_options`` for ``ray.init``), start Serve's HTTP proxy on ``prefill.host``/``prefill.port`` (0: a free port)
     and deploy the tier; returns its URL once every replica is up. Replicas import this package
     from where this process does."""
     package_root = str(Path(edgedecode.__file__).resolve().parent.parent)
     ray.init(
-        address=config.fleet.ray_address or None,
+        address=config.fleet.ray_address or "local",  # "local": a new instance, never one found running
         include_dashboard=False,
         runtime_env={"env_vars": {"PYTHONPATH": package_root}},
         configure_logging=False,
