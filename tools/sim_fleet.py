@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import sim_fleet_report as report
 
 from edgedecode.daemon.adaptive import PlanInputs, plan_kv
 from edgedecode.daemon.kv_pull import PullResult
@@ -71,7 +72,6 @@ LOCAL_BENCH = ROOT / "docs/bench/serve-cpu-vm-2026-11-26.json"  # the 2-core edg
 MIN_WIRE_BYTES = 64 << 10  # daemon.min_wire_bytes
 MIN_BUDGET, SPLIT_SLOWDOWN = 0.2, 1.3  # daemon.min_budget, daemon.split_slowdown
 USER_SIGMA, ANSWER_SIGMA, THINK_SIGMA = 0.8, 0.6, 0.8  # lognormal spreads (log space) of the workload
-DOCS_BEGIN, DOCS_END = "<!-- sim_fleet: begin -->", "<!-- sim_fleet: end -->"
 
 
 @dataclass(frozen=True)
@@ -368,81 +368,12 @@ def main() -> None:
         for r in args.replicas
     ]
     if args.json:
-        print(json.dumps({"args": vars(args), "workload": _workload_json(workload), "rows": rows}, indent=1))
+        print(json.dumps({"args": vars(args), "workload": report.workload_json(workload), "rows": rows}, indent=1))
         return
-    table = _table(rows)
+    table = report.table(rows)
     print(table)
     if args.write_docs:
-        _write_docs(args, workload, rows, table)
-
-
-def _table(rows: list[dict]) -> str:
-    lines = [
-        "| policy | replicas | requests/s | egress Gbit/s | TTFT p50 s | TTFT p95 s | utilisation | local turns |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['policy']} | {row['replicas']} | {row['requests_per_s']:.1f} | {row['egress_gbit_s']:.2f} "
-            f"| {row['ttft_p50_s']:.2f} | {row['ttft_p95_s']:.2f} | {row['utilisation']:.0%} "
-            f"| {row['local_share']:.0%} |"
-        )
-    return "\n".join(lines)
-
-
-def _workload_json(workload: Workload) -> dict:
-    return {**vars(workload), "links": [vars(link) for link in workload.links]}
-
-
-def needed_replicas(rows: list[dict], policy: str, p95_s: float = 1.0) -> int | None:
-    """The fewest replicas whose p95 TTFT is within ``p95_s`` for ``policy`` (None: none simulated)."""
-    meeting = [row["replicas"] for row in rows if row["policy"] == policy and row["ttft_p95_s"] <= p95_s]
-    return min(meeting) if meeting else None
-
-
-def _write_docs(args, workload: Workload, rows: list[dict], table: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for policy in args.policies:
-        mine = [row for row in rows if row["policy"] == policy]
-        axes[0].plot([r["replicas"] for r in mine], [r["ttft_p95_s"] for r in mine], marker="o", label=policy)
-        axes[1].plot([r["replicas"] for r in mine], [r["utilisation"] for r in mine], marker="o", label=policy)
-    axes[0].axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
-    axes[0].set(xlabel="replicas", ylabel="p95 TTFT (s)", yscale="log", title=f"{args.boxes} edge boxes")
-    axes[1].set(xlabel="replicas", ylabel="mean replica utilisation", ylim=(0, 1.05))
-    axes[0].legend()
-    figure.tight_layout()
-    figure.savefig(ROOT / "docs/scale.png", dpi=110)
-    needs = {policy: needed_replicas(rows, policy) for policy in args.policies}
-    command = (
-        f"python tools/sim_fleet.py --boxes {args.boxes} --device {args.device} "
-        f"--replicas {' '.join(map(str, args.replicas))} --policies {' '.join(args.policies)} "
-        f"--warmup-s {args.warmup_s:g} --sim-s {args.sim_s:g} --write-docs"
-    )
-    section = "\n".join(
-        [
-            DOCS_BEGIN,
-            f"`{command}` (seed {args.seed}, {args.warmup_s:g} s warm-up, {args.sim_s:g} s measured; "
-            f"service times: `{BENCH[args.device].relative_to(ROOT)}`):",
-            "",
-            table,
-            "",
-            "![p95 TTFT and utilisation against replicas](scale.png)",
-            "",
-            "Replicas needed for p95 TTFT ≤ 1 s: "
-            + "; ".join(f"{p}: {n if n is not None else 'more than simulated'}" for p, n in needs.items())
-            + ".",
-            DOCS_END,
-        ]
-    )
-    path = ROOT / "docs/scale.md"
-    text = path.read_text()
-    start, stop = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
-    path.write_text(text[:start] + section + text[stop:])
+        report.write_docs(args, rows, table, BENCH[args.device].relative_to(ROOT))
 
 
 if __name__ == "__main__":
