@@ -19,7 +19,10 @@ a TTFT target; ``fixed-1.0``), or ``adaptive``: every box runs the daemon's own 
 (``edgedecode.daemon.link``), which learns from each pull what the daemon learns (round trip:
 the response headers' wait less the server's own time, so queueing at the tier counts; goodput;
 server time per token), and a ``LocalPrefillModel`` from measured local prefill times. Local
-prefill loads no replica; a split pulls the tail's bytes only.
+prefill loads no replica; a split pulls the tail's bytes only. The link model forgets what it
+learned while idle (its 60 s half-life), so a conversation starting after a long gap asks the
+configured budget, as the daemon does; ``adaptive-kept`` is a what-if daemon that keeps it (and
+has learned its link before the simulation starts).
 
 **The tier**: R replicas, each one worker in FIFO order (the prefill service runs one request at
 a time). Routing as ``prefill.fleet.router`` does: a conversation stays on the replica that
@@ -36,7 +39,8 @@ encodes every frame before the first is sent), over the box's link.
 TTFT = round trip + queue + service + transfer + one decode step.
 
 Reported per (replicas, policy): requests/s at the tier, egress Gbit/s, p50/p95 TTFT over all
-turns, mean replica utilisation, and the share of turns prefilled locally.
+turns and p95 per link class, the p95 of the wait for a replica, mean replica utilisation, and the
+share of turns prefilled locally.
 
     python tools/sim_fleet.py [--boxes 10000] [--replicas 4 6 8 10 12 16] [--device gpu|cpu]
                               [--policies fixed-0.3 fixed-1.0 adaptive] [--write-docs] [--json]
@@ -71,6 +75,7 @@ BENCH = {
 LOCAL_BENCH = ROOT / "docs/bench/serve-cpu-vm-2026-11-26.json"  # the 2-core edge box's own prefill
 MIN_WIRE_BYTES = 64 << 10  # daemon.min_wire_bytes
 MIN_BUDGET, SPLIT_SLOWDOWN = 0.2, 1.3  # daemon.min_budget, daemon.split_slowdown
+KEPT_LINK_HALF_LIFE_S = 1e9  # "adaptive-kept": a what-if daemon whose link estimate never lapses
 USER_SIGMA, ANSWER_SIGMA, THINK_SIGMA = 0.8, 0.6, 0.8  # lognormal spreads (log space) of the workload
 
 
@@ -225,12 +230,20 @@ def simulate(
     now = [0.0]
     shares = np.array([link.share for link in workload.links])
     picks = rng.choice(len(workload.links), workload.boxes, p=shares / shares.sum())
-    boxes = [Box(workload.links[i], LinkModel("tier", clock=lambda: now[0])) for i in picks]
+    memory_s = KEPT_LINK_HALF_LIFE_S if policy == "adaptive-kept" else LinkModel.__init__.__kwdefaults__["half_life_s"]
+    boxes = [Box(workload.links[i], LinkModel("tier", half_life_s=memory_s, clock=lambda: now[0])) for i in picks]
+    if policy == "adaptive-kept":  # it has pulled before: one typical pull (256 tokens at b 0.3) taught it its link
+        for box in boxes:
+            wire, server = int(0.3 * 256 * FP16_BYTES_PER_TOKEN), service.seconds(256, 0.3)
+            transfer = wire * 8 / (box.link.mbit_s * 1e6)
+            box.model.observe(PullResult(wire, 0, {}, 0.0, server, box.link.rtt_s + server, transfer, wire), 256)
     tier = Tier(replicas, routing)
     events = [(float(rng.exponential(workload.conversation_gap_s)), i) for i in range(workload.boxes)]
     heapq.heapify(events)
     end = warmup_s + sim_s
     ttfts, egress_bytes, requests, local_turns, turns, busy_s = [], 0.0, 0, 0, 0, 0.0
+    waits: list[float] = []  # seconds requests waited for their replica
+    by_link: dict[float, list[float]] = {}  # TTFTs by the box's link bandwidth
 
     while events:
         t, index = heapq.heappop(events)
@@ -275,9 +288,11 @@ def simulate(
                 egress_bytes += wire
                 requests += 1
                 busy_s += seconds
+                waits.append(done - seconds - t - half_rtt)
         ttft += workload.first_step_s
         if counted:
             ttfts.append(ttft)
+            by_link.setdefault(box.link.mbit_s, []).append(ttft)
             turns += 1
         box.last_answer = max(1, int(lognormal(rng, workload.answer_median_tokens, ANSWER_SIGMA)))
         box.held = prompt + box.last_answer
@@ -301,6 +316,8 @@ def simulate(
         "ttft_p95_s": float(np.percentile(ttft_array, 95)),
         "utilisation": min(busy_s / (sim_s * replicas), 1.0),  # service seconds of the window's requests
         "local_share": local_turns / max(turns, 1),
+        "wait_p95_s": float(np.percentile(waits, 95)) if waits else 0.0,
+        "ttft_p95_by_link_s": {f"{mbit:g}": float(np.percentile(v, 95)) for mbit, v in sorted(by_link.items())},
     }
 
 
@@ -340,7 +357,7 @@ def main() -> None:
     parser.add_argument("--boxes", type=int, default=Workload.boxes)
     parser.add_argument("--device", choices=sorted(BENCH), default="gpu")
     parser.add_argument("--replicas", type=int, nargs="+", default=[4, 6, 8, 10, 12, 16])
-    parser.add_argument("--policies", nargs="+", default=["fixed-0.3", "fixed-1.0", "adaptive"])
+    parser.add_argument("--policies", nargs="+", default=["fixed-0.3", "fixed-1.0", "adaptive", "adaptive-kept"])
     parser.add_argument("--routing", choices=("affinity", "round_robin"), default="affinity")
     parser.add_argument("--target-s", type=float, default=1.0, help="the adaptive policy's TTFT target")
     parser.add_argument("--sim-s", type=float, default=600.0)

@@ -10,15 +10,19 @@ DOCS_BEGIN, DOCS_END = "<!-- sim_fleet: begin -->", "<!-- sim_fleet: end -->"
 
 def table(rows: list[dict]) -> str:
     """The simulation's rows as a Markdown table."""
+    links = list(rows[0]["ttft_p95_by_link_s"])
     lines = [
-        "| policy | replicas | requests/s | egress Gbit/s | TTFT p50 s | TTFT p95 s | utilisation | local turns |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| policy | replicas | requests/s | egress Gbit/s | TTFT p50 s | TTFT p95 s | p95 by link (Mbit/s): "
+        + ", ".join(links)
+        + " | wait p95 s | utilisation | local turns |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for row in rows:
+        per_link = ", ".join(f"{row['ttft_p95_by_link_s'].get(link, float('nan')):.2f}" for link in links)
         lines.append(
             f"| {row['policy']} | {row['replicas']} | {row['requests_per_s']:.1f} | {row['egress_gbit_s']:.2f} "
-            f"| {row['ttft_p50_s']:.2f} | {row['ttft_p95_s']:.2f} | {row['utilisation']:.0%} "
-            f"| {row['local_share']:.0%} |"
+            f"| {row['ttft_p50_s']:.2f} | {row['ttft_p95_s']:.2f} | {per_link} | {row['wait_p95_s']:.2f} "
+            f"| {row['utilisation']:.0%} | {row['local_share']:.0%} |"
         )
     return "\n".join(lines)
 
