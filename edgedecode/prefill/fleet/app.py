@@ -104,10 +104,11 @@ def stop_fleet() -> None:
 def run_fleet(config: Config, announce: Callable[[str], None]) -> None:
     """Run the tier until SIGTERM/SIGINT; ``announce`` gets its URL."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     try:
-        announce(start_fleet(config))
+        url = start_fleet(config)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # after ray.init, whose own handler aborts the process
+            signal.signal(sig, lambda *_: stop.set())
+        announce(url)
         stop.wait()
         logger.info("shutting the prefill tier down")
     finally:
