@@ -74,7 +74,7 @@ def write_docs(args, rows: list[dict], table_text: str, bench: Path) -> None:
             "![p95 TTFT and utilisation against replicas](scale.png)",
             "",
             "Replicas needed for p95 TTFT ≤ 1 s: "
-            + "; ".join(f"{p}: {n if n is not None else 'more than simulated'}" for p, n in needs.items())
+            + "; ".join(f"{p}: {n if n is not None else 'none of those simulated'}" for p, n in needs.items())
             + ".",
             DOCS_END,
         ]
