@@ -323,6 +323,9 @@ def prefill_server(
     config: Path | None = typer.Option(
         None, "--config", "-c", help="TOML config (default /etc/edgedecode/edgedecode.toml if present)."
     ),
+    ray: bool = typer.Option(
+        False, "--ray", help="Run a tier of [fleet] replicas on Ray Serve behind this address (the [scale] extra)."
+    ),
 ) -> None:
     """Serve POST /v1/prefill: prompts in, their KV out as a streamed EDKV payload under a budget."""
     from edgedecode.model.graph import GraphOptions
@@ -332,7 +335,16 @@ def prefill_server(
         settings = _load_config(config, "prefill", host=host, port=port)
         loaded = _open_model(settings.model.name)
         _ensure_graph(loaded, GraphOptions.for_device("prefill", settings.model.device))
-        run_prefill_server(loaded, settings, _announce("prefill-server"))
+        if not ray:
+            run_prefill_server(loaded, settings, _announce("prefill-server"))
+            return
+        try:
+            from edgedecode.prefill.fleet.app import run_fleet
+        except ModuleNotFoundError as exc:
+            raise EdgeDecodeError(
+                f"--ray needs Ray Serve ({exc}): pip install 'edgedecode[scale]' (docs/scale.md)"
+            ) from None
+        run_fleet(settings, _announce("prefill-server"))
     except EdgeDecodeError as exc:
         _fail(exc)
 

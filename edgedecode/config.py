@@ -1,9 +1,10 @@
 """Configuration of the servers: one TOML file, ``EDGEDECODE_<SECTION>_<KEY>`` environment overrides,
 then command-line flags, validated once at start with errors that name the key and the source.
 
-Sections: ``[model]`` (which model, on which device), ``[daemon]`` (``edgedecode serve``) and
-``[prefill]`` (``edgedecode prefill-server``). Every key has a default, so an empty file (or none)
-is a valid configuration: loopback-only servers with an embedded prefill endpoint.
+Sections: ``[model]`` (which model, on which device), ``[daemon]`` (``edgedecode serve``),
+``[prefill]`` (``edgedecode prefill-server``) and ``[fleet]`` (its replicas on Ray Serve, ``--ray``).
+Every key has a default, so an empty file (or none) is a valid configuration: loopback-only servers
+with an embedded prefill endpoint.
 """
 
 from __future__ import annotations
@@ -106,16 +107,41 @@ class PrefillConfig:
 
 
 @dataclass(frozen=True)
+class FleetConfig:
+    """The prefill tier on Ray Serve (``edgedecode prefill-server --ray``): replicas of the prefill
+    server behind one HTTP endpoint (``prefill.host``/``prefill.port``), docs/scale.md."""
+
+    ray_address: str = ""  # "": start Ray on this machine; "auto" or host:port: join that cluster
+    replicas: int = 2  # replicas at start (the count when min_replicas = max_replicas = 0)
+    min_replicas: int = 0  # autoscaling bounds; both 0: a fixed count of `replicas`
+    max_replicas: int = 0
+    target_ongoing_requests: float = 2.0  # autoscaling keeps this many requests per replica
+    replica_cpus: float = 1.0  # CPUs Ray reserves per replica (set model.threads to match)
+    replica_gpus: float = 0.0  # GPUs per replica (1 with model.device = "cuda")
+    max_ongoing_requests: int = 4  # requests a replica takes at once; more wait in the router
+    max_queued_requests: int = 64  # requests waiting for a replica; more are refused (503)
+    routing: str = "affinity"  # affinity (prefix cache, else least loaded) or round_robin
+    affinity_imbalance: int = 2  # the replica holding a prefix is passed over when this many requests busier
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
+    graceful_shutdown_s: float = 60.0  # a replica leaving finishes its requests within this
+
+
+FLEET_ROUTING = ("affinity", "round_robin")
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     source: str = "defaults"  # where it was read from, for messages
 
 
-_SECTION_TYPES = {"model": ModelConfig, "daemon": DaemonConfig, "prefill": PrefillConfig}
+_SECTION_TYPES = {"model": ModelConfig, "daemon": DaemonConfig, "prefill": PrefillConfig, "fleet": FleetConfig}
 
 
 def load_config(
@@ -294,6 +320,7 @@ def _validate(config: Config, server: Literal["daemon", "prefill"] | None) -> No
             "daemon.max_payload_bytes >= 1024, daemon.memory_reserve_mb >= 0, "
             "prefill.prefix_cache_mb >= 0 and prefill.max_prompt_tokens >= 2 are required"
         )
+    problems += _fleet_problems(config.fleet)
     if problems:
         raise ConfigError(f"invalid configuration ({config.source}): " + "; ".join(problems))
 
@@ -353,6 +380,27 @@ def _unreadable(section: str, key: str, path: str) -> list[str]:
             return []
     except OSError as exc:
         return [f"{section}.{key}: cannot read {path}: {exc.strerror or exc}"]
+
+
+def _fleet_problems(f: FleetConfig) -> list[str]:
+    problems = []
+    if f.replicas < 1:
+        problems.append("fleet.replicas must be >= 1")
+    if (f.min_replicas or f.max_replicas) and not 0 <= f.min_replicas <= f.replicas <= f.max_replicas:
+        problems.append(
+            "autoscaling needs 0 <= fleet.min_replicas <= fleet.replicas <= fleet.max_replicas "
+            f"(got {f.min_replicas}, {f.replicas}, {f.max_replicas}); both 0 keeps fleet.replicas fixed"
+        )
+    if f.routing not in FLEET_ROUTING:
+        problems.append(f"fleet.routing must be one of {', '.join(FLEET_ROUTING)}, not {f.routing!r}")
+    if f.replica_cpus < 0 or f.replica_gpus < 0 or f.affinity_imbalance < 0:
+        problems.append("fleet.replica_cpus, fleet.replica_gpus and fleet.affinity_imbalance must be >= 0")
+    if f.max_ongoing_requests < 1 or f.max_queued_requests < 1:
+        problems.append("fleet.max_ongoing_requests and fleet.max_queued_requests must be >= 1")
+    for name in ("target_ongoing_requests", "health_check_period_s", "health_check_timeout_s", "graceful_shutdown_s"):
+        if getattr(f, name) <= 0:
+            problems.append(f"fleet.{name} must be > 0")
+    return problems
 
 
 def is_loopback(host: str) -> bool:

@@ -19,9 +19,9 @@ from edgedecode.serving.process import ServerStartError, start_server, stop_serv
 START_TIMEOUT = 600
 
 
-def metric_samples(url: str, token: str) -> dict[str, float]:
-    """Every sample of a server's /metrics (parsed by prometheus-client), keyed ``name{k=v,...}``."""
-    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+def metric_samples(url: str, token: str, path: str = "/metrics") -> dict[str, float]:
+    """Every sample of a server's /metrics (or ``path``; parsed by prometheus-client), keyed ``name{k=v,...}``."""
+    request = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
     samples = {}

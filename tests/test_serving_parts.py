@@ -48,6 +48,8 @@ def test_config_layers_file_env_and_flags(tmp_path):
         ("[daemon]\npolicy = 'best'\n", {}, "daemon.policy must be one of"),
         ("[daemon]\nprefill_url = 'ftp://x'\n", {}, "daemon.prefill_url must be an http(s) URL"),
         ("[daemon\n", {}, "is not valid TOML"),
+        ("[fleet]\nrouting = 'random'\n", {}, "fleet.routing must be one of affinity, round_robin"),
+        ("[fleet]\nreplicas = 4\nmax_replicas = 3\n", {}, "autoscaling needs 0 <= fleet.min_replicas"),
     ],
 )
 def test_config_errors_name_the_key_and_source(tmp_path, text, env, message):

@@ -26,6 +26,17 @@ from edgedecode.kv.snapshot import KVSnapshot
 DEFAULT_BLOCK_TOKENS = 64
 
 
+def block_chain(token_ids: np.ndarray, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[bytes]:
+    """Hash of each complete block's prefix: h[i] covers tokens [0, (i + 1) * block_tokens)."""
+    tokens = np.ascontiguousarray(token_ids, "<i8")
+    hashes, previous = [], b""
+    for end in range(block_tokens, len(tokens) + 1, block_tokens):
+        block = tokens[end - block_tokens : end].tobytes()
+        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+        hashes.append(previous)
+    return hashes
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """The cached KV of the longest cached prefix of a prompt."""
@@ -51,14 +62,12 @@ class PrefixCache:
         return len(self._entries)
 
     def _chain(self, token_ids: np.ndarray) -> list[bytes]:
-        """Hash of each complete block's prefix: h[i] covers tokens [0, (i + 1) * block_tokens)."""
-        tokens = np.ascontiguousarray(token_ids, "<i8")
-        hashes, previous = [], b""
-        for end in range(self.block_tokens, len(tokens) + 1, self.block_tokens):
-            block = tokens[end - self.block_tokens : end].tobytes()
-            previous = hashlib.blake2b(previous + block, digest_size=16).digest()
-            hashes.append(previous)
-        return hashes
+        return block_chain(token_ids, self.block_tokens)
+
+    def block_hashes(self) -> list[bytes]:
+        """The block-chain hash of every prefix some entry holds (what a router in front of several
+        prefill servers learns each one's cache from)."""
+        return list(self._blocks)
 
     def lookup(self, token_ids: np.ndarray) -> PrefixHit | None:
         """The cached KV of the longest block-aligned prefix of ``token_ids`` held by any entry."""

@@ -18,12 +18,10 @@ from edgedecode.tls import server_tls
 logger = logging.getLogger(__name__)
 
 
-def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[str], None]) -> None:
-    """Serve ``model`` per ``config.prefill`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
+def build_service(model: LoadedModel, config: Config, transfer_id_prefix: str = "") -> PrefillService:
+    """The prefill service of ``model`` as ``config`` sets it up (``[model]`` and ``[prefill]``)."""
     settings = config.prefill
-    return_freed_buffers()  # transient prefills and payloads leave the process (serving/heap.py)
-    ssl_context = server_tls(settings.tls_cert_file, settings.tls_key_file)  # checked by load_config
-    service = PrefillService(
+    return PrefillService(
         model,
         device=config.model.device,
         threads=config.model.threads or None,
@@ -33,7 +31,16 @@ def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[s
         transfer_ttl_s=settings.transfer_ttl_s,
         encode_threads=settings.encode_threads or os.cpu_count() or 1,
         allow_special_tokens=settings.allow_special_tokens,
+        transfer_id_prefix=transfer_id_prefix,
     )
+
+
+def run_prefill_server(model: LoadedModel, config: Config, announce: Callable[[str], None]) -> None:
+    """Serve ``model`` per ``config.prefill`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
+    settings = config.prefill
+    return_freed_buffers()  # transient prefills and payloads leave the process (serving/heap.py)
+    ssl_context = server_tls(settings.tls_cert_file, settings.tls_key_file)  # checked by load_config
+    service = build_service(model, config)
 
     async def main() -> None:
         try:

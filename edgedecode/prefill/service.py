@@ -200,9 +200,11 @@ class PrefillService:
         transfer_ttl_s: float = 30.0,
         encode_threads: int = 1,
         allow_special_tokens: bool = False,
+        transfer_id_prefix: str = "",
     ) -> None:
         """``transfer_bytes``/``transfer_ttl_s``: how much prefill KV is kept, and how long, for
-        receivers to resume a cut pull (``transfers.TransferStore``; 0 bytes: none is kept)."""
+        receivers to resume a cut pull (``transfers.TransferStore``; 0 bytes: none is kept);
+        ``transfer_id_prefix`` starts its transfer ids (a replica's name in a prefill tier)."""
         self.model = model
         self.encode_threads = encode_threads
         self.allow_special_tokens = allow_special_tokens
@@ -210,7 +212,7 @@ class PrefillService:
         self.max_prompt_tokens = min(max_prompt_tokens, model.spec.context_length)
         self.engine = Engine(model, options, max_context=self.max_prompt_tokens + 1, device=device, threads=threads)
         self.cache = PrefixCache(prefix_cache_bytes)
-        self.transfers = TransferStore(transfer_bytes, transfer_ttl_s)
+        self.transfers = TransferStore(transfer_bytes, transfer_ttl_s, id_prefix=transfer_id_prefix)
         self.profile = TierProfile.load(profile_path(model))
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-prefill")
         self._busy_since: float | None = None  # when the running prefill started (monotonic)

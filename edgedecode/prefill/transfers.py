@@ -25,6 +25,8 @@ from edgedecode.prefill.pipeline import ScoredPrefill
 
 ID_BYTES = 12  # random bytes of an id
 ID_CHARS = 16  # its URL-safe base64 characters
+ID_PREFIX_END = "_"  # ends a store's id prefix
+MAX_ID_CHARS = 64  # EDKV's limit on a transfer id
 
 
 class TransferNotFoundError(RequestError):
@@ -44,9 +46,16 @@ class _Entry:
 class TransferStore:
     """Scored prefills by transfer id, for ``ttl_s`` seconds after their last use, ``max_bytes`` in all."""
 
-    def __init__(self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_bytes: int, ttl_s: float, clock: Callable[[], float] = time.monotonic, id_prefix: str = ""
+    ) -> None:
+        """``id_prefix`` starts every id (letters and digits): a prefill tier of several servers
+        routes a resume to the one that keeps the transfer by it (``prefill.fleet``)."""
         if max_bytes < 0 or ttl_s <= 0:
             raise ValueError("need max_bytes >= 0 and ttl_s > 0")
+        if id_prefix and not (id_prefix.isascii() and id_prefix.isalnum() and len(id_prefix) < MAX_ID_CHARS - ID_CHARS):
+            raise ValueError(f"a transfer id prefix is 1 to {MAX_ID_CHARS - ID_CHARS - 1} letters and digits")
+        self.id_prefix = f"{id_prefix}{ID_PREFIX_END}" if id_prefix else ""
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
         self.clock = clock
@@ -65,7 +74,7 @@ class TransferStore:
             return None
         while self.nbytes + nbytes > self.max_bytes:
             self._drop(next(iter(self._entries)))
-        transfer_id = secrets.token_urlsafe(ID_BYTES)
+        transfer_id = self.id_prefix + secrets.token_urlsafe(ID_BYTES)
         self._entries[transfer_id] = _Entry(scored, nbytes, self.clock() + self.ttl_s)
         self.nbytes += nbytes
         return TransferRef(transfer_id, self.ttl_s)
@@ -73,7 +82,7 @@ class TransferStore:
     def placeholder(self) -> TransferRef | None:
         """A reference the size of those ``put`` makes (None when the store keeps nothing): what a
         payload's header will carry, for sizing it before the prefill."""
-        return TransferRef("x" * ID_CHARS, self.ttl_s) if self.max_bytes else None
+        return TransferRef("x" * (len(self.id_prefix) + ID_CHARS), self.ttl_s) if self.max_bytes else None
 
     def get(self, transfer_id: str) -> tuple[ScoredPrefill, TransferRef]:
         """The prefill kept under ``transfer_id``, whose life starts again now, and its reference.

@@ -1,0 +1,189 @@
+"""The prefill tier on Ray Serve (edgedecode.prefill.fleet): two replicas of the real prefill server
+behind Serve's HTTP proxy on 127.0.0.1, serving a real decode daemon. One deployment for the
+module: the daemon's answers, where a conversation's turns land, and losing a replica mid-request.
+
+Ray is the optional [scale] extra: without it these tests are skipped, except in CI (CI set),
+which installs it, where its absence fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+from openai import OpenAI
+from serving_helpers import ServerProcess, lighthouse_chat, metric_samples, server_config
+
+if os.environ.get("CI"):
+    import ray  # CI installs the [scale] extra: a missing Ray fails here instead of skipping
+else:
+    ray = pytest.importorskip("ray", reason="the [scale] extra (Ray Serve) is not installed")
+
+from edgedecode.config import load_config
+from edgedecode.kv.policy import TierProfile, profile_path
+from edgedecode.model.graph import GraphOptions
+from edgedecode.prefill.fleet.app import replica_actor, replica_names, start_fleet, stop_fleet
+from edgedecode.prefill.pipeline import prefill_and_score, through_wire
+from edgedecode.runtime.sampler import SamplingParams
+
+TOKEN, PREFILL_TOKEN = "daemon-secret", "fleet-secret"
+BUDGET = 0.3
+MAX_TOKENS = 24
+RESTART_WAIT_S = 300  # a bound on waiting for Serve to replace a lost replica (loading the model), not a timing claim
+FLEET_CONFIG = f"""
+[model]
+threads = 2
+[prefill]
+auth_token = "{PREFILL_TOKEN}"
+prefix_cache_mb = 64
+max_prompt_tokens = 2048
+[fleet]
+replicas = 2
+replica_cpus = 1
+health_check_period_s = 2
+graceful_shutdown_s = 5
+"""
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fleet")
+
+
+@pytest.fixture(scope="module")
+def fleet(smollm2_model, workdir):
+    """The tier's URL: two replicas on a Ray instance of this process (2 CPUs, a small object store)."""
+    smollm2_model.graph(GraphOptions.for_device("prefill", "cpu"))  # built once here, not by each replica
+    path = workdir / "fleet.toml"
+    path.write_text(FLEET_CONFIG)
+    url = start_fleet(load_config(path, env={}), num_cpus=2, object_store_memory=128 << 20)
+    yield url
+    stop_fleet()
+
+
+@pytest.fixture(scope="module")
+def daemon(fleet, workdir):
+    config = server_config(workdir, "daemon", prefill_token=PREFILL_TOKEN, budget=BUDGET)
+    server = ServerProcess(
+        ["serve", "--config", config, "--prefill-url", fleet],
+        workdir / "daemon.log",
+        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+    )
+    yield server
+    server.stop()
+
+
+def _chat(daemon, messages, session: str):
+    client = OpenAI(base_url=daemon.url + "/v1", api_key=TOKEN, timeout=300, max_retries=0)
+    completion = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=messages,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        extra_body={"session_id": session},
+    )
+    return completion, completion.model_extra["edgedecode"]
+
+
+def _replica_tokens(fleet: str) -> dict[str, dict[str, float]]:
+    """Each live replica's prompt tokens by source (its prefix cache, or computed), from its own metrics."""
+    tokens = {}
+    for name in replica_names():
+        samples = metric_samples(fleet, PREFILL_TOKEN, f"/metrics?replica={name}")
+        tokens[name] = {
+            source: samples.get(f"edgedecode_prefill_tokens_total{{source={source}}}", 0.0)
+            for source in ("prefix_cache", "computed")
+        }
+    return tokens
+
+
+def _changed(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    return {
+        name: {source: after[name][source] - before[name][source] for source in after[name]}
+        for name in after
+        if after[name] != before[name]
+    }
+
+
+def test_the_daemon_gets_the_single_server_greedy_answer_through_two_replicas(
+    daemon, smollm2_model, prefiller, decoder
+):
+    messages = [{"role": "user", "content": "Name three rivers in Europe."}]
+    completion, report = _chat(daemon, messages, "rivers")
+    assert report["kv"]["source"] == "prefill_server"
+    # the single-server path, in process: prefill, score and encode at the budget, decode greedily
+    prompt = smollm2_model.tokenizer.encode_chat(messages)
+    scored = prefill_and_score(prefiller, np.asarray(prompt, np.int64))
+    profile = TierProfile.load(profile_path(smollm2_model))
+    kv, encoded = through_wire(scored, BUDGET, "ours", smollm2_model.spec.kv_contract, profile=profile)
+    tokens = list(decoder.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), kv=kv))
+    assert completion.choices[0].message.content == smollm2_model.tokenizer.decode(tokens)
+    assert report["kv"]["tiers"] == {name: n for name, n in encoded.tier_counts().items() if n}
+
+
+def test_a_conversations_second_turn_lands_on_the_replica_holding_its_prefix(daemon, fleet):
+    turn1 = lighthouse_chat(12)  # ~170 tokens: two whole 64-token blocks for the prefix cache
+    before = _replica_tokens(fleet)
+    first, _ = _chat(daemon, turn1, "lighthouse")
+    after_first = _replica_tokens(fleet)
+    served_first = _changed(before, after_first)
+    assert len(served_first) == 1  # one replica computed the first turn
+    (holder,) = served_first
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Who wrote it down?"},
+    ]
+    _chat(daemon, turn2, "lighthouse")
+    served_second = _changed(after_first, _replica_tokens(fleet))
+    assert list(served_second) == [holder]  # the same replica, and no other, served the second turn
+    assert served_second[holder]["prefix_cache"] >= 128  # the first turn's blocks came from its prefix cache
+
+
+def test_losing_the_replica_serving_a_request_still_answers_and_the_tier_recovers(daemon, fleet):
+    names = replica_names()
+    assert len(names) == 2
+    messages = lighthouse_chat(60)  # ~800 tokens: the replica is busy with it for a while
+    result: dict = {}
+    request = threading.Thread(target=lambda: result.update(answer=_chat(daemon, messages, "lost")))
+    request.start()
+    victim = None
+    while victim is None and request.is_alive():
+        for name in names:
+            depth = metric_samples(fleet, PREFILL_TOKEN, f"/metrics?replica={name}")["edgedecode_prefill_queue_depth{}"]
+            if depth:
+                victim = name
+                break
+        time.sleep(0.05)
+    assert victim is not None, "the request ended before a replica was seen serving it"
+    ray.kill(replica_actor(victim), no_restart=True)
+    request.join()
+    completion, report = result["answer"]
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == MAX_TOKENS
+    kv = report["kv"]
+    assert kv["reused_tokens"] + kv["pulled_tokens"] + kv["computed_tokens"] == completion.usage.prompt_tokens
+    # the next request is served, by a live replica
+    completion, report = _chat(daemon, [{"role": "user", "content": "Say hello."}], "next")
+    assert completion.choices[0].message.content and report["kv"]["source"] == "prefill_server"
+    # Serve replaces the lost replica: two replicas again, each serving (answering its own metrics)
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while not _replaced(fleet, victim) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _replaced(fleet, victim)
+
+
+def _replaced(fleet: str, lost: str) -> bool:
+    names = replica_names()
+    return len(names) == 2 and lost not in names and all(_serving(fleet, name) for name in names)
+
+
+def _serving(fleet: str, name: str) -> bool:
+    try:
+        metric_samples(fleet, PREFILL_TOKEN, f"/metrics?replica={name}")
+    except urllib.error.HTTPError:
+        return False  # 404: it is not serving yet (Serve routes to running replicas only)
+    return True

@@ -1,0 +1,85 @@
+"""The report of ``sim_fleet.py``: its table, the plot and docs/scale.md's simulation section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS_BEGIN, DOCS_END = "<!-- sim_fleet: begin -->", "<!-- sim_fleet: end -->"
+
+
+def table(rows: list[dict]) -> str:
+    """The simulation's rows as a Markdown table."""
+    links = list(rows[0]["ttft_p95_by_link_s"])
+    lines = [
+        "| policy | replicas | requests/s | egress Gbit/s | TTFT p50 s | TTFT p95 s | p95 by link (Mbit/s): "
+        + ", ".join(links)
+        + " | wait p95 s | utilisation | local turns |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        per_link = ", ".join(f"{row['ttft_p95_by_link_s'].get(link, float('nan')):.2f}" for link in links)
+        lines.append(
+            f"| {row['policy']} | {row['replicas']} | {row['requests_per_s']:.1f} | {row['egress_gbit_s']:.2f} "
+            f"| {row['ttft_p50_s']:.2f} | {row['ttft_p95_s']:.2f} | {per_link} | {row['wait_p95_s']:.2f} "
+            f"| {row['utilisation']:.0%} | {row['local_share']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def workload_json(workload) -> dict:
+    """A ``sim_fleet.Workload`` as JSON."""
+    return {**vars(workload), "links": [vars(link) for link in workload.links]}
+
+
+def needed_replicas(rows: list[dict], policy: str, p95_s: float = 1.0) -> int | None:
+    """The fewest replicas whose p95 TTFT is within ``p95_s`` for ``policy`` (None: none simulated)."""
+    meeting = [row["replicas"] for row in rows if row["policy"] == policy and row["ttft_p95_s"] <= p95_s]
+    return min(meeting) if meeting else None
+
+
+def write_docs(args, rows: list[dict], table_text: str, bench: Path) -> None:
+    """Plot p95 TTFT and utilisation against replicas (docs/scale.png) and rewrite docs/scale.md's
+    simulation section with ``table_text`` and the replicas each policy needs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for policy in args.policies:
+        mine = [row for row in rows if row["policy"] == policy]
+        axes[0].plot([r["replicas"] for r in mine], [r["ttft_p95_s"] for r in mine], marker="o", label=policy)
+        axes[1].plot([r["replicas"] for r in mine], [r["utilisation"] for r in mine], marker="o", label=policy)
+    axes[0].axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
+    axes[0].set(xlabel="replicas", ylabel="p95 TTFT (s)", yscale="log", title=f"{args.boxes} edge boxes")
+    axes[1].set(xlabel="replicas", ylabel="mean replica utilisation", ylim=(0, 1.05))
+    axes[0].legend()
+    figure.tight_layout()
+    figure.savefig(ROOT / "docs/scale.png", dpi=110)
+    needs = {policy: needed_replicas(rows, policy) for policy in args.policies}
+    command = (
+        f"python tools/sim_fleet.py --boxes {args.boxes} --device {args.device} "
+        f"--replicas {' '.join(map(str, args.replicas))} --policies {' '.join(args.policies)} "
+        f"--warmup-s {args.warmup_s:g} --sim-s {args.sim_s:g} --write-docs"
+    )
+    section = "\n".join(
+        [
+            DOCS_BEGIN,
+            f"`{command}` (seed {args.seed}, {args.warmup_s:g} s warm-up, {args.sim_s:g} s measured; "
+            f"service times: `{bench}`):",
+            "",
+            table_text,
+            "",
+            "![p95 TTFT and utilisation against replicas](scale.png)",
+            "",
+            "Replicas needed for p95 TTFT ≤ 1 s: "
+            + "; ".join(f"{p}: {n if n is not None else 'none of those simulated'}" for p, n in needs.items())
+            + ".",
+            DOCS_END,
+        ]
+    )
+    path = ROOT / "docs/scale.md"
+    text = path.read_text()
+    start, stop = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
+    path.write_text(text[:start] + section + text[stop:])
