@@ -141,7 +141,9 @@ class DecodeService:
         self.kv_bytes_per_slot_token = engines[0].kv_bytes_per_slot
         self.pool = SlotPool(engines, d.max_queue)
         self.worker = DecodeWorker()
-        self.breaker = CircuitBreaker(d.breaker_failures, d.breaker_reset_s)
+        self.breaker = CircuitBreaker(
+            d.breaker_failures, d.breaker_reset_s, on_transition=lambda to: metrics.breaker_transitions.labels(to).inc()
+        )
         self._ingest = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-ingest")
         self._http: aiohttp.ClientSession | None = None
         self._releasing: set[asyncio.Future] = set()  # slots waiting for their fetch to end
