@@ -1,0 +1,77 @@
+"""Hostile and failing prefill peers (issue 15 item 3): every turn completes, through the pull or
+through local prefill, within the configured timeouts; the breaker opens on a failing peer and
+closes again once it recovers; the counters say what happened.
+
+The first part drives the daemon's pipeline in process (fake engines, as in
+test_decode_pipeline.py) against peers that misbehave in ways a real server cannot be made to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from aiohttp import web
+from serving_helpers import ThreadedApp
+from test_decode_pipeline import CONTRACT, HEAD_DIM, HEADS, LAYERS, FakeEngine, drive, make_service, run_turn
+
+from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import TransferRef, encode_payload
+
+# --- in process: a peer that breaks off every segment after its first chunk ------------------------
+
+LONG_PROMPT = np.arange(1, 901, dtype=np.int64)  # several EDKV chunks: a resume has something to ask for
+
+
+class BreakingPeer:
+    """Answers every prefill and resume with the payload's header and first chunk (real EDKV, with a
+    transfer to resume), then goes silent with the connection open (``after`` "stall") or resets it
+    ("reset")."""
+
+    def __init__(self, after: str) -> None:
+        self.after = after
+        self.requests: list[str] = []
+        app = web.Application()
+        app.router.add_post("/v1/prefill", self.answer)
+        app.router.add_post("/v1/prefill/transfers/{transfer_id}", self.answer)
+        self.server = ThreadedApp(app)
+        self.url = self.server.url
+
+    async def answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(request.path)
+        held = body["held_tokens"]
+        n = len(LONG_PROMPT) - held
+        kv = np.random.default_rng(n).standard_normal((LAYERS, HEADS, n, HEAD_DIM)).astype(np.float32)
+        snapshot = KVSnapshot(
+            CONTRACT, LONG_PROMPT[held:], np.arange(held, len(LONG_PROMPT)), kv, kv, KVProducer("fake", "ab" * 32, "x")
+        )
+        frames = list(encode_payload(snapshot, np.full(n, Tier.FP16, np.uint8), transfer=TransferRef("t", 30)))
+        response = web.StreamResponse(headers={"Content-Type": "application/x-edkv"})
+        await response.prepare(request)
+        await response.write(frames[0] + frames[1])
+        if self.after == "reset":
+            assert request.transport is not None
+            request.transport.abort()
+            return response
+        for _ in range(200):  # at most 10 s; the daemon hangs up long before
+            if request.transport is None or request.transport.is_closing():
+                break
+            await asyncio.sleep(0.05)
+        return response
+
+
+def test_a_segment_reset_after_its_first_chunk_keeps_that_chunk():
+    """The bytes a broken segment had received since its last hand-over to the ingest thread (up
+    to FEED_BYTES, 1 MiB: all of a short prompt's payload) were dropped, so nothing it sent was kept."""
+    peer = BreakingPeer("reset")
+    try:
+        service = make_service(peer.url, [FakeEngine(max_context=1024)], fetch_timeout_s=5.0)
+        report = drive(service, lambda: run_turn(service, LONG_PROMPT)).report
+    finally:
+        peer.server.stop()
+    assert report.kv_source == "prefill_server"
+    assert [segment["ended"] for segment in report.segments] == ["truncated"] * 4  # each resumed where it broke
+    assert all(segment["tokens"] > 0 for segment in report.segments)  # and kept its chunk
+    assert report.pulled_tokens == len(LONG_PROMPT) - 1 and report.computed_tokens == 1  # so all of it came
