@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 from aiohttp import web
 from serving_helpers import ThreadedApp
-from test_decode_pipeline import CONTRACT, HEAD_DIM, HEADS, LAYERS, FakeEngine, drive, make_service, run_turn
+from test_decode_pipeline import CONTRACT, HEAD_DIM, HEADS, LAYERS, FakeEngine, drive, fallbacks, make_service, run_turn
 
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
@@ -75,3 +75,30 @@ def test_a_segment_reset_after_its_first_chunk_keeps_that_chunk():
     assert [segment["ended"] for segment in report.segments] == ["truncated"] * 4  # each resumed where it broke
     assert all(segment["tokens"] > 0 for segment in report.segments)  # and kept its chunk
     assert report.pulled_tokens == len(LONG_PROMPT) - 1 and report.computed_tokens == 1  # so all of it came
+
+
+def test_a_peer_that_stalls_every_segment_holds_a_turn_no_longer_than_the_fetch_timeout_then_is_skipped():
+    """Each segment kept what it verified and the rest was resumed from the same peer: up to 4
+    segments of idle_read_timeout_s each (2 s here), past fetch_timeout_s (1 s); and since part of
+    the KV arrived every time, the breaker counted the peer healthy and never opened."""
+    peer = BreakingPeer("stall")
+    try:
+        service = make_service(
+            peer.url, [FakeEngine(max_context=1024)], fetch_timeout_s=1.0, idle_read_timeout_s=0.5, breaker_failures=2
+        )
+
+        async def scenario():
+            return [(await run_turn(service, LONG_PROMPT)).report for _ in range(3)]
+
+        first, second, third = drive(service, scenario)
+    finally:
+        peer.server.stop()
+    for report in (first, second):
+        assert (report.kv_source, report.fallback_reason) == ("prefill_server", "timeout")  # what arrived is used
+        assert len(report.segments) >= 2 and report.segments[1]["ended"] == "timeout"  # a resume was tried
+        assert report.fetch_seconds < 1.0 + 0.4
+    assert (third.fallback_reason, third.segments) == ("breaker_open", [])
+    assert len(peer.requests) == len(first.segments) + len(second.segments)  # the open breaker asked nothing
+    assert fallbacks(service) == {"timeout": 2.0, "breaker_open": 1.0}
+    transitions = service.metrics.registry.get_sample_value
+    assert transitions("edgedecode_prefill_breaker_transitions_total", {"to": "open"}) == 1.0

@@ -278,9 +278,9 @@ class DecodeService:
             self.split_slowdown.add(outcome.seconds / split_pull_s, time.monotonic())
         failure = outcome.failure
         arrived = stream.covered > start
-        if failure is None or arrived:
-            self.breaker.record_success()  # the endpoint delivered (all, or part of it)
-        elif failure.endpoint_fault:
+        if failure is None:
+            self.breaker.record_success()
+        elif failure.endpoint_fault:  # also when part arrived: an endpoint that always breaks off is skipped too
             self.breaker.record_failure()
         if failure is None:
             return True
