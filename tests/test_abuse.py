@@ -114,6 +114,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot_at_once(hostile_dae
     assert metric_samples(daemon.url, daemon.token)[left] == before + 1  # counted as a client gone (499)
 
 
+def test_a_client_that_leaves_before_its_whole_answer_frees_its_slot(hostile_daemon):
+    """The same without streaming: the daemon noticed only once the whole answer was generated."""
+    daemon = Target("daemon", hostile_daemon.url, hostile_daemon.token)
+    finding = _run(lambda http: hostile_clients.leave(http, daemon, stream=False))
+    assert finding.ok, finding.detail
+
+
 def test_a_client_that_leaves_mid_payload_leaves_the_prefill_server_serving(prefill_server):
     prefill = Target("prefill", prefill_server.url, PREFILL_TOKEN)
     finding = _run(lambda http: hostile_clients.leave_mid_payload(http, prefill))
