@@ -146,15 +146,16 @@ def prefill_peer(prefill_server):
 
 
 # One slot and a short queue (floods, a client that leaves), short client timeouts (slowloris), KV timeouts
-# a loaded 2-core box still meets for short prompts, and a breaker that opens after 2 failures for 2 s.
+# a 2-core box under other load still meets for short prompts (no test here waits them out: the peers that
+# stall are tested in process, test_faults.py), and a breaker that opens after 2 failures for 2 s.
 HOSTILE_DAEMON_SETTINGS = {
     "slots": 1,
     "max_queue": 2,
     "client_timeout_s": 2.0,
     "header_timeout_s": 1.0,
     "connect_timeout_s": 2.0,
-    "idle_read_timeout_s": 5.0,
-    "fetch_timeout_s": 8.0,
+    "idle_read_timeout_s": 20.0,
+    "fetch_timeout_s": 30.0,
     "breaker_failures": 2,
     "breaker_reset_s": 2.0,
 }

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import numpy as np
+import pytest
 from aiohttp import web
 from serving_helpers import ThreadedApp
 from test_decode_pipeline import CONTRACT, HEAD_DIM, HEADS, LAYERS, FakeEngine, drive, fallbacks, make_service, run_turn
 
+from edgedecode.evaluation import peer_faults
+from edgedecode.evaluation.hostile_http import Target
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import TransferRef, encode_payload
@@ -102,3 +106,49 @@ def test_a_peer_that_stalls_every_segment_holds_a_turn_no_longer_than_the_fetch_
     assert fallbacks(service) == {"timeout": 2.0, "breaker_open": 1.0}
     transitions = service.metrics.registry.get_sample_value
     assert transitions("edgedecode_prefill_breaker_transitions_total", {"to": "open"}) == 1.0
+
+
+# --- real servers: the session's daemon pulling through a PrefillPeer in front of the prefill server --
+
+
+def _run(work):
+    async def main():
+        async with aiohttp.ClientSession() as http:
+            return await work(http)
+
+    return asyncio.run(main())
+
+
+def test_the_breaker_opens_on_a_failing_peer_and_closes_again_once_it_recovers(hostile_daemon, prefill_peer):
+    """The peer answers 500 twice (breaker_failures 2), then recovers: the breaker opens, skips the
+    peer, lets a trial through after breaker_reset_s (2 s), closes, and every turn is answered."""
+    peer, _ = prefill_peer
+    daemon = Target("daemon", hostile_daemon.url, hostile_daemon.token)
+    d = hostile_daemon.config.daemon
+    cycle = _run(lambda http: peer_faults.breaker_cycle(http, daemon, peer, d.breaker_failures, d.breaker_reset_s))
+    assert cycle.reasons == ["http_error", "http_error", "breaker_open", None, None]
+    assert cycle.states == ["closed", "open", "open", "closed", "closed"]
+    assert cycle.counters == {
+        "edgedecode_prefill_fallbacks_total{reason=http_error}": 2.0,
+        "edgedecode_prefill_fallbacks_total{reason=breaker_open}": 1.0,
+        "edgedecode_prefill_breaker_transitions_total{to=open}": 1.0,
+        "edgedecode_prefill_breaker_transitions_total{to=closed}": 1.0,
+    }
+
+
+@pytest.mark.parametrize("fault", ["reset_mid_stream", "other_prompt"])
+def test_a_hostile_peer_costs_one_turn_a_local_prefill_and_the_next_turn_pulls_again(
+    hostile_daemon, prefill_peer, fault
+):
+    peer, _ = prefill_peer
+    daemon = Target("daemon", hostile_daemon.url, hostile_daemon.token)
+    d = hostile_daemon.config.daemon
+    scenario = next(s for s in peer_faults.SCENARIOS if s.fault == fault)
+
+    async def work(http):
+        await peer_faults.close_breaker(http, daemon, peer, d.breaker_reset_s)
+        return await peer_faults.run_scenario(http, daemon, peer, scenario, d.fetch_timeout_s)
+
+    outcome = _run(work)
+    assert not outcome.problems, outcome.problems
+    assert outcome.counters == {f"edgedecode_prefill_fallbacks_total{{reason={outcome.turn.reason}}}": 1.0}

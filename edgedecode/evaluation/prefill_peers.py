@@ -108,6 +108,14 @@ class PrefillPeer:
                 return web.Response(status=upstream.status, body=await upstream.read(), content_type="application/json")
             payload = await upstream.read()
             headers = {name: upstream.headers[name] for name in _RELAYED_HEADERS if name in upstream.headers}
+        try:
+            return await self._send(request, headers, payload, fault)
+        except ConnectionResetError:  # the daemon hung up first (its timeout)
+            return web.Response(status=499)
+
+    async def _send(
+        self, request: web.Request, headers: dict[str, str], payload: bytes, fault: str
+    ) -> web.StreamResponse:
         response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         half = payload[: len(payload) // 2]
