@@ -33,8 +33,9 @@ class BreakingPeer:
     transfer to resume), then goes silent with the connection open (``after`` "stall") or resets it
     ("reset")."""
 
-    def __init__(self, after: str) -> None:
+    def __init__(self, after: str, frames: int = 2) -> None:
         self.after = after
+        self.frames = frames  # sent before it breaks: the header (1), and the first chunk (2)
         self.requests: list[str] = []
         app = web.Application()
         app.router.add_post("/v1/prefill", self.answer)
@@ -54,7 +55,7 @@ class BreakingPeer:
         frames = list(encode_payload(snapshot, np.full(n, Tier.FP16, np.uint8), transfer=TransferRef("t", 30)))
         response = web.StreamResponse(headers={"Content-Type": "application/x-edkv"})
         await response.prepare(request)
-        await response.write(frames[0] + frames[1])
+        await response.write(b"".join(frames[: self.frames]))
         if self.after == "reset":
             assert request.transport is not None
             request.transport.abort()
@@ -79,6 +80,20 @@ def test_a_segment_reset_after_its_first_chunk_keeps_that_chunk():
     assert [segment["ended"] for segment in report.segments] == ["truncated"] * 4  # each resumed where it broke
     assert all(segment["tokens"] > 0 for segment in report.segments)  # and kept its chunk
     assert report.pulled_tokens == len(LONG_PROMPT) - 1 and report.computed_tokens == 1  # so all of it came
+
+
+def test_a_segment_that_times_out_having_verified_nothing_is_not_resumed():
+    """Its header names a transfer, but a peer that sent no whole chunk in idle_read_timeout_s would
+    most likely stall a resume too: the rest is computed here at once."""
+    peer = BreakingPeer("stall", frames=1)
+    try:
+        service = make_service(peer.url, [FakeEngine(max_context=1024)], fetch_timeout_s=3.0, idle_read_timeout_s=0.3)
+        report = drive(service, lambda: run_turn(service, LONG_PROMPT)).report
+    finally:
+        peer.server.stop()
+    assert (report.kv_source, report.fallback_reason) == ("local", "timeout")
+    assert [segment["ended"] for segment in report.segments] == ["timeout"] and peer.requests == ["/v1/prefill"]
+    assert report.fetch_seconds < 1.0
 
 
 def test_a_peer_that_stalls_every_segment_holds_a_turn_no_longer_than_the_fetch_timeout_then_is_skipped():

@@ -183,6 +183,8 @@ class KVFetch:
         last = outcome.segments[-1]
         if last.result.ended == "complete" or stream.covered >= n - 1 or len(outcome.segments) >= MAX_SEGMENTS:
             return None  # the prompt's last token runs here anyway
+        if last.result.ended == "timeout" and last.result.tokens == 0:
+            return None  # nothing verified in all that time: the same endpoint would likely fare no better
         if last.result.ended in ("rejected", "too_large", "bad_payload"):
             return None  # asking again would get the same answer
         transfer = next((s.header.transfer for s in reversed(stream.segments) if s.header and s.header.transfer), None)
