@@ -21,7 +21,7 @@ from edgedecode.serving.process import ServerStartError, start_server, stop_serv
 START_TIMEOUT = 600
 PREFILL_TOKEN = "prefill-secret"  # the bearer token of the session's prefill server (conftest.py)
 # the session's prefill server: timeouts short enough for the slowloris and slow-body tests, a short queue for floods
-PREFILL_SETTINGS = {"header_timeout_s": 1.5, "client_timeout_s": 3.0, "max_queue": 4}
+PREFILL_SETTINGS = {"header_timeout_s": 1.0, "client_timeout_s": 2.0, "max_queue": 4}
 
 
 def metric_samples(url: str, token: str) -> dict[str, float]:

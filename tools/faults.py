@@ -139,7 +139,8 @@ def print_outcome(outcome: peer_faults.Outcome) -> None:
     verdict = "ok  " if not outcome.problems else "FAIL"
     print(
         f"{verdict} {outcome.scenario.name:32s} {t.status} {t.way:10s} {t.reason or '-':12s} {t.seconds:6.2f} s "
-        f"(bound {outcome.bound_s:g} s)  breaker {outcome.breaker:9s} next turn {r.way} {r.seconds:.2f} s  "
+        f"(fetch {t.fetch_s or 0:.2f} s; bound {outcome.bound_s:g} s)  breaker {outcome.breaker:9s} "
+        f"next turn {r.way} {r.seconds:.2f} s  "
         f"{outcome.counters}" + (f"  {outcome.problems}" if outcome.problems else ""),
         flush=True,
     )
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = [f"{s['scenario']}: {p}" for s in report["scenarios"] for p in s["problems"]]
     problems += cycle_problems(report["breaker_cycle"], args.breaker_failures)
     slowest = max(report["scenarios"], key=lambda s: s["turn"]["seconds"])
-    worst = f"{slowest['turn']['seconds']:.2f} s ({slowest['scenario']})"
+    worst = f"{slowest['turn']['seconds']:.2f} s ({slowest['scenario']}; its fetch {slowest['turn']['fetch_s']:.2f} s)"
     print(
         f"{len(report['scenarios'])} scenarios; slowest turn {worst}, fetch_timeout_s {args.fetch_timeout_s:g}; "
         f"{len(problems)} problems" + "".join(f"\n  {problem}" for problem in problems)

@@ -20,6 +20,7 @@ import aiohttp
 from edgedecode.evaluation.hostile_http import CHAT, PREFILL, TEXT, Target
 
 SLACK_S = 2.0  # beyond a configured timeout, what a loaded box may add before it counts as a hang
+DRIP_S = 0.2  # a slowloris client's pause between bytes
 
 
 @dataclass
@@ -79,29 +80,24 @@ async def _closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes 
 async def slow_headers(
     http: aiohttp.ClientSession, target: Target, header_timeout_s: float, connections: int = 8
 ) -> Finding:
-    """``connections`` clients send a request's headers one byte every 0.2 s; each must be cut within
+    """``connections`` clients send a request's headers one byte every DRIP_S; each must be cut within
     ``header_timeout_s`` (plus SLACK_S) while a plain request is answered meanwhile."""
     host, port = _host_port(target)
     path = CHAT if target.server == "daemon" else PREFILL
-    request = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nX-Drip: {'y' * 200}\r\n\r\n".encode()
+    pad = "y" * int((header_timeout_s + SLACK_S) / DRIP_S + 10)  # outlasts the bound
+    request = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nX-Drip: {pad}\r\n\r\n".encode()
 
     async def drip() -> float | None:
+        """Seconds until the server cut this connection (None: it let the whole request in)."""
         reader, writer = await asyncio.open_connection(host, port)
         started = time.perf_counter()
         try:
             for byte in request:
-                if reader.at_eof() or writer.is_closing():
-                    break
                 writer.write(bytes([byte]))
-                with contextlib.suppress(ConnectionError):
-                    await writer.drain()
-                if await _closed_within(reader, 0.2) is not None:
+                await writer.drain()
+                if await _closed_within(reader, DRIP_S) is not None:
                     return time.perf_counter() - started
-            return (
-                None
-                if await _closed_within(reader, header_timeout_s + SLACK_S) is None
-                else (time.perf_counter() - started)
-            )
+            return None
         except ConnectionError:
             return time.perf_counter() - started
         finally:
@@ -230,7 +226,7 @@ async def leave_mid_payload(http: aiohttp.ClientSession, prefill: Target, bound_
     """A client asks the prefill server for a payload and hangs up after its first bytes: the server
     must go on answering others."""
     host, port = _host_port(prefill)
-    body = json.dumps({"token_ids": list(range(1, 301)), "budget": 1.0})
+    body = json.dumps({"token_ids": list(range(1, 101)), "budget": 1.0})
     request = (
         f"POST {PREFILL} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {prefill.token}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"

@@ -3,8 +3,10 @@ paths a client may send, each with the answer it must get, and ``send`` to try o
 
 Every case is one request. Bad input must get a precise 4xx in OpenAI's error shape
 (``{"error": {"message", "type", "param", "code"}}``) naming the field at fault where there is one;
-a few extreme but valid requests must get a 200 (never a 5xx). What takes more than one request
-(slow headers and bodies, clients that leave mid-stream, floods) is in ``hostile_clients``.
+a few extreme but valid requests must get a 200 (never a 5xx). The one exception to the shape: a
+request aiohttp cannot parse (a header line over its 8190-byte limit) is answered by aiohttp itself,
+before any middleware, with a plain-text 400. What takes more than one request (slow headers and
+bodies, clients that leave mid-stream, floods) is in ``hostile_clients``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Case:
     method: str = "POST"
     auth: str | None = "token"  # "token": the server's bearer token; None: none; else this token
     headers: tuple[tuple[str, str], ...] = ()
+    shaped: bool = True  # False: aiohttp answers before any handler (a request it cannot parse), in plain text
 
 
 @dataclass
@@ -178,6 +181,7 @@ def daemon_cases(config: Config, model: str) -> list[Case]:
         Case("a wrong bearer token", "daemon", CHAT, _chat(), 401, None, "unauthorized", auth="wrong"),
         Case("GET a POST endpoint", "daemon", CHAT, None, 405, None, method="GET"),
         Case("an unknown path", "daemon", "/v1/embeddings", _chat(), 404, None),
+        Case("a header line over 8 KiB", "daemon", CHAT, _chat(), 400, headers=(("X-Big", "x" * 9000),), shaped=False),
         Case(
             "X-Session-Id of 300 chars",
             "daemon",
@@ -247,6 +251,15 @@ def prefill_cases(config: Config, model: str) -> list[Case]:
     cases += [
         Case("no bearer token", "prefill", PREFILL, _json(ids), 401, None, "unauthorized", auth=None),
         Case("GET a POST endpoint", "prefill", PREFILL, None, 405, None, method="GET"),
+        Case(
+            "a header line over 8 KiB",
+            "prefill",
+            PREFILL,
+            _json(ids),
+            400,
+            headers=(("X-Big", "x" * 9000),),
+            shaped=False,
+        ),
         Case("a valid prefill", "prefill", PREFILL, _json({**ids, "model": model, "budget": 0.5}), 200),
     ]
     return cases
@@ -276,7 +289,7 @@ async def send(http: aiohttp.ClientSession, target: Target, case: Case, bound_s:
     result = Result(case, status, time.perf_counter() - started)
     if status != case.status:
         result.problems.append(f"status {status}, expected {case.status}")
-    if status >= 400:
+    if status >= 400 and case.shaped:
         result.error = _error_shape(body, content_type, result.problems)
         if result.error is not None:
             for key in ("param", "code"):

@@ -57,6 +57,7 @@ class Turn:
     way: str  # "pull", "pull+local", "local" or "error"
     reason: str | None  # the fallback reason
     seconds: float
+    fetch_s: float | None = None  # the daemon's time fetching the KV (its report's kv.fetch_ms)
 
 
 @dataclass
@@ -124,7 +125,7 @@ async def turn(http: aiohttp.ClientSession, daemon: Target, bound_s: float) -> T
         return Turn(status, "error", None, seconds)
     kv = answer["edgedecode"]["kv"]
     way = "local" if kv["source"] == "local" else "pull+local" if kv["fallback_reason"] else "pull"
-    return Turn(status, way, kv["fallback_reason"], seconds)
+    return Turn(status, way, kv["fallback_reason"], seconds, kv["fetch_ms"] / 1e3)
 
 
 async def run_scenario(
