@@ -223,7 +223,7 @@ async def leave(http: aiohttp.ClientSession, daemon: Target, *, stream: bool, bo
 
 
 async def leave_mid_payload(http: aiohttp.ClientSession, prefill: Target, bound_s: float = 30.0) -> Finding:
-    """A client asks the prefill server for a payload and hangs up after its first bytes: the server
+    """A client asks the prefill server for a payload and hangs up after its first 64 KiB: the server
     must go on answering others."""
     host, port = _host_port(prefill)
     body = json.dumps({"token_ids": list(range(1, 101)), "budget": 1.0})
@@ -235,8 +235,10 @@ async def leave_mid_payload(http: aiohttp.ClientSession, prefill: Target, bound_
     try:
         writer.write(request.encode())
         await writer.drain()
+        first = b""
         async with asyncio.timeout(bound_s):
-            first = await reader.read(4096)
+            while len(first) < 65536 and (piece := await reader.read(65536)):  # the headers and some payload
+                first += piece
     finally:
         writer.transport.abort()
     served, seconds = await healthy(http, prefill, bound_s)

@@ -21,7 +21,7 @@ from edgedecode.evaluation.hostile_http import CHAT, Target
 from edgedecode.evaluation.prefill_peers import PrefillPeer
 
 ANSWER_SLACK_S = 30.0  # a loaded 2-core box: local prefill and a short answer after a failed pull
-PROMPT = "Summarize: " + " ".join(["The lighthouse keeper wrote down the weather every morning before dawn."] * 12)
+SENTENCE = "The lighthouse keeper wrote down the weather every morning before dawn."  # 13 tokens
 COUNTED = ("edgedecode_prefill_fallbacks_total", "edgedecode_prefill_breaker_transitions_total")
 
 
@@ -34,12 +34,20 @@ class Scenario:
     fault: str
     ways: tuple[str, ...]
     reasons: tuple[str | None, ...]
+    sentences: int = 12  # the prompt's length: about 13 tokens each (12: one EDKV chunk)
+
+    @property
+    def prompt(self) -> str:
+        return "Summarize: " + " ".join([SENTENCE] * self.sentences)
 
 
 SCENARIOS = (
     Scenario("a healthy peer", "relay", ("pull",), (None,)),
     Scenario("never answers", "hang", ("local",), ("timeout",)),
     Scenario("stalls mid-stream", "stall", ("local", "pull+local"), ("timeout",)),
+    # half of a long prompt's payload holds whole chunks: they are kept, and the rest is resumed from the
+    # same peer, which stalls again; the whole fetch must still end within fetch_timeout_s
+    Scenario("stalls mid-stream, a long prompt", "stall", ("pull+local",), ("timeout",), sentences=55),
     Scenario("drips one byte at a time", "drip", ("local",), ("timeout",)),
     Scenario("resets the connection", "reset", ("local",), ("unreachable",)),
     Scenario("resets mid-stream", "reset_mid_stream", ("local", "pull+local"), ("truncated",)),
@@ -106,9 +114,9 @@ async def breaker_state(http: aiohttp.ClientSession, daemon: Target) -> str:
         return (await response.json())["prefill"]["breaker"]
 
 
-async def turn(http: aiohttp.ClientSession, daemon: Target, bound_s: float) -> Turn:
-    """One short greedy chat completion through ``daemon``: how its KV came and how long it took."""
-    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, "temperature": 0}
+async def turn(http: aiohttp.ClientSession, daemon: Target, bound_s: float, prompt: str = SCENARIOS[0].prompt) -> Turn:
+    """One short greedy chat completion of ``prompt`` through ``daemon``: how its KV came and how long it took."""
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 4, "temperature": 0}
     started = time.perf_counter()
     try:
         async with http.post(
@@ -136,11 +144,11 @@ async def run_scenario(
     bound_s = fetch_timeout_s + ANSWER_SLACK_S
     peer.set_fault(scenario.fault, burst=1)
     try:
-        faulty = await turn(http, daemon, bound_s)
+        faulty = await turn(http, daemon, bound_s, scenario.prompt)
     finally:
         peer.set_fault("relay")
     state = await breaker_state(http, daemon)
-    recovery = await turn(http, daemon, bound_s)
+    recovery = await turn(http, daemon, bound_s, scenario.prompt)
     after = await counters(http, daemon)
     deltas = {key: after[key] - before.get(key, 0.0) for key in after if after[key] != before.get(key, 0.0)}
     return Outcome(scenario, faulty, recovery, bound_s, state, deltas)
