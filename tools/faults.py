@@ -9,10 +9,11 @@ model's or another prompt's payload) runs one turn under the fault and one with 
 again; then the breaker's cycle: the peer answers 500 ``breaker_failures`` times and recovers.
 
 Prints, per scenario, how the turn got its KV (pull / pull+local / local), the fallback reason,
-its time against the bound (``fetch_timeout_s`` plus the local prefill and answer), the breaker's
-state, the counter deltas, and how the next turn went; then the breaker's states and counters over
-its cycle. Exit status 1 when a turn failed, ended another way than its scenario allows, took
-longer than its bound, or the next turn did not pull again.
+the turn's time and its KV fetch's (the daemon's report) against ``fetch_timeout_s``, the
+breaker's state, the counter deltas, and how the next turn went; then the breaker's states and
+counters over its cycle. Exit status 1 when a turn failed, ended another way than its scenario
+allows, fetched longer than ``fetch_timeout_s`` (plus ``peer_faults.FETCH_SLACK_S``), or the next
+turn did not pull again.
 
     python tools/faults.py [--prefill-url URL --prefill-token T] [--fetch-timeout-s 12]
         [--idle-read-timeout-s 6] [--breaker-failures 3] [--breaker-reset-s 3] [--json PATH]
@@ -115,6 +116,7 @@ async def run(args: argparse.Namespace, directory: Path, prefill_url: str, prefi
                         "fault": scenario.fault,
                         "turn": dataclasses.asdict(outcome.turn),
                         "bound_s": outcome.bound_s,
+                        "fetch_bound_s": outcome.fetch_bound_s,
                         "breaker_after": outcome.breaker,
                         "counters": outcome.counters,
                         "next_turn": dataclasses.asdict(outcome.recovery),
@@ -139,7 +141,7 @@ def print_outcome(outcome: peer_faults.Outcome) -> None:
     verdict = "ok  " if not outcome.problems else "FAIL"
     print(
         f"{verdict} {outcome.scenario.name:32s} {t.status} {t.way:10s} {t.reason or '-':12s} {t.seconds:6.2f} s "
-        f"(fetch {t.fetch_s or 0:.2f} s; bound {outcome.bound_s:g} s)  breaker {outcome.breaker:9s} "
+        f"(fetch {t.fetch_s or 0:.2f} s, bound {outcome.fetch_bound_s:g} s)  breaker {outcome.breaker:9s} "
         f"next turn {r.way} {r.seconds:.2f} s  "
         f"{outcome.counters}" + (f"  {outcome.problems}" if outcome.problems else ""),
         flush=True,
