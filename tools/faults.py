@@ -15,8 +15,8 @@ counters over its cycle. Exit status 1 when a turn failed, ended another way tha
 allows, fetched longer than ``fetch_timeout_s`` (plus ``peer_faults.FETCH_SLACK_S``), or the next
 turn did not pull again.
 
-    python tools/faults.py [--prefill-url URL --prefill-token T] [--fetch-timeout-s 12]
-        [--idle-read-timeout-s 6] [--breaker-failures 3] [--breaker-reset-s 3] [--json PATH]
+    python tools/faults.py [--prefill-url URL --prefill-token T] [--fetch-timeout-s 20]
+        [--idle-read-timeout-s 10] [--breaker-failures 3] [--breaker-reset-s 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-url", help="a running prefill server (default: one is started here)")
     p.add_argument("--prefill-token", default="")
     p.add_argument("--connect-timeout-s", type=float, default=3.0)
-    p.add_argument("--idle-read-timeout-s", type=float, default=6.0)
-    p.add_argument("--fetch-timeout-s", type=float, default=12.0)
+    p.add_argument("--idle-read-timeout-s", type=float, default=10.0)
+    p.add_argument("--fetch-timeout-s", type=float, default=20.0)
     p.add_argument("--breaker-failures", type=int, default=3)
     p.add_argument("--breaker-reset-s", type=float, default=3.0)
     p.add_argument("--json", type=Path, help="write every outcome here")
