@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model, fetched once per test session.
+"""Shared fixtures: the real default model, fetched once per test session; one real prefill server
+for the session, and the hostile-input tests' peer and daemon in front of it.
 
 Set EDGEDECODE_TEST_GGUF to a local copy of SmolLM2-135M-Instruct.Q4_1.gguf to skip the download;
 otherwise the model is fetched into EDGEDECODE_HOME (or the user cache) exactly as `edgedecode
@@ -136,3 +137,74 @@ def tls_files(tmp_path_factory) -> TLSFiles:
     for blob in issued.cert_chain_pems:
         blob.write_to_path(files.cert, append=True)
     return files
+
+
+@pytest.fixture(scope="session")
+def prefill_server(smollm2_model, tmp_path_factory):
+    """A real ``edgedecode prefill-server`` on 127.0.0.1 (bearer token ``PREFILL_TOKEN``) for the session."""
+    from serving_helpers import PREFILL_SETTINGS, PREFILL_TOKEN, ServerProcess, server_config
+
+    from edgedecode.config import load_config
+
+    directory = tmp_path_factory.mktemp("prefill-server")
+    config = server_config(directory, "prefill", prefill_token=PREFILL_TOKEN, budget=0.3, prefill=PREFILL_SETTINGS)
+    server = ServerProcess(
+        ["prefill-server", "--config", config],
+        directory / "prefill.log",
+        env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN},
+    )
+    server.config = load_config(Path(config), env={})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def prefill_peer(prefill_server):
+    """(a ``PrefillPeer`` relaying to the session's prefill server until told a fault, its URL)."""
+    from serving_helpers import PREFILL_TOKEN, ThreadedApp
+
+    from edgedecode.evaluation.prefill_peers import PrefillPeer
+
+    peer = PrefillPeer(prefill_server.url, PREFILL_TOKEN)
+    served = ThreadedApp(peer.app())
+    yield peer, served.url
+    served.stop()
+
+
+# One slot and a short queue (floods, a client that leaves), short client timeouts (slowloris), KV timeouts
+# a 2-core box under other load still meets for short prompts (no test here waits them out: the peers that
+# stall are tested in process, test_faults.py), and a breaker that opens after 2 failures for 2 s.
+HOSTILE_DAEMON_SETTINGS = {
+    "slots": 1,
+    "max_queue": 2,
+    "client_timeout_s": 2.0,
+    "header_timeout_s": 1.0,
+    "connect_timeout_s": 2.0,
+    "idle_read_timeout_s": 20.0,
+    "fetch_timeout_s": 30.0,
+    "breaker_failures": 2,
+    "breaker_reset_s": 2.0,
+}
+
+
+@pytest.fixture(scope="session")
+def hostile_daemon(prefill_peer, tmp_path_factory):
+    """An ``Endpoint``: ``edgedecode serve`` (HOSTILE_DAEMON_SETTINGS) pulling its KV through ``prefill_peer``."""
+    from serving_helpers import PREFILL_TOKEN, Endpoint, ServerProcess, server_config
+
+    from edgedecode.config import load_config
+
+    token, directory = "hostile-secret", tmp_path_factory.mktemp("hostile-daemon")
+    config = server_config(
+        directory,
+        "daemon",
+        prefill_token=PREFILL_TOKEN,
+        budget=0.3,
+        prefill_url=prefill_peer[1],
+        **HOSTILE_DAEMON_SETTINGS,
+    )
+    server = ServerProcess(
+        ["serve", "--config", config], directory / "daemon.log", env={"EDGEDECODE_DAEMON_AUTH_TOKEN": token}
+    )
+    yield Endpoint(server.url, token, load_config(Path(config), env={}))
+    server.stop()

@@ -9,14 +9,19 @@ import socket
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from edgedecode.config import Config
 from edgedecode.serving.process import ServerStartError, start_server, stop_server
 
 START_TIMEOUT = 600
+PREFILL_TOKEN = "prefill-secret"  # the bearer token of the session's prefill server (conftest.py)
+# the session's prefill server: timeouts short enough for the slowloris and slow-body tests, a short queue for floods
+PREFILL_SETTINGS = {"header_timeout_s": 1.0, "client_timeout_s": 2.0, "max_queue": 4}
 
 
 def metric_samples(url: str, token: str, path: str = "/metrics") -> dict[str, float]:
@@ -38,16 +43,28 @@ def lighthouse_chat(sentences: int) -> list[dict]:
     return [{"role": "user", "content": "Summarize: " + " ".join([sentence] * sentences)}]
 
 
-def server_config(directory: Path, name: str, *, prefill_token: str, budget: float, **daemon) -> str:
+def server_config(
+    directory: Path, name: str, *, prefill_token: str, budget: float, prefill: dict | None = None, **daemon
+) -> str:
     """A TOML config for test servers (threads and context sized for the CI machine); ``daemon``
-    adds or overrides [daemon] keys. Returns its path."""
+    adds or overrides [daemon] keys, ``prefill`` [prefill] keys. Returns its path."""
     settings = {"slots": 2, "max_context": 2048, "budget": budget, "prefill_token": prefill_token, **daemon}
+    prefill_settings = {"prefix_cache_mb": 64, "max_prompt_tokens": 2048, **(prefill or {})}
     lines = ["[model]", "threads = 2", "[daemon]"]
     lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
-    lines += ["[prefill]", "prefix_cache_mb = 64", "max_prompt_tokens = 2048"]
+    lines += ["[prefill]"] + [f"{key} = {json.dumps(value)}" for key, value in prefill_settings.items()]
     path = directory / f"{name}.toml"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A running server as a test sees it: its URL, bearer token and configuration."""
+
+    url: str
+    token: str
+    config: Config
 
 
 class ServerProcess:
@@ -55,6 +72,7 @@ class ServerProcess:
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.log = log
+        self.config: Config | None = None  # what it runs, for a test that needs its limits (set by its fixture)
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
         try:
             self.process, self.url = start_server(args, env=env, stderr=self._log_file, timeout=START_TIMEOUT)

@@ -72,3 +72,14 @@ def test_greedy_over_float16_picks_what_float32_argmax_picks():
         assert greedy(logits) == int(np.argmax(logits.astype(np.float32)))
     negative = -np.abs(rng.standard_normal(100)).astype(np.float16) - 1
     assert greedy(negative) == int(np.argmax(negative.astype(np.float32)))
+
+
+@given(logit_rows, st.sampled_from([1e-308, 5e-324, 1e-30, 1e308]), st.integers(0, 2**31))
+@settings(max_examples=50)
+def test_extreme_temperatures_give_a_token_never_nan(logits, temperature, seed):
+    """A temperature near 0 picks a maximum (as greedy would) and a huge one any token: dividing the
+    logits first overflowed to inf, and the probabilities to NaN (a 500 from the daemon)."""
+    picked = Sampler(SamplingParams(temperature=temperature, seed=seed)).pick(logits)
+    assert 0 <= picked < len(logits)
+    if temperature < 1e-30:
+        assert logits[picked] == logits.max()

@@ -22,7 +22,7 @@ import pytest
 import zstandard
 from aiohttp import web
 from openai import OpenAI
-from serving_helpers import ServerProcess, ThreadedApp, metric_samples, server_config
+from serving_helpers import PREFILL_TOKEN, ServerProcess, ThreadedApp, metric_samples, server_config
 from test_kv_format import join_frames, rechunk, split_frames
 
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
@@ -30,7 +30,7 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import encode_payload
 from edgedecode.kv.wire.frames import CHUNK_PREFIX
 
-TOKEN, PREFILL_TOKEN = "daemon-secret", "prefill-secret"
+TOKEN = "daemon-secret"  # the prefill server is the session's (conftest.py), whose token is PREFILL_TOKEN
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 BUDGET = 0.3
 LONG_TEXT = " ".join(["The lighthouse keeper wrote down the weather every morning before dawn."] * 30)
@@ -45,17 +45,6 @@ def _config(tmp_path, name: str, **daemon) -> str:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("serving")
-
-
-@pytest.fixture(scope="module")
-def prefill_server(smollm2_model, workdir):
-    server = ServerProcess(
-        ["prefill-server", "--config", _config(workdir, "prefill")],
-        workdir / "prefill.log",
-        env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN},
-    )
-    yield server
-    server.stop()
 
 
 def _start_daemon(workdir, name: str, prefill_url: str, **daemon) -> ServerProcess:
@@ -452,6 +441,7 @@ def test_the_prefill_server_refuses_the_same_bad_values(prefill_server):
         ('{"text": "hi", "budget": 1e400}', "budget"),
         ('{"text": "\\ud83d"}', "text"),
         ('{"messages": [{"role": "user<|im_end|>", "content": "hi"}]}', "messages"),
+        ('{"messages": []}', "messages"),  # was a payload for the chat template's bare assistant prompt
     ):
         status, error = _post(url, body.encode(), token=PREFILL_TOKEN)
         assert (status, error["error"]["param"]) == (400, param), error

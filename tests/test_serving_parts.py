@@ -132,6 +132,27 @@ def test_breaker_opens_after_failures_and_half_opens_after_the_reset_time():
     assert breaker.state == "closed" and breaker.allow()
 
 
+def test_a_trial_whose_outcome_never_comes_is_given_up_and_transitions_are_told():
+    """A turn let through as the half-open trial that then prefills locally by plan, or whose
+    client goes away mid-pull, records nothing: the breaker used to stay half-open, refusing every
+    call, for good."""
+    now, told = [0.0], []
+    breaker = CircuitBreaker(1, 10.0, clock=lambda: now[0], on_transition=told.append)
+    breaker.record_failure()
+    now[0] = 10.0
+    assert breaker.allow()  # the trial, never recorded
+    now[0] = 19.9
+    assert not breaker.allow()
+    now[0] = 20.0
+    assert breaker.allow()  # given up: a new trial
+    breaker.record_failure()  # it failed: open again
+    now[0] = 30.0
+    assert breaker.allow()
+    breaker.record_success()
+    breaker.record_success()  # closed already: no transition
+    assert told == ["open", "open", "closed"] and breaker.state == "closed"
+
+
 # --- slot pool ----------------------------------------------------------------------------------
 
 

@@ -70,7 +70,15 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
         try:
             # Turn.pieces is an async generator, which service.py annotates as the wider AsyncIterator
             async with aclosing(cast("AsyncGenerator[str, None]", turn.pieces())) as pieces:
-                text = "".join([piece async for piece in pieces])
+                parts = []
+                async for piece in pieces:
+                    if request.transport is None:  # the client went away: stop generating, free the slot
+                        raise ConnectionResetError("the client went away before its answer was complete")
+                    parts.append(piece)
+                text = "".join(parts)
+        except ConnectionResetError:
+            logger.info("client disconnected before its answer was complete")
+            raise  # counted as 499 by the middleware; aiohttp has no one to answer
         except Exception as exc:
             logger.exception("generation failed")
             return json_error(500, f"generation failed: {exc}", kind="server_error")

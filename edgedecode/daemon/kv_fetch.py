@@ -8,11 +8,15 @@ is: resumed from the server at the best budget that still arrives in time (the s
 prefill under the payload's ``transfer`` reference, so nothing is computed again), or computed on
 this box. A segment that fails part way (a reset connection, a truncated body) keeps what it
 verified the same way, and the rest is resumed or computed. At most ``MAX_SEGMENTS`` requests are
-made per turn; whatever no segment covers is computed here when the engine processes the prompt.
+made per turn, all of them within the pull settings' total timeout (``daemon.fetch_timeout_s``):
+each segment gets what is left of it, so a peer that breaks off every segment cannot hold a turn
+for several timeouts. Whatever no segment covers is computed here when the engine processes the
+prompt.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -116,6 +120,8 @@ class KVFetch:
         into it, starting at ``budget``; ``deadline`` (``time.perf_counter()`` seconds) is when the
         KV should be in, None for no target."""
         started = time.perf_counter()
+        total_s = self.settings.timeout.total
+        give_up = None if total_s is None else started + total_s  # every segment ends by then
         outcome = FetchOutcome()
         prompt_ids = stream.prompt_ids
         n = len(prompt_ids)
@@ -123,8 +129,9 @@ class KVFetch:
         while request is not None:
             tokens = n - stream.covered
             watch = self._watch(deadline, stream.covered, n) if deadline is not None else None
+            settings = self.settings if give_up is None else self._until(give_up)
             result = await pull_segment(
-                self.http, self.settings, request, stream, self.ingest, self.fp16_bytes_per_token, watch
+                self.http, settings, request, stream, self.ingest, self.fp16_bytes_per_token, watch
             )
             outcome.segments.append(SegmentReport(request.budget, result))
             if result.failure is not None:
@@ -134,9 +141,22 @@ class KVFetch:
                     self.link.observe(result, tokens if request.path == "/v1/prefill" else 0)
                 if result.cut_reason:
                     logger.info("KV segment cut after %d tokens: %s", result.tokens, result.cut_reason)
-            request = self._next(stream, n, outcome, deadline, watch)
+            out_of_time = give_up is not None and time.perf_counter() >= give_up
+            request = None if out_of_time else self._next(stream, n, outcome, deadline, watch)
         outcome.seconds = time.perf_counter() - started
         return outcome
+
+    def _until(self, give_up: float) -> PullSettings:
+        """The pull settings with the total timeout cut to what is left until ``give_up``."""
+        t = self.settings.timeout
+        left = aiohttp.ClientTimeout(
+            total=max(give_up - time.perf_counter(), 1e-3),  # 0 would mean no timeout at all
+            connect=t.connect,
+            sock_read=t.sock_read,
+            sock_connect=t.sock_connect,
+            ceil_threshold=t.ceil_threshold,
+        )
+        return dataclasses.replace(self.settings, timeout=left)
 
     def _watch(self, deadline: float, start: int, end: int) -> SegmentWatch:
         """The watch of a segment of positions [start, end) that should end by ``deadline``."""
@@ -163,6 +183,8 @@ class KVFetch:
         last = outcome.segments[-1]
         if last.result.ended == "complete" or stream.covered >= n - 1 or len(outcome.segments) >= MAX_SEGMENTS:
             return None  # the prompt's last token runs here anyway
+        if last.result.ended == "timeout" and last.result.tokens == 0:
+            return None  # nothing verified in all that time: the same endpoint would likely fare no better
         if last.result.ended in ("rejected", "too_large", "bad_payload"):
             return None  # asking again would get the same answer
         transfer = next((s.header.transfer for s in reversed(stream.segments) if s.header and s.header.transfer), None)

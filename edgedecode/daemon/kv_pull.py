@@ -256,13 +256,17 @@ async def _transfer(
         raise KVPullError("too_large", f"the KV payload is too large: {exc}") from None
     except (KVFormatError, KVInjectionError) as exc:
         raise KVPullError("bad_payload", f"the KV payload was refused: {exc}") from None
-    except TimeoutError:
-        raise KVPullError("timeout", f"the prefill server timed out after {timing.received} bytes") from None
-    except aiohttp.ClientPayloadError as exc:
-        raise KVPullError("truncated", f"the KV download broke off after {timing.received} bytes: {exc}") from None
-    except aiohttp.ClientConnectionError as exc:
-        reason = "unreachable" if timing.received == 0 else "truncated"
-        raise KVPullError(reason, f"the prefill server at {settings.url} failed: {exc}") from None
+    except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        failure = _network_failure(exc, timing.received, settings.url)
+        if pending is not None:
+            await asyncio.wait([pending])  # the ingest thread's piece first
+        if buffered and (pending is None or pending.exception() is None):
+            # the bytes that arrived since are verified too (their complete chunks count), as in a cut:
+            # a segment broken off keeps everything it received intact, not only what was handed over
+            pending = loop.run_in_executor(ingest, _feed_and_cut, stream, buffered)
+            await asyncio.wait([pending])
+            pending.exception()  # a bad chunk among them: the connection's failure is still what is reported
+        raise failure from None
     except aiohttp.ClientError as exc:
         raise KVPullError("http_error", f"the prefill request failed: {exc}") from None
     finally:
@@ -284,6 +288,15 @@ async def _read(content: aiohttp.StreamReader, tick_s: float | None) -> bytes | 
         if not tick.expired():
             raise  # aiohttp's own timeout
         return None
+
+
+def _network_failure(exc: Exception, received: int, url: str) -> KVPullError:
+    """The KVPullError for a segment whose connection failed after ``received`` body bytes."""
+    if isinstance(exc, TimeoutError):
+        return KVPullError("timeout", f"the prefill server timed out after {received} bytes")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return KVPullError("truncated", f"the KV download broke off after {received} bytes: {exc}")
+    return KVPullError("unreachable" if received == 0 else "truncated", f"the prefill server at {url} failed: {exc}")
 
 
 def _header_float(value: str | None) -> float | None:

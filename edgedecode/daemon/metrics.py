@@ -97,6 +97,15 @@ class DaemonMetrics:
             "1 while the circuit breaker skips the prefill server.",
             registry=registry,
         )
+        self.breaker_transitions = Counter(
+            "edgedecode_prefill_breaker_transitions_total",
+            "Times the prefill server's circuit breaker opened (to=open), or closed again after a good trial "
+            "(to=closed).",
+            ["to"],
+            registry=registry,
+        )
+        for state in ("open", "closed"):
+            self.breaker_transitions.labels(state)
         self.conversations = ConversationMetrics(registry)
         process_gauges(registry)
 

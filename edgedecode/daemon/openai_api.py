@@ -22,7 +22,23 @@ from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.sampler import SamplingParams
 
 MAX_STOP_STRINGS = 4
-_UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "logit_bias", "response_format")
+# Fields this server does not implement; a request that asks for one (any value but null, false, 0 or
+# empty) is refused rather than answered as if the field were not there.
+_UNSUPPORTED = (
+    "tools",
+    "functions",
+    "tool_choice",
+    "function_call",
+    "logit_bias",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "suffix",
+    "presence_penalty",
+    "frequency_penalty",
+)
+_ONE_ONLY = ("n", "best_of")  # several choices per request are not supported
 
 
 class APIRequestError(RequestError):
@@ -31,6 +47,12 @@ class APIRequestError(RequestError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message, param)
         self.http_code = code
+
+
+class ModelNotFoundError(APIRequestError):
+    """A request for a model this server does not serve (404 ``model_not_found``, as OpenAI answers)."""
+
+    http_status = 404
 
 
 @dataclass(frozen=True)
@@ -68,9 +90,12 @@ def parse_request(
         if body.get(name):
             raise APIRequestError(f"{name} is not supported by this server", name)
     if body.get("model") not in (None, model.record.name):
-        raise APIRequestError(f"this server serves {model.record.name!r}, not {body['model']!r}", "model")
-    if body.get("n", 1) != 1:
-        raise APIRequestError("only n = 1 is supported", "n")
+        raise ModelNotFoundError(
+            f"this server serves {model.record.name!r}, not {body['model']!r}", "model", "model_not_found"
+        )
+    for name in _ONE_ONLY:
+        if body.get(name, 1) not in (None, 1):
+            raise APIRequestError(f"only {name} = 1 is supported", name)
     prompt_ids = (
         _chat_prompt(body, model, allow_special_tokens)
         if kind == "chat"
@@ -116,7 +141,7 @@ def _sampling(
             "messages" if "messages" in body else "prompt",
             "context_length_exceeded",
         )
-    given = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    given = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     if body.get(given) is None:
         max_tokens = min(default_max_tokens, room)
     else:
@@ -179,7 +204,10 @@ def _content_text(content, index: int) -> str:
 def _text_prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.ndarray:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return np.asarray(model.tokenizer.encode(prompt, parse_special=allow_special_tokens), np.int64)
+        ids = model.tokenizer.encode(prompt, parse_special=allow_special_tokens)
+        if not ids:
+            raise APIRequestError("prompt is empty: it must hold at least one token", "prompt")
+        return np.asarray(ids, np.int64)
     vocab = model.spec.vocab_size
     if (
         isinstance(prompt, list)

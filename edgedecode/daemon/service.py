@@ -147,7 +147,9 @@ class DecodeService:
         self.kv_bytes_per_slot_token = engines[0].kv_bytes_per_slot
         self.pool = SlotPool(engines, d.max_queue)
         self.worker = DecodeWorker()
-        self.breaker = CircuitBreaker(d.breaker_failures, d.breaker_reset_s)
+        self.breaker = CircuitBreaker(
+            d.breaker_failures, d.breaker_reset_s, on_transition=lambda to: metrics.breaker_transitions.labels(to).inc()
+        )
         self._ingest = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-ingest")
         self._http: aiohttp.ClientSession | None = None
         self._releasing: set[asyncio.Future] = set()  # slots waiting for their fetch to end
@@ -285,9 +287,9 @@ class DecodeService:
             self.split_slowdown.add(outcome.seconds / split_pull_s, time.monotonic())
         failure = outcome.failure
         arrived = stream.covered > start
-        if failure is None or arrived:
-            self.breaker.record_success()  # the endpoint delivered (all, or part of it)
-        elif failure.endpoint_fault:
+        if failure is None:
+            self.breaker.record_success()
+        elif failure.endpoint_fault:  # also when part arrived: an endpoint that always breaks off is skipped too
             self.breaker.record_failure()
         if failure is None:
             return True

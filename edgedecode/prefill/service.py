@@ -162,15 +162,17 @@ def _prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.nd
         if not isinstance(value, str):
             raise PrefillRequestError("text must be a string", "text")
         return np.asarray(model.tokenizer.encode(value, parse_special=allow_special_tokens), np.int64)
-    if not isinstance(value, list) or not all(
-        isinstance(m, dict) and m.get("role") in CHAT_ROLES and isinstance(m.get("content"), str) for m in value
-    ):
+    if not isinstance(value, list) or not value or not all(_chat_message(m) for m in value):
         raise PrefillRequestError(
-            f"messages must be a list of {{role, content}} objects, role one of "
+            f"messages must be a non-empty list of {{role, content}} objects, role one of "
             f"{', '.join(CHAT_ROLES)}, content a string",
             "messages",
         )
     return np.asarray(model.tokenizer.encode_chat(value, special_in_content=allow_special_tokens), np.int64)
+
+
+def _chat_message(message: object) -> bool:
+    return isinstance(message, dict) and message.get("role") in CHAT_ROLES and isinstance(message.get("content"), str)
 
 
 @dataclass(frozen=True)

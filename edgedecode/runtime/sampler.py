@@ -60,10 +60,12 @@ class Sampler:
         if p.temperature == 0.0:
             return greedy(logits)
         candidates = np.argpartition(logits, -p.top_k)[-p.top_k :] if p.top_k else np.arange(logits.shape[0])
-        scaled = logits[candidates].astype(np.float64) / p.temperature
-        order = np.argsort(-scaled, kind="stable")
-        candidates, scaled = candidates[order], scaled[order]
-        probs = np.exp(scaled - scaled[0])
+        chosen = logits[candidates].astype(np.float64)
+        order = np.argsort(-chosen, kind="stable")
+        candidates, chosen = candidates[order], chosen[order]
+        # the largest logit is subtracted before dividing: logits / a tiny temperature overflow to inf
+        # (and inf - inf is NaN), while (logit - max) / temperature only goes to -inf, whose exp is 0
+        probs = np.exp((chosen - chosen[0]) / p.temperature)
         probs /= probs.sum()
         if p.top_p < 1.0:
             # keep the smallest prefix whose mass reaches top_p (always at least one token)
