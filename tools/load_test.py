@@ -7,7 +7,8 @@ run first one at a time ("alone"), then all at once, each client its own user (t
 fair-queueing key) and session, every turn's prompt the same as alone. An answer under load counts
 as right when it equals the one alone, or departs from it only at a near-tie (the two tokens within
 --near-tie logits after the same context, in-process on the same INT4 graph: the KV took another
-path, e.g. compressed between turns instead of resident). Reported per C: turns completed and
+path, e.g. compressed between turns instead of resident); a turn whose KV lost tokens to the memory
+ladder (dropped or evicted tokens in its report) is counted, not compared. Reported per C: turns completed and
 failed, wrong answers, time to first token (p50 / p95 / max) under load and alone, and fairness:
 Jain's index over the clients' mean TTFT, and the longest wait against the median. Then --sequential
 short requests one after another, the daemon's RSS sampled after each: first, last, max, and the
@@ -132,12 +133,13 @@ async def run_clients(url: str, clients: int, turns: int, max_tokens: int, tag: 
 
 
 def wrong_answers(model: LoadedModel, engine: Engine, alone: list[Turn], loaded: list[Turn], near_tie: float) -> list:
-    """The loaded turns whose answer departs from the alone one other than at a near-tie."""
+    """The loaded turns whose answer departs from the alone one other than at a near-tie (turns whose
+    KV lost tokens to the memory ladder are left out: see ``lossy``)."""
     reference = {(t.client, t.turn): t for t in alone}
     wrong = []
     for turn in loaded:
         mine = reference[turn.client, turn.turn]
-        if turn.error is not None or turn.answer == mine.answer:
+        if turn.error is not None or turn.answer == mine.answer or lossy(turn):
             continue
         request = parse_request({"messages": turn.messages}, "chat", model, default_max_tokens=1, session_header=None)
         alone_ids, loaded_ids = (model.tokenizer.encode(t.answer, add_bos=False) for t in (mine, turn))
@@ -145,6 +147,13 @@ def wrong_answers(model: LoadedModel, engine: Engine, alone: list[Turn], loaded:
         if gap > near_tie:
             wrong.append({"client": turn.client, "turn": turn.turn, "alone": mine.answer, "loaded": turn.answer})
     return wrong
+
+
+def lossy(turn: Turn) -> bool:
+    """Whether the turn's KV lost tokens under memory pressure (dropped in the store, or evicted
+    from its own slot): its answer may then differ from the one alone by more than a near-tie."""
+    kv = turn.report.get("kv", {})
+    return bool(kv.get("restored_tiers", {}).get("DROP") or kv.get("evicted_tokens"))
 
 
 def latency_summary(turns: list[Turn]) -> dict:
@@ -236,6 +245,7 @@ def run(args: argparse.Namespace) -> dict:
                         "failed": [t.error for t in loaded if t.error is not None],
                         "wrong": wrong,
                         "exact": sum(t.answer == said[t.client, t.turn] for t in loaded),
+                        "lossy": sum(lossy(t) for t in loaded),
                         "wall_s": wall,
                         "loaded": latency_summary(loaded),
                         "alone": latency_summary(alone),
@@ -275,7 +285,8 @@ def main() -> None:
         lo, al = load["loaded"], load["alone"]
         print(
             f"{load['clients']} clients: {load['turns'] - len(load['failed'])}/{load['turns']} turns completed, "
-            f"{len(load['wrong'])} wrong, {load['exact']} exactly equal to alone; TTFT p50/p95/max "
+            f"{len(load['wrong'])} wrong, {load['exact']} exactly equal to alone, {load['lossy']} with tokens "
+            "lost to the memory ladder (not compared); TTFT p50/p95/max "
             f"{lo['ttft_p50_s']:.2f}/{lo['ttft_p95_s']:.2f}/{lo['ttft_max_s']:.2f} s under load "
             f"({al['ttft_p50_s']:.2f} s alone), Jain {lo['jain_fairness']:.3f}, max/median "
             f"{lo['max_over_median_ttft']:.1f}; resumes {load['resumes']}; {load['wall_s']:.0f} s"
