@@ -8,14 +8,13 @@ import json
 import socket
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from edgedecode.config import Config
+from edgedecode.evaluation.metrics_scrape import scrape_metrics
 from edgedecode.serving.process import ServerStartError, start_server, stop_server
 
 START_TIMEOUT = 600
@@ -25,16 +24,8 @@ PREFILL_SETTINGS = {"header_timeout_s": 1.0, "client_timeout_s": 2.0, "max_queue
 
 
 def metric_samples(url: str, token: str, path: str = "/metrics") -> dict[str, float]:
-    """Every sample of a server's /metrics (or ``path``; parsed by prometheus-client), keyed ``name{k=v,...}``."""
-    request = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
+    """Every sample of a server's /metrics (or ``path``), keyed ``name{k=v,...}`` (``scrape_metrics``)."""
+    return scrape_metrics(url, token, path)
 
 
 def lighthouse_chat(sentences: int) -> list[dict]:

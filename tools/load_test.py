@@ -37,6 +37,7 @@ import psutil
 
 from edgedecode.daemon.openai_api import parse_request
 from edgedecode.evaluation.agreement import divergence_gap
+from edgedecode.evaluation.metrics_scrape import scrape_metrics
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel, load_model
 from edgedecode.runtime.engine import Engine
@@ -198,11 +199,7 @@ def sequential_rss(url: str, pid: int, requests: int, max_tokens: int) -> dict:
 
 def peak_kv_memory(url: str) -> float:
     """The daemon's ``edgedecode_kv_memory_peak_bytes``."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("edgedecode_kv_memory_peak_bytes "):
-                return float(line.split()[1])
-    raise RuntimeError("the daemon exports no edgedecode_kv_memory_peak_bytes")
+    return scrape_metrics(url)["edgedecode_kv_memory_peak_bytes{}"]
 
 
 def start_daemon(directory: Path, args: argparse.Namespace) -> tuple:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from types import TracebackType
 
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
+
+from edgedecode.evaluation.metrics_scrape import scrape_metrics
 
 SAMPLE_EVERY_S = 0.1
 STATES = ("active", "resident", "compressed")
@@ -28,14 +28,7 @@ SCRAPE_TIMEOUT_S = 5.0
 
 def scrape(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
     """Every sample of the daemon's /metrics, keyed ``name{k=v,...}`` (labels sorted; ``name{}`` for none)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as response:
-        text = response.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}"] = sample.value
-    return samples
+    return scrape_metrics(url, timeout=timeout)
 
 
 def kv_memory(samples: dict[str, float]) -> dict[str, float]:
