@@ -45,6 +45,7 @@ from edgedecode.kv.wire.frames import (
     max_chunks,
     max_header_nbytes,
     max_sections,
+    max_zstd_window,
 )
 
 SENTINEL = 12345.0
@@ -319,6 +320,42 @@ def test_finite_extremes_and_random_float16_bits_never_raise_untyped() -> None:
             with pytest.raises(KVValueError):
                 reader.feed(sealed)
             assert (target == SENTINEL).all()
+
+
+def streamed_frame(raw: bytes, window_log: int) -> bytes:
+    """A zstd frame of `raw` that declares no content size and a window of 2**window_log bytes (what a streaming
+    encoder that was not told the size writes)."""
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=window_log, write_content_size=0)
+    streaming = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    return streaming.compress(raw) + streaming.flush()
+
+
+def test_a_zstd_window_beyond_the_largest_chunk_is_refused_before_zstd_allocates_it() -> None:
+    """A 5 KiB chunk whose frame asks for zstd's default maximum window made the decoder allocate 128 MiB (found
+    by tools/fuzz_kv.py); a window up to the chunk's size rounded up to a power of two is accepted."""
+    n = 16
+    snap = snapshot(n)
+    payload = encode(snap, np.full(n, Tier.INT4, np.uint8), chunk_tokens=n)
+    header, chunks, _ = split_frames(payload)
+    raw = zstandard.ZstdDecompressor().decompress(chunks[0][CHUNK_PREFIX.size :])
+    fitting = max_zstd_window(len(raw)).bit_length() - 1
+    assert 2**fitting >= len(raw) > 2 ** (fitting - 1)
+    reader, target = read(join_frames(header, [rechunk(chunks[0], streamed_frame(raw, fitting))]), snap.contract, n)
+    reader.finish()
+    np.testing.assert_array_equal(target, read(payload, snap.contract, n)[1])
+    for window_log in (fitting + 1, 27):
+        huge = join_frames(header, [rechunk(chunks[0], streamed_frame(raw, window_log))])
+        err = expect_refusal(huge, KVMalformedError, "chunk 0")
+        assert "memory" in str(err)
+
+
+@pytest.mark.parametrize("level", [1, 3, 19, 22])
+def test_the_writers_zstd_frames_stay_within_the_window_limit(level) -> None:
+    for nbytes in (0, 1, 1000, 1024, 1025, 100_000, 3 << 20):
+        frame = zstandard.ZstdCompressor(level=level).compress(
+            bytes(range(256)) * (nbytes // 256) + bytes(nbytes % 256)
+        )
+        assert zstandard.get_frame_parameters(frame).window_size <= max_zstd_window(nbytes), nbytes
 
 
 # 5. anything a peer can put in a header field ends in a KVFormatError

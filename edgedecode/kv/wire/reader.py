@@ -38,10 +38,12 @@ from edgedecode.kv.wire.frames import (
     HEADER_PREFIX,
     MAGIC_NBYTES,
     MAJOR,
+    MIN_ZSTD_WINDOW,
     TRAILER,
     TRAILER_MAGIC,
     max_header_containers,
     max_header_nbytes,
+    max_zstd_window,
 )
 from edgedecode.kv.wire.header import (
     ChunkSpec,
@@ -120,7 +122,7 @@ class EDKVReader:
         self._need = HEADER_PREFIX.size
         self._buf = bytearray()
         self._digest = hashlib.sha256()
-        self._dctx = zstandard.ZstdDecompressor()
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=MIN_ZSTD_WINDOW)  # the header's replaces it
         self._failure: Exception | None = None
         self._bytes_in = 0
         self._minor = 0
@@ -269,6 +271,7 @@ class EDKVReader:
         widest = int((table[:, 3] - table[:, 2]).max(initial=0))
         self._scratch = np.empty(max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim), np.float32)
         self._raw = bytearray(int(table[:, 4].max(initial=0)))
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=max_zstd_window(len(self._raw)))
         self._header = header
         self._layers_done = np.zeros(header.n_tokens, np.int64)
         self._expect(_Stage.FRAME, MAGIC_NBYTES)
@@ -328,7 +331,8 @@ class EDKVReader:
         self._expect(_Stage.FRAME, MAGIC_NBYTES)
 
     def _decompress(self, item: memoryview, spec: ChunkSpec) -> memoryview:
-        """The raw chunk, in the reader's reused buffer; zstd never writes beyond the size the header gives."""
+        """The raw chunk, in the reader's reused buffer; zstd never writes beyond the size the header gives, nor
+        allocates a window beyond the largest chunk's (``frames.max_zstd_window``)."""
         raw = memoryview(self._raw)[: spec.raw_nbytes]
         try:
             declared = zstandard.frame_content_size(item)
