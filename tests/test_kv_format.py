@@ -152,15 +152,19 @@ def stored_params(payload: bytes, header: EDKVHeader) -> tuple[np.ndarray, np.nd
             if layout is None:
                 continue
             _, s, z = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
-            m = len(section.tokens)
             for params, out in ((s, scale), (z, zero)):
-                p = params.astype(np.float32)
-                if layout.axis == "token":
-                    p = np.repeat(p, layout.group, -1)
-                else:
-                    p = p[..., np.arange(m) // layout.group, :]
+                p = per_value(params, layout, len(section.tokens))
                 out[section.layer_start : section.layer_stop, section.kv][:, :, section.tokens] = p
     return scale, zero
+
+
+def per_value(params: np.ndarray, layout: QuantLayout, m: int) -> np.ndarray:
+    """A section's stored scales or zeros (shaped as ``quant.params_shape``) of m tokens, as float32 ``[..., m, D]``:
+    the one that applies to each value."""
+    p = params.astype(np.float32)
+    if layout.axis == "token":
+        return np.repeat(p, layout.group, -1)
+    return p[..., np.arange(m) // layout.group, :]
 
 
 @st.composite
