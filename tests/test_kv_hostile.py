@@ -3,6 +3,7 @@ KVFormatError, fast, and writes nothing of a refused chunk (docs/kv-format.md §
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 
@@ -206,6 +207,17 @@ def test_declared_counts_sizes_and_odd_values_are_typed_errors(field, change, er
     assert MAX_META_DEPTH == 8
     read(payload, snap.contract, 8)[0].finish()
     expect_refusal(rewrite_header(payload, change), error, field, n_slots=8)
+
+
+def test_positions_whose_differences_wrap_around_int64_are_not_increasing() -> None:
+    """A header whose last position was -2**63 passed as strictly increasing (np.diff wrapped to a positive step),
+    and the decode engine's prompt check then raised IndexError (found by tools/fuzz_kv.py)."""
+    snap = snapshot(8)
+    payload = encode(snap, np.full(8, Tier.INT4, np.uint8))
+    positions = np.append(snap.positions[:-1], -(2**63)).astype("<i8")
+    assert np.diff(positions)[-1] > 0
+    wrapped = rewrite_header(payload, lambda doc: doc.update(positions=base64.b64encode(positions.tobytes()).decode()))
+    expect_refusal(wrapped, KVMalformedError, "positions", n_slots=8)
 
 
 def test_a_chunk_frame_beyond_the_table_is_malformed_not_an_index_error() -> None:
