@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import gc
 import json
+import weakref
 
 import numpy as np
 import pytest
@@ -257,6 +259,36 @@ def test_vectorised_chunk_sizes_match_the_chunk_plans(data, n, head_dim) -> None
     plans = [plan_chunk(tiers, layouts, HEADS, head_dim, rect) for rect in rects]
     assert raw.tolist() == [plan.raw_nbytes for plan in plans]
     assert sections.tolist() == [len(plan.sections) for plan in plans]
+
+
+def test_a_dropped_reader_is_freed_at_once_not_by_the_cycle_collector() -> None:
+    """Readers held themselves in reference cycles: through their table of bound stage handlers, and once a stream
+    failed through its exception, whose traceback holds the reader's frames. Every dropped reader, with its chunk
+    buffers, lived until the cyclic garbage collector ran (found by tools/fuzz_kv.py: 34 dropped readers holding
+    31 MiB were still alive after 8,000 cases)."""
+    n = 16
+    snap = snapshot(n)
+    payload = encode(snap, np.full(n, Tier.INT4, np.uint8))
+    target = np.zeros((LAYERS, 2, HEADS, n, 16), np.float32)
+
+    def dropped(data: bytes, end) -> weakref.ref:
+        reader = EDKVReader(snap.contract, max_tokens=n, target_factory=lambda header: target)
+        with contextlib.suppress(KVFormatError):
+            reader.feed(data)
+            end(reader)
+        with contextlib.suppress(KVFormatError):
+            reader.feed(b"more")  # after the trailer, or refused: the stream already failed
+        return weakref.ref(reader)
+
+    corrupt = payload[:-1] + bytes([payload[-1] ^ 1])  # the trailer's digest
+    gc.disable()
+    try:
+        assert dropped(payload, EDKVReader.finish)() is None
+        assert dropped(corrupt, EDKVReader.finish)() is None
+        assert dropped(payload[:-5], EDKVReader.finish)() is None  # truncated: finish raises
+        assert dropped(payload[:-5], EDKVReader.cut)() is None
+    finally:
+        gc.enable()
 
 
 # 4. sealed payloads with non-finite values
