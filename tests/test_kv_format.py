@@ -133,6 +133,14 @@ def rewrite_header(payload: bytes, change: Callable[[dict], None], major: int = 
     return with_header(payload, json.dumps(doc).encode(), major, minor)
 
 
+def streamed_frame(raw: bytes, window_log: int) -> bytes:
+    """A zstd frame of `raw` that declares no content size and a window of 2**window_log bytes (what a streaming
+    encoder that was not told the size writes)."""
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=window_log, write_content_size=0)
+    streaming = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    return streaming.compress(raw) + streaming.flush()
+
+
 def rechunk(frame: bytes, compressed: bytes) -> bytes:
     """A chunk frame carrying `compressed` with a matching length and CRC: damage only zstd can see."""
     _, index, _, _ = CHUNK_PREFIX.unpack_from(frame)
@@ -164,7 +172,7 @@ def per_value(params: np.ndarray, layout: QuantLayout, m: int) -> np.ndarray:
     p = params.astype(np.float32)
     if layout.axis == "token":
         return np.repeat(p, layout.group, -1)
-    return p[..., np.arange(m) // layout.group, :]
+    return p[..., np.arange(m) // min(layout.group, max(m, 1)), :]  # a group past m tokens is one group
 
 
 @st.composite

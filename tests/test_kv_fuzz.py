@@ -15,10 +15,11 @@ from kvfuzz.mutant import Mutant
 from kvfuzz.mutations import Case, make_case
 from kvfuzz.oracle import FuzzFailure, reference_kv, run_case
 from kvfuzz.seeds import CONTEXT, Seed, build_seeds
-from test_kv_format import join_frames, rechunk
+from test_kv_format import join_frames, rechunk, streamed_frame
 
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader
+from edgedecode.kv.wire import reader as reader_module
 from edgedecode.kv.wire.chunks import plan_chunk, section_float16
 
 FUZZ_CASES = 2500
@@ -118,3 +119,15 @@ def test_the_oracle_reports_untyped_errors_hangs_and_allocations_beyond_the_boun
     monkeypatch.setattr(EDKVReader, "_write", lambda *args: [][0])
     with pytest.raises(FuzzFailure, match="crash: IndexError"):
         run_case(fuzz_decoder, clean)
+
+
+def test_the_oracle_reports_a_zstd_context_beyond_what_the_chunks_need(seeds, fuzz_decoder, monkeypatch) -> None:
+    seed = seeds[0]
+    body = streamed_frame(zstandard.ZstdDecompressor().decompress(seed.bodies[0]), window_log=27)
+    header, chunks, _ = seed.frames
+    payload = join_frames(header, [rechunk(chunks[0], body), *chunks[1:]])
+    huge_window = _case(seed, Mutant(payload, "a 128 MiB zstd window, resealed", (body, *seed.bodies[1:])))
+    assert run_case(fuzz_decoder, huge_window).result == "KVMalformedError"
+    monkeypatch.setattr(reader_module, "max_zstd_window", lambda raw_nbytes: 1 << 27)  # the reader before the limit
+    with pytest.raises(FuzzFailure, match="zstd context"):
+        run_case(fuzz_decoder, huge_window)

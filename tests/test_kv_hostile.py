@@ -25,6 +25,7 @@ from test_kv_format import (
     rewrite_header,
     snapshot,
     split_frames,
+    streamed_frame,
     with_header,
 )
 
@@ -364,14 +365,6 @@ def test_finite_extremes_and_random_float16_bits_never_raise_untyped() -> None:
             with pytest.raises(KVValueError):
                 reader.feed(sealed)
             assert (target == SENTINEL).all()
-
-
-def streamed_frame(raw: bytes, window_log: int) -> bytes:
-    """A zstd frame of `raw` that declares no content size and a window of 2**window_log bytes (what a streaming
-    encoder that was not told the size writes)."""
-    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=window_log, write_content_size=0)
-    streaming = zstandard.ZstdCompressor(compression_params=params).compressobj()
-    return streaming.compress(raw) + streaming.flush()
 
 
 def test_a_zstd_window_beyond_the_largest_chunk_is_refused_before_zstd_allocates_it() -> None:

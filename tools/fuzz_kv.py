@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import faulthandler
+import resource
 import sys
 import time
 from pathlib import Path
@@ -60,14 +61,20 @@ def main(argv: list[str] | None = None) -> int:
         case = make_case(seeds, RandomDraw(args.seed, index))
         if args.case is not None:
             print(f"case {index}: seed {case.seed.name!r}, {case.mutant.label}, {len(case.cuts) - 1} feeds")
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         try:
             outcome = run_case(decoder, case)
         except FuzzFailure as failure:
             report.fail(index, case.mutant.label, failure)
+        except Exception:
+            print(f"case {index} ({case.mutant.label}): the oracle itself failed", file=sys.stderr)
+            raise
         else:
             report.add(index, case.mutant, outcome)
             if args.case is not None:
                 print(outcome)
+        rise_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before  # Linux: KiB
+        report.rss_rise = max(report.rss_rise, (rise_kib << 10, index))
         if args.case is None and (index + 1) % 10_000 == 0:
             print(f"  {index + 1} cases, {time.perf_counter() - started:.0f} s", flush=True)
     faulthandler.cancel_dump_traceback_later()
@@ -97,6 +104,7 @@ class Report:
         self.busiest: tuple[float, int] = (0.0, -1)
         self.peak: tuple[int, int] = (0, -1)
         self.zstd: tuple[int, int] = (0, -1)
+        self.rss_rise: tuple[int, int] = (0, -1)  # the process's peak resident memory, raised by one case
         self.bound_share = 0.0
 
     def add(self, index: int, mutant: Mutant, outcome: Outcome) -> None:
@@ -138,6 +146,11 @@ class Report:
             f"{self.bound_share:.0%} of a case's bound"
         )
         print(f"largest zstd decompression context: {self.zstd[0] / 2**20:.2f} MiB (case {self.zstd[1]})")
+        print(
+            f"most a case raised the process's peak resident memory (any allocator): "
+            f"{self.rss_rise[0] / 2**20:.1f} MiB (case {self.rss_rise[1]}); peak "
+            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10:.0f} MiB"
+        )
         print(f"failures: {dict(self.failures) or 'none'}")
         for line in self.shown:
             print("  " + line)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import zstandard
-from test_kv_format import join_frames
+from test_kv_format import join_frames, streamed_frame
 
 from edgedecode.kv.wire.chunks import plan_chunk, section_float16
 from edgedecode.kv.wire.frames import CHUNK_MAGIC, CHUNK_PREFIX
@@ -88,9 +88,7 @@ def recode_chunk(seed: Seed, draw: Draw) -> Mutant:
     elif op == "empty body":
         body = b""
     elif op == "huge zstd window":
-        params = zstandard.ZstdCompressionParameters.from_level(3, window_log=HUGE_WINDOW_LOG, write_content_size=0)
-        streaming = zstandard.ZstdCompressor(compression_params=params).compressobj()  # no size known: no shrinking
-        body = streaming.compress(raw) + streaming.flush()
+        body = streamed_frame(raw, HUGE_WINDOW_LOG)
     else:
         body = zstd_bomb(op.endswith("size"))
     bodies[k] = body

@@ -10,7 +10,8 @@ engine's prompt checks) or a complete ingest, and in either case:
   declares, decoded here value by value;
 - the kept prefix (``cut``) is exactly the leading tokens every layer of which those chunks hold, and the token
   ids and positions adopted are the prompt's;
-- it took at most HANG_S, and allocated at most ``allocation_bound`` (while tracemalloc traces).
+- it took at most HANG_S of CPU, allocated at most ``allocation_bound`` (as tracemalloc sees it) and left the
+  reader's zstd context within ``zstd_bound``.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import zstandard
 from test_kv_format import per_value
 
 from edgedecode.kv.quant import QuantLayout
-from edgedecode.kv.wire import EDKVHeader, KVFormatError
+from edgedecode.kv.wire import EDKVHeader, EDKVReader, KVFormatError
 from edgedecode.kv.wire.chunks import plan_chunk, section_arrays
-from edgedecode.kv.wire.frames import HEADER_PREFIX
+from edgedecode.kv.wire.frames import HEADER_CRC, HEADER_PREFIX
 from edgedecode.kv.wire.reader import BLOCK_VALUES
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.handoff import StreamedKV
@@ -41,6 +42,8 @@ HANG_S = 1.0
 MARGIN_SLOTS = 8  # slots past the prompt's last that are watched for stray writes, too
 FIXED_BYTES = 64 << 10  # see allocation_bound
 HEADER_FACTOR = 8
+CELL_BYTES = 32
+ZSTD_BYTES = 1 << 20
 
 
 class FuzzFailure(AssertionError):
@@ -61,7 +64,7 @@ class Outcome:
     cpu_seconds: float  # this thread's CPU time over the same span
     peak_bytes: int  # peak of the allocations traced during the ingest (tracemalloc runs only then)
     bound_bytes: int
-    zstd_bytes: int  # the reader's zstd decompression context, allocated outside Python's allocators
+    zstd_bytes: int  # the reader's zstd decompression context, allocated by libzstd
 
 
 def run_case(decoder: Engine, case: Case) -> Outcome:
@@ -74,13 +77,13 @@ def run_case(decoder: Engine, case: Case) -> Outcome:
     data = memoryview(mutant.payload)
     tracemalloc.start()  # only the ingest's own allocations are traced (and slowed)
     start, start_cpu = time.perf_counter(), time.thread_time()
-    error: Exception | None = None
+    refused: tuple[str, str | None] | None = None  # (class, field); not the exception, which holds these frames
     try:
         for a, b in itertools.pairwise(case.cuts):
             stream.feed(data[a:b])
         stream.finish()
     except TYPED_ERRORS as exc:
-        error = exc
+        refused = type(exc).__name__, getattr(exc, "field", None)
     except Exception as exc:
         tracemalloc.stop()
         raise FuzzFailure("crash", f"{type(exc).__name__}: {exc}") from exc
@@ -93,42 +96,61 @@ def run_case(decoder: Engine, case: Case) -> Outcome:
     if cpu_seconds > HANG_S:  # CPU time: the work the case made (the wall clock adds the neighbours' load)
         raise FuzzFailure("hang", f"{cpu_seconds:.2f} s of CPU, {seconds:.2f} s")
     edited = _check_slots(stream, case, window)
-    header, done = stream.reader.header, stream.reader.progress.chunks_done
-    bound = allocation_bound(mutant.payload, header)
+    bound = allocation_bound(mutant.payload, stream.reader)
     if peak > bound:
         raise FuzzFailure("over allocation", f"{peak} bytes traced, bound {bound}")
+    zstd_nbytes = stream.reader._dctx.memory_size()  # the reader's own decompression context: no public handle
+    if zstd_nbytes > zstd_bound(stream.reader):
+        raise FuzzFailure(
+            "over allocation", f"a zstd context of {zstd_nbytes} bytes, bound {zstd_bound(stream.reader)}"
+        )
     return Outcome(
-        type(error).__name__ if error is not None else "ingested, edited KV" if edited else "ingested",
-        getattr(error, "field", None),
+        refused[0] if refused else "ingested, edited KV" if edited else "ingested",
+        refused[1] if refused else None,
         stream.segments[-1].tokens,
-        done,
+        stream.reader.progress.chunks_done,
         seconds,
         cpu_seconds,
         peak,
         bound,
-        stream.reader._dctx.memory_size(),  # the reader's own decompression context: no public handle on it
+        zstd_nbytes,
     )
 
 
-def allocation_bound(payload: bytes, header: EDKVHeader | None) -> int:
-    """Bytes an ingest of ``payload`` may allocate at its peak, from what it fed and declared:
+def allocation_bound(payload: bytes, reader: EDKVReader) -> int:
+    """Bytes an ingest of ``payload`` by ``reader`` may allocate at its peak, from what was fed, what the header
+    declared and the receiver's limits:
 
     - FIXED_BYTES: the reader, the stream and their small objects, a refusal's exception;
     - the bytes fed: a feed that ends inside a frame is buffered (at most the frame, at most what was fed);
-    - HEADER_FACTOR × the header JSON received: its copy, its text, the parsed document, the decoded arrays;
+    - HEADER_FACTOR × the header JSON: its copy, its text, the parsed document, the decoded arrays;
+    - once the whole header arrived, CELL_BYTES per cell of the receiver's context (layers × max_tokens): the
+      header's coverage and size checks are vectorised over its cells (layers × n_tokens, n_tokens ≤ max_tokens);
     - once a header is accepted: its largest chunk's raw bytes (the decompression buffer) and twice the float32
       staging for its widest chunk (the staging itself, and the code unpacking's index temporaries, at most a
       staging block's size).
     """
-    header_nbytes = len(payload)
+    bound = FIXED_BYTES + len(payload)
     if len(payload) >= HEADER_PREFIX.size:
-        header_nbytes = min(HEADER_PREFIX.unpack_from(payload)[3], len(payload))
-    bound = FIXED_BYTES + len(payload) + HEADER_FACTOR * header_nbytes
-    if header is not None:
-        c, table = header.contract, header.chunk_table
+        header_nbytes = HEADER_PREFIX.unpack_from(payload)[3]
+        bound += HEADER_FACTOR * min(header_nbytes, len(payload))
+        if len(payload) >= HEADER_PREFIX.size + header_nbytes + HEADER_CRC.size:
+            bound += CELL_BYTES * reader.expected.n_layers * reader.max_tokens
+    if reader.header is not None:
+        c, table = reader.header.contract, reader.header.chunk_table
         widest = int((table[:, 3] - table[:, 2]).max(initial=0))
         bound += int(table[:, 4].max(initial=0)) + 2 * 4 * max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim)
     return bound
+
+
+def zstd_bound(reader: EDKVReader) -> int:
+    """Bytes the reader's zstd context may hold (allocated by libzstd, which tracemalloc does not see): ZSTD_BYTES
+    for the context and its block buffers, and twice the largest window the accepted header's chunks can need (a
+    frame needs no window beyond its content: the largest chunk's raw size, rounded up to a power of two)."""
+    if reader.header is None:
+        return ZSTD_BYTES
+    largest = int(reader.header.chunk_table[:, 4].max(initial=0))
+    return ZSTD_BYTES + 2 * (1 << max(largest - 1, 0).bit_length())
 
 
 def _window(decoder: Engine, seed: Seed) -> np.ndarray:
