@@ -149,6 +149,8 @@ def chat_kv(prefiller, logit_vectors):
         (lambda kv: dataclasses.replace(kv, positions=kv.positions + 3), "positions"),
         (lambda kv: dataclasses.replace(kv, token_ids=kv.token_ids[::-1].copy()), "prompt's tokens"),
         (lambda kv: dataclasses.replace(kv, positions=kv.positions[::-1].copy()), "strictly increasing"),
+        # np.diff wraps: [..., 5, -2**63] looked increasing, and indexing the prompt raised IndexError
+        (lambda kv: dataclasses.replace(kv, positions=np.append(kv.positions[:-1], -(2**63))), "strictly increasing"),
     ],
     ids=[
         "head-count",
@@ -159,6 +161,7 @@ def chat_kv(prefiller, logit_vectors):
         "positions",
         "other-prompt",
         "unordered",
+        "wrapping",
     ],
 )
 def test_mismatched_kv_is_refused_by_name(change, message, decoder, chat_kv, logit_vectors):

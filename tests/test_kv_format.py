@@ -133,6 +133,14 @@ def rewrite_header(payload: bytes, change: Callable[[dict], None], major: int = 
     return with_header(payload, json.dumps(doc).encode(), major, minor)
 
 
+def streamed_frame(raw: bytes, window_log: int) -> bytes:
+    """A zstd frame of `raw` that declares no content size and a window of 2**window_log bytes (what a streaming
+    encoder that was not told the size writes)."""
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=window_log, write_content_size=0)
+    streaming = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    return streaming.compress(raw) + streaming.flush()
+
+
 def rechunk(frame: bytes, compressed: bytes) -> bytes:
     """A chunk frame carrying `compressed` with a matching length and CRC: damage only zstd can see."""
     _, index, _, _ = CHUNK_PREFIX.unpack_from(frame)
@@ -152,15 +160,19 @@ def stored_params(payload: bytes, header: EDKVHeader) -> tuple[np.ndarray, np.nd
             if layout is None:
                 continue
             _, s, z = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
-            m = len(section.tokens)
             for params, out in ((s, scale), (z, zero)):
-                p = params.astype(np.float32)
-                if layout.axis == "token":
-                    p = np.repeat(p, layout.group, -1)
-                else:
-                    p = p[..., np.arange(m) // layout.group, :]
+                p = per_value(params, layout, len(section.tokens))
                 out[section.layer_start : section.layer_stop, section.kv][:, :, section.tokens] = p
     return scale, zero
+
+
+def per_value(params: np.ndarray, layout: QuantLayout, m: int) -> np.ndarray:
+    """A section's stored scales or zeros (shaped as ``quant.params_shape``) of m tokens, as float32 ``[..., m, D]``:
+    the one that applies to each value."""
+    p = params.astype(np.float32)
+    if layout.axis == "token":
+        return np.repeat(p, layout.group, -1)
+    return p[..., np.arange(m) // min(layout.group, max(m, 1)), :]  # a group past m tokens is one group
 
 
 @st.composite

@@ -9,6 +9,15 @@ import numpy as np
 from edgedecode.model.spec import KVContract
 
 
+def increasing_positions(positions: np.ndarray) -> bool:
+    """Whether int64 ``positions`` [n] are non-negative and strictly increasing.
+
+    Neighbours are compared, never subtracted: a difference of int64 positions can wrap around
+    (``np.diff([5, -2**63])`` is positive).
+    """
+    return len(positions) == 0 or bool(positions[0] >= 0 and (positions[1:] > positions[:-1]).all())
+
+
 @dataclass(frozen=True)
 class KVProducer:
     """What computed a KV cache: visible on the receiver, so a cross-quant handoff is reported, not hidden."""

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.snapshot import KVProducer, KVSnapshot, increasing_positions
 from edgedecode.model.onnx_builder import INT64, GraphBuilder, onnx_dtype
 from edgedecode.model.spec import ModelSpec
 from edgedecode.runtime.session import create_session, import_onnxruntime
@@ -162,7 +162,7 @@ class KVCache:
     def check_prompt_match(self, token_ids: np.ndarray, positions: np.ndarray, prompt_ids: np.ndarray) -> None:
         """Raise KVInjectionError unless the tokens at ``positions`` (strictly increasing) are the prompt's."""
         n = len(token_ids)
-        if positions.shape != (n,) or (n and (positions[0] < 0 or np.any(np.diff(positions) <= 0))):
+        if positions.shape != (n,) or not increasing_positions(positions):
             raise KVInjectionError("KV positions must be non-negative and strictly increasing, one per token")
         if n and (positions[-1] >= len(prompt_ids) or not np.array_equal(token_ids, prompt_ids[positions])):
             raise KVInjectionError("the KV's token ids are not the prompt's tokens at the KV's positions")

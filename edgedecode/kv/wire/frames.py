@@ -18,6 +18,7 @@ TRAILER = struct.Struct("<4sI32s")  # magic, chunk count, SHA-256 of every byte 
 MAGIC_NBYTES = 4
 
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+MIN_ZSTD_WINDOW = 1 << 10  # zstd's smallest window (ZSTD_WINDOWLOG_ABSOLUTEMIN)
 
 # Limits on what a header may declare (docs/kv-format.md §7), checked on the raw JSON before any per-item work:
 # a hostile header must cost the receiver time in proportion to its context, not to what the header claims.
@@ -32,6 +33,16 @@ HEADER_BASE_BYTES = 128 << 10  # contract, producer, layouts, meta, zstd_level, 
 CHUNK_ROW_BYTES = 64  # one chunk-table row, spaced or indented JSON included ("[0,30,0,256,1474560]," is 21)
 MAX_TRANSFER_TTL_S = 3600.0  # a `transfer` reference lives at most this long
 FIXED_CONTAINERS = 64  # JSON arrays and objects of a header besides chunk rows and meta (about 15 today)
+
+
+def max_zstd_window(raw_nbytes: int) -> int:
+    """The largest zstd window a chunk of ``raw_nbytes`` may declare: that size rounded up to a power of two.
+
+    A frame never needs a window beyond its content, and the writer's frames (one-shot, content size declared)
+    have exactly that. The limit keeps a hostile frame from making the decoder allocate the 128 MiB window zstd
+    accepts by default for a chunk of a few bytes.
+    """
+    return max(MIN_ZSTD_WINDOW, 1 << max(raw_nbytes - 1, 0).bit_length())
 
 
 def max_chunks(n_tokens: int, n_layers: int) -> int:

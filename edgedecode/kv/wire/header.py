@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from edgedecode.kv.quant import QuantLayout
-from edgedecode.kv.snapshot import KVProducer
+from edgedecode.kv.snapshot import KVProducer, increasing_positions
 from edgedecode.kv.tiers import QUANTIZED_TIERS, TIER_BITS, Tier
 from edgedecode.kv.wire.chunks import chunk_sizes
 from edgedecode.kv.wire.errors import KVMalformedError, KVTooLargeError
@@ -185,7 +185,7 @@ class EDKVHeader:
         n, layers = self.n_tokens, self.contract.n_layers
         if self.positions.shape != (n,):
             raise KVMalformedError("positions", f"{list(self.positions.shape)} positions for {n} token ids")
-        if n and (self.positions[0] < 0 or (np.diff(self.positions) <= 0).any()):
+        if not increasing_positions(self.positions):
             raise KVMalformedError("positions", "positions must be non-negative and strictly increasing")
         check_tier_map(self.tiers, layers, n)
         check_layouts(self.tiers, self.layouts, self.contract.head_dim)

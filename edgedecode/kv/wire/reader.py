@@ -7,6 +7,7 @@ import hashlib
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import zstandard
@@ -38,10 +39,12 @@ from edgedecode.kv.wire.frames import (
     HEADER_PREFIX,
     MAGIC_NBYTES,
     MAJOR,
+    MIN_ZSTD_WINDOW,
     TRAILER,
     TRAILER_MAGIC,
     max_header_containers,
     max_header_nbytes,
+    max_zstd_window,
 )
 from edgedecode.kv.wire.header import (
     ChunkSpec,
@@ -120,8 +123,8 @@ class EDKVReader:
         self._need = HEADER_PREFIX.size
         self._buf = bytearray()
         self._digest = hashlib.sha256()
-        self._dctx = zstandard.ZstdDecompressor()
-        self._failure: Exception | None = None
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=MIN_ZSTD_WINDOW)  # the header's replaces it
+        self._failure: str | None = None  # why the stream failed (see _failed)
         self._bytes_in = 0
         self._minor = 0
         self._chunk_crc = 0
@@ -132,13 +135,6 @@ class EDKVReader:
         self._scratch = np.empty(0, np.float32)
         self._raw = bytearray()
         self._layers_done = np.zeros(0, np.int64)
-        self._handlers: dict[_Stage, Callable[[memoryview], None]] = {
-            _Stage.HEADER_PREFIX: self._header_prefix,
-            _Stage.HEADER_BODY: self._header_body,
-            _Stage.CHUNK_PREFIX: self._chunk_prefix,
-            _Stage.CHUNK_BODY: self._chunk_body,
-            _Stage.TRAILER: self._trailer,
-        }
 
     @property
     def header(self) -> EDKVHeader | None:
@@ -185,7 +181,7 @@ class EDKVReader:
         """
         verified = self.verified_tokens
         if self._failure is None and self._stage is not _Stage.DONE:
-            self._failure = KVTruncatedError(self._cut_at(), f"cut by the receiver after {self._bytes_in} bytes")
+            self._failed(KVTruncatedError(self._cut_at(), f"cut by the receiver after {self._bytes_in} bytes"))
         self._buf = bytearray()
         return verified
 
@@ -205,7 +201,7 @@ class EDKVReader:
             if consumed:
                 del self._buf[:consumed]
         except Exception as e:
-            self._failure = e
+            self._failure = str(e)
             raise
 
     def finish(self) -> EDKVHeader:
@@ -213,9 +209,14 @@ class EDKVReader:
         if self._failure is not None:
             raise KVFormatError("stream", f"refused: the stream already failed ({self._failure})")
         if self._stage is not _Stage.DONE:
-            self._failure = KVTruncatedError(self._cut_at(), f"the stream ended after {self._bytes_in} bytes")
-            raise self._failure
+            raise self._failed(KVTruncatedError(self._cut_at(), f"the stream ended after {self._bytes_in} bytes"))
         return self._parsed
+
+    def _failed(self, error: KVFormatError) -> KVFormatError:
+        """Record why the stream failed and return ``error``: its text only (its traceback, once raised, holds the
+        reader's frames, and a reader holding it would live, buffers and all, until the cycle collector runs)."""
+        self._failure = str(error)
+        return error
 
     def _parse(self, view: memoryview) -> int:
         """Handle every complete item at the front of `view`; return the bytes consumed."""
@@ -228,7 +229,7 @@ class EDKVReader:
             if self._stage not in (_Stage.TRAILER, _Stage.CHUNK_BODY):  # a body is covered by its prefix's CRC
                 self._digest.update(item)
             pos += len(item)
-            self._handlers[self._stage](item)
+            self._HANDLERS[self._stage](self, item)
         if self._stage is _Stage.DONE and pos < len(view):
             raise KVMalformedError("trailer", f"{len(view) - pos} bytes after the trailer")
         return pos
@@ -269,6 +270,7 @@ class EDKVReader:
         widest = int((table[:, 3] - table[:, 2]).max(initial=0))
         self._scratch = np.empty(max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim), np.float32)
         self._raw = bytearray(int(table[:, 4].max(initial=0)))
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=max_zstd_window(len(self._raw)))
         self._header = header
         self._layers_done = np.zeros(header.n_tokens, np.int64)
         self._expect(_Stage.FRAME, MAGIC_NBYTES)
@@ -328,7 +330,8 @@ class EDKVReader:
         self._expect(_Stage.FRAME, MAGIC_NBYTES)
 
     def _decompress(self, item: memoryview, spec: ChunkSpec) -> memoryview:
-        """The raw chunk, in the reader's reused buffer; zstd never writes beyond the size the header gives."""
+        """The raw chunk, in the reader's reused buffer; zstd never writes beyond the size the header gives, nor
+        allocates a window beyond the largest chunk's (``frames.max_zstd_window``)."""
         raw = memoryview(self._raw)[: spec.raw_nbytes]
         try:
             declared = zstandard.frame_content_size(item)
@@ -420,6 +423,16 @@ class EDKVReader:
         if self._stage is _Stage.TRAILER or self._chunks_done == len(self._parsed.chunks):
             return "trailer"
         return f"chunk {self._chunks_done}"
+
+    # Functions, not the instance's bound methods: a table of those would hold the reader (and its chunk buffers)
+    # in a reference cycle, freed only when the cyclic garbage collector runs.
+    _HANDLERS: ClassVar[dict[_Stage, Callable[[EDKVReader, memoryview], None]]] = {
+        _Stage.HEADER_PREFIX: _header_prefix,
+        _Stage.HEADER_BODY: _header_body,
+        _Stage.CHUNK_PREFIX: _chunk_prefix,
+        _Stage.CHUNK_BODY: _chunk_body,
+        _Stage.TRAILER: _trailer,
+    }
 
 
 def decode_snapshot(

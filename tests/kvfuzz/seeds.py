@@ -1,0 +1,116 @@
+"""The valid payloads fuzz cases start from: real SmolLM2 KV from the prefill pipeline (``prefill_and_score``,
+tiers from the allocator under a budget, ``payload_frames`` as the prefill server serves them), built once per run
+and kept in memory with what a clean ingest writes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+from test_kv_format import split_frames, with_header
+
+from edgedecode.evaluation.texts import pydoc_corpus, token_windows
+from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import EDKVHeader, TransferRef, encode_payload
+from edgedecode.kv.wire.frames import CHUNK_PREFIX, HEADER_CRC, HEADER_PREFIX
+from edgedecode.model.tokenizer import Tokenizer
+from edgedecode.prefill.pipeline import encode_within_budget, payload_meta, prefill_and_score, smallest_payload
+from edgedecode.runtime.engine import Engine
+
+CONTEXT = 512  # the fuzz decoder's KV slots: every seed's prompt fits, with room past it to see stray writes
+SENTINEL_BITS = 0x7FC0_ED1E  # a NaN: the reader writes only finite values, so a slot holding it was not written
+
+
+@dataclass(frozen=True, eq=False)
+class Seed:
+    """A valid payload, the prompt it was pulled for and what its clean ingest writes."""
+
+    name: str
+    prompt_ids: np.ndarray  # int64 [prompt]
+    head: int  # positions before the payload's that the decoder computes itself: its tokens land from slot `head`
+    payload: bytes
+    header: EDKVHeader
+    clean: np.ndarray  # float32 [layers, 2, kv_heads, n_kept, head_dim]: the clean ingest's KV, slot by slot
+    weight: int  # how often cases start from it (small payloads more often: they are cheaper)
+
+    @cached_property
+    def frames(self) -> tuple[bytes, tuple[bytes, ...], bytes]:
+        """(header frame, chunk frames, trailer)."""
+        header, chunks, trailer = split_frames(self.payload)
+        return header, tuple(chunks), trailer
+
+    @cached_property
+    def bodies(self) -> tuple[bytes, ...]:
+        """The chunk frames' bodies (zstd frames), in order."""
+        return tuple(chunk[CHUNK_PREFIX.size :] for chunk in self.frames[1])
+
+
+def build_seeds(tokenizer: Tokenizer, prefill: Engine, decoder: Engine) -> list[Seed]:
+    """Seed payloads covering the FP16, INT8, INT4, INT2 and DROP tiers, EDKV 1.1 with a transfer and 1.0
+    without, one and several chunks (and layer groups), a segment after computed positions, and no kept token.
+
+    ``prefill``: a prefill graph engine (emit_queries) of the model ``tokenizer`` belongs to; ``decoder``: the
+    CPU decode engine the cases run on, with CONTEXT slots.
+    """
+    prompts = token_windows(tokenizer, pydoc_corpus(), 160, 4)
+    transfer = TransferRef("fuzz-seed", 30.0)
+
+    def served(prompt: np.ndarray, budget: float, head: int = 0) -> bytes:
+        scored = prefill_and_score(prefill, prompt).from_position(head)
+        return b"".join(encode_within_budget(scored, budget, transfer=transfer).frames)
+
+    fine = prefill_and_score(prefill, prompts[2][:32])  # per-layer tiers with INT2, 16-token chunks, layer groups
+    short = prefill_and_score(prefill, prompts[0][:16]).snapshot
+    kept_tiers = np.array([Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT2], np.uint8)
+    runs = np.random.default_rng(0).choice(kept_tiers, (6, 32))  # 6 runs of 5 layers: 2 in each 10-layer chunk
+    tiers = np.repeat(runs, fine.snapshot.contract.n_layers // len(runs), axis=0)
+    tiers[:, ::5] = Tier.DROP
+    specs = [
+        ("24t INT8+INT4, 1.1", prompts[0][:24], 0, served(prompts[0][:24], 0.45), 4),
+        ("24t INT4+DROP, 1.0", prompts[1][:24], 0, as_minor_0(served(prompts[1][:24], 0.25)), 4),
+        ("12t FP16+INT8", prompts[3][:12], 0, served(prompts[3][:12], 0.6), 4),
+        (
+            "32t tiers by layer with INT2, 16-token chunks of 10 layers",
+            prompts[2][:32],
+            0,
+            b"".join(
+                encode_payload(
+                    fine.snapshot,
+                    tiers,
+                    chunk_tokens=16,
+                    chunk_layers=10,
+                    meta=payload_meta("fuzz", 0.3),
+                    transfer=transfer,
+                )
+            ),
+            3,
+        ),
+        ("48t from position 16 (a later segment)", prompts[3][:48], 16, served(prompts[3][:48], 0.3, head=16), 3),
+        (
+            "16t all dropped",
+            prompts[0][:16],
+            0,
+            b"".join(smallest_payload(short, payload_meta("ours", 0.01)).frames),
+            2,
+        ),
+        ("160t INT8+INT4+DROP, 2 chunks as served", prompts[1], 0, served(prompts[1], 0.15), 1),
+    ]
+    return [_seed(decoder, name, prompt, head, payload, weight) for name, prompt, head, payload, weight in specs]
+
+
+def as_minor_0(payload: bytes) -> bytes:
+    """The payload as an EDKV 1.0 stream: minor version 0, no ``transfer`` field (resealed)."""
+    header, _, _ = split_frames(payload)
+    doc = json.loads(header[HEADER_PREFIX.size : -HEADER_CRC.size])
+    doc.pop("transfer", None)
+    return with_header(payload, json.dumps(doc, separators=(",", ":")).encode(), minor=0)
+
+
+def _seed(decoder: Engine, name: str, prompt: np.ndarray, head: int, payload: bytes, weight: int) -> Seed:
+    stream = decoder.open_kv_stream(prompt, head=head)
+    stream.feed(payload)
+    header = stream.finish()
+    rows = decoder.cache.host[:, :, 0, :, head : head + header.n_kept].copy()
+    return Seed(name, np.asarray(prompt, np.int64), head, payload, header, rows, weight)

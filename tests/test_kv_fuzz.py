@@ -1,0 +1,133 @@
+"""KV decoder fuzzing, the fast subset of ``tools/fuzz_kv.py`` (docs/reliability.md): real SmolLM2 payloads from
+the prefill pipeline, mutated as a broken link or a hostile sender would, fed in random slices through the decode
+engine's stream into its KV buffers; hypothesis draws the cases, derandomized so every run checks the same ones."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvfuzz import oracle
+from kvfuzz.draw import HypothesisDraw
+from kvfuzz.mutant import Mutant
+from kvfuzz.mutations import Case, make_case
+from kvfuzz.oracle import FuzzFailure, reference_kv, run_case
+from kvfuzz.seeds import CONTEXT, Seed, build_seeds
+from test_kv_format import join_frames, rechunk, streamed_frame
+
+from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import EDKVReader
+from edgedecode.kv.wire import reader as reader_module
+from edgedecode.kv.wire.chunks import plan_chunk, section_float16
+
+FUZZ_CASES = 2500
+
+
+@pytest.fixture(scope="module")
+def fuzz_decoder(smollm2_model, decoder):
+    """A decode engine of CONTEXT slots on the shared decode session: its own KV buffers to watch."""
+    from edgedecode.runtime.engine import Engine
+
+    return Engine(smollm2_model, decoder.options, max_context=CONTEXT, threads=2, share=decoder)
+
+
+@pytest.fixture(scope="module")
+def seeds(smollm2_model, prefiller, fuzz_decoder):
+    return build_seeds(smollm2_model.tokenizer, prefiller, fuzz_decoder)
+
+
+def test_the_seeds_cover_every_tier_both_minors_and_chunkings_and_the_oracle_decodes_them_as_the_reader(seeds):
+    tiers = set().union(*(np.unique(seed.header.tiers).tolist() for seed in seeds))
+    assert tiers == {tier.value for tier in Tier}
+    assert {seed.header.minor for seed in seeds} == {0, 1}
+    assert {seed.header.transfer is None for seed in seeds} == {True, False}
+    assert max(len(seed.header.chunks) for seed in seeds) > 1 and any(seed.head for seed in seeds)
+    for seed in seeds:
+        np.testing.assert_array_equal(
+            reference_kv(seed.header, seed.bodies).view(np.uint32), seed.clean.view(np.uint32)
+        )
+
+
+@settings(
+    max_examples=FUZZ_CASES,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(st.data())
+def test_every_mutated_payload_is_refused_typed_or_ingested_verified(seeds, fuzz_decoder, data) -> None:
+    run_case(fuzz_decoder, make_case(seeds, HypothesisDraw(data)))
+
+
+# the oracle itself: each rule it checks can fail
+
+
+def _case(seed: Seed, mutant: Mutant) -> Case:
+    return Case(seed, mutant, (0, len(mutant.payload)))
+
+
+def _with_raw(seed: Seed, change) -> tuple[bytes, bytes]:
+    """(payload, body): the seed with its first chunk's raw bytes changed by ``change(raw, section)`` (its first
+    section) and every checksum resealed."""
+    h, c = seed.header, seed.header.contract
+    spec = h.chunks[0]
+    rect = (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop)
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(seed.bodies[0]))
+    change(raw, plan_chunk(h.tiers, h.layouts, c.n_kv_heads, c.head_dim, rect).sections[0])
+    body = zstandard.ZstdCompressor().compress(bytes(raw))
+    header, chunks, _ = seed.frames
+    return join_frames(header, [rechunk(chunks[0], body), *chunks[1:]]), body
+
+
+def test_the_oracle_refuses_a_sender_edit_passed_off_as_transport_damage(seeds, fuzz_decoder) -> None:
+    payload, body = _with_raw(seeds[0], lambda raw, section: raw.__setitem__(section.offset, raw[section.offset] ^ 1))
+    sealed = Mutant(payload, "one bit of KV, resealed", (body, *seeds[0].bodies[1:]))
+    assert run_case(fuzz_decoder, _case(seeds[0], sealed)).result == "ingested, edited KV"
+    with pytest.raises(FuzzFailure, match="wrong ingest"):
+        run_case(fuzz_decoder, _case(seeds[0], Mutant(payload, "one bit of KV, as if damaged in transit")))
+
+
+def test_the_oracle_reports_a_chunk_written_despite_non_finite_values(seeds, fuzz_decoder, monkeypatch) -> None:
+    seed = seeds[0]
+    c = seed.header.contract
+
+    def poison(raw: bytearray, section) -> None:
+        section_float16(raw, section, c.n_kv_heads, c.head_dim)[0, 0] = np.nan
+
+    payload, body = _with_raw(seed, poison)
+    poisoned = _case(seed, Mutant(payload, "NaN, resealed", (body, *seed.bodies[1:])))
+    assert run_case(fuzz_decoder, poisoned).result == "KVValueError"
+    monkeypatch.setattr(EDKVReader, "_check_finite", staticmethod(lambda *args: None))
+    with pytest.raises(FuzzFailure, match="inf or NaN"):
+        run_case(fuzz_decoder, poisoned)
+
+
+def test_the_oracle_reports_untyped_errors_hangs_and_allocations_beyond_the_bound(
+    seeds, fuzz_decoder, monkeypatch
+) -> None:
+    clean = _case(seeds[0], Mutant(seeds[0].payload, "none"))
+    assert run_case(fuzz_decoder, clean).result == "ingested"
+    monkeypatch.setattr(oracle, "FIXED_BYTES", -(1 << 30))
+    with pytest.raises(FuzzFailure, match="over allocation"):
+        run_case(fuzz_decoder, clean)
+    monkeypatch.setattr(oracle, "HANG_S", 0.0)
+    with pytest.raises(FuzzFailure, match="hang"):
+        run_case(fuzz_decoder, clean)
+    monkeypatch.setattr(EDKVReader, "_write", lambda *args: [][0])
+    with pytest.raises(FuzzFailure, match="crash: IndexError"):
+        run_case(fuzz_decoder, clean)
+
+
+def test_the_oracle_reports_a_zstd_context_beyond_what_the_chunks_need(seeds, fuzz_decoder, monkeypatch) -> None:
+    seed = seeds[0]
+    body = streamed_frame(zstandard.ZstdDecompressor().decompress(seed.bodies[0]), window_log=27)
+    header, chunks, _ = seed.frames
+    payload = join_frames(header, [rechunk(chunks[0], body), *chunks[1:]])
+    huge_window = _case(seed, Mutant(payload, "a 128 MiB zstd window, resealed", (body, *seed.bodies[1:])))
+    assert run_case(fuzz_decoder, huge_window).result == "KVMalformedError"
+    monkeypatch.setattr(reader_module, "max_zstd_window", lambda raw_nbytes: 1 << 27)  # the reader before the limit
+    with pytest.raises(FuzzFailure, match="zstd context"):
+        run_case(fuzz_decoder, huge_window)
