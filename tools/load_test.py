@@ -28,12 +28,14 @@ import statistics
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import psutil
+from bench_run import server, toml_config
 
 from edgedecode.daemon.openai_api import parse_request
 from edgedecode.evaluation.agreement import divergence_gap
@@ -41,7 +43,6 @@ from edgedecode.evaluation.metrics_scrape import scrape_metrics
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel, load_model
 from edgedecode.runtime.engine import Engine
-from edgedecode.serving.process import start_server, stop_server
 
 SUBJECTS = (
     "the sea", "a mountain", "the city at night", "a forest", "the desert", "a river", "snow", "a market",
@@ -202,9 +203,9 @@ def peak_kv_memory(url: str) -> float:
     return scrape_metrics(url)["edgedecode_kv_memory_peak_bytes{}"]
 
 
-def start_daemon(directory: Path, args: argparse.Namespace) -> tuple:
-    """A local-prefill daemon sized for the run: (process, url)."""
-    settings = {
+def daemon_config(directory: Path, args: argparse.Namespace) -> Path:
+    """The config of a local-prefill daemon sized for the run."""
+    daemon = {
         "slots": args.slots,
         "max_context": 2048,
         "kv_memory_mb": args.kv_memory_mb,
@@ -212,12 +213,7 @@ def start_daemon(directory: Path, args: argparse.Namespace) -> tuple:
         "max_queue": max(args.clients) + 8,
         "local_prefill_only": True,
     }
-    lines = ["[model]", f"threads = {args.threads}", "[daemon]"]
-    lines += [f"{key} = {json.dumps(value)}" for key, value in settings.items()]
-    config = directory / "daemon.toml"
-    config.write_text("\n".join(lines) + "\n")
-    log = open(directory / "daemon.log", "wb")  # noqa: SIM115 - lives as long as the daemon
-    return start_server(["serve", "--config", str(config)], stderr=log, timeout=600)
+    return toml_config(directory / "daemon.toml", {"model": {"threads": args.threads}, "daemon": daemon})
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -226,8 +222,8 @@ def run(args: argparse.Namespace) -> dict:
     engine = Engine(model, GraphOptions.for_device("decode", "cpu"), max_context=2048, threads=args.threads)
     results: dict = {"settings": vars(args), "loads": []}
     with tempfile.TemporaryDirectory() as workdir:
-        process, url = start_daemon(Path(workdir), args)
-        try:
+        config = daemon_config(Path(workdir), args)
+        with server(["serve", "--config", str(config)], Path(workdir) / "daemon.log") as (process, url):
             for clients in args.clients:
                 alone = asyncio.run(run_clients(url, clients, args.turns, args.max_tokens, f"alone{clients}", None))
                 said = {(t.client, t.turn): t.answer for t in alone}
@@ -246,23 +242,14 @@ def run(args: argparse.Namespace) -> dict:
                         "wall_s": wall,
                         "loaded": latency_summary(loaded),
                         "alone": latency_summary(alone),
-                        "resumes": _count(t.report.get("kv", {}).get("resume") for t in loaded),
+                        "resumes": dict(Counter(t.report.get("kv", {}).get("resume") for t in loaded)),
                     }
                 )
             if args.sequential:
                 results["sequential"] = sequential_rss(url, process.pid, args.sequential, 8)
             results["kv_memory_peak_bytes"] = peak_kv_memory(url)
-        finally:
-            stop_server(process)
     results["kv_memory_budget_bytes"] = args.kv_memory_mb << 20
     return results
-
-
-def _count(values) -> dict:
-    counts: dict = {}
-    for value in values:
-        counts[value] = counts.get(value, 0) + 1
-    return counts
 
 
 def main() -> None:
