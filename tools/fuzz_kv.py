@@ -31,8 +31,7 @@ from edgedecode.runtime.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the fuzz lives with the tests it shares
 from kvfuzz.draw import RandomDraw
-from kvfuzz.mutant import Mutant
-from kvfuzz.mutations import make_case
+from kvfuzz.mutations import Case, make_case
 from kvfuzz.oracle import FuzzFailure, Outcome, reference_kv, run_case
 from kvfuzz.seeds import CONTEXT, Seed, build_seeds
 
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"case {index} ({case.mutant.label}): the oracle itself failed", file=sys.stderr)
             raise
         else:
-            report.add(index, case.mutant, outcome)
+            report.add(index, case, outcome)
             if args.case is not None:
                 print(outcome)
         rise_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before  # Linux: KiB
@@ -88,7 +87,7 @@ def check_seed(seed: Seed) -> None:
         raise SystemExit(f"the oracle disagrees with the reader on the clean seed {seed.name!r}")
 
 
-FAMILIES = ("transport damage", "sender's edit, resealed", "none")
+FAMILIES = ("transport damage", "sender's edit, resealed", "unchanged bytes")
 
 
 class Report:
@@ -107,8 +106,9 @@ class Report:
         self.rss_rise: tuple[int, int] = (0, -1)  # the process's peak resident memory, raised by one case
         self.bound_share = 0.0
 
-    def add(self, index: int, mutant: Mutant, outcome: Outcome) -> None:
-        family = FAMILIES[1] if mutant.sealed else FAMILIES[2] if mutant.label == "none" else FAMILIES[0]
+    def add(self, index: int, case: Case, outcome: Outcome) -> None:
+        mutant = case.mutant
+        family = FAMILIES[2] if mutant.payload == case.seed.payload else FAMILIES[1] if mutant.sealed else FAMILIES[0]
         self.results[outcome.result, family] += 1
         self.mutations[mutant.label.split(":")[0].split(",")[0]] += 1
         self.partial += outcome.result.startswith("KV") and outcome.verified_tokens > 0

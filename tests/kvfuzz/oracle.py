@@ -186,18 +186,21 @@ def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
 
 def _expected_kv(case: Case, header: EDKVHeader, done: int) -> tuple[np.ndarray, bool]:
     """The KV the verified chunks must have written, ``[layers, 2, kv_heads, n_kept, head_dim]`` (meaningful in
-    their cells), and whether it is a sender's edit rather than the clean payload's."""
+    their cells), and whether it is a sender's edit: other tokens or positions, or other KV in those cells, than
+    the clean payload's."""
     seed, bodies = case.seed, case.mutant.bodies
-    same_layout = _same_kv_layout(header, seed.header)
     if bodies is None:
-        if not same_layout:
+        if not _same_kv_layout(header, seed.header):
             raise FuzzFailure("wrong ingest", "transport damage changed the header the reader accepted")
         return seed.clean, False
     kv = reference_kv(header, bodies[:done])
     cells = _cells(header, done)[:, header.kept][:, None, None, :, None]
     if not np.isfinite(np.where(cells, kv, 0)).all():
         raise FuzzFailure("wrong ingest", "a chunk holding inf or NaN was written")
-    return kv, not same_layout or not np.array_equal(np.where(cells, kv, 0), np.where(cells, seed.clean, 0))
+    same_tokens = all(
+        np.array_equal(getattr(header, name), getattr(seed.header, name)) for name in ("token_ids", "positions", "kept")
+    )
+    return kv, not same_tokens or not np.array_equal(np.where(cells, kv, 0), np.where(cells, seed.clean, 0))
 
 
 def _check_prefix(stream: StreamedKV, seed: Seed, header: EDKVHeader, done: int) -> None:
