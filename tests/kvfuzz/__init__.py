@@ -4,6 +4,7 @@ buffers and judged by an oracle. ``tools/fuzz_kv.py`` runs it at scale; ``tests/
 
 - ``draw``: where a case's choices come from (a seeded numpy generator, or hypothesis);
 - ``seeds``: the valid payloads the cases start from;
-- ``frames`` and ``edits``: the mutations (transport damage, and edits a sender reseals);
+- ``frames`` (transport damage), ``header_edits`` and ``chunk_edits`` (a sender's resealed edits): the mutations,
+  each a ``mutant.Mutant``; ``mutations``: a case (seed, mutation, feeds);
 - ``oracle``: feeds a case into the engine and checks what it did.
 """
