@@ -422,13 +422,19 @@ def store_pins(positions: np.ndarray) -> np.ndarray:
     return pinned_mask(positions, recent=min(RECENT_TOKENS, len(positions) // 4))
 
 
-def _drop_order(entry: StoredConversation, min_kept_fraction: float) -> np.ndarray:
-    """Indices of the tokens the drop rung may still drop, least important first (ties: oldest first)."""
-    room = entry.n_kept - math.ceil(min_kept_fraction * entry.n_tokens)
-    droppable = np.flatnonzero((entry.tiers != Tier.DROP) & ~entry.pinned)
+def drop_order(tiers: np.ndarray, pinned: np.ndarray, importance: np.ndarray, room: int) -> np.ndarray:
+    """Indices of at most ``room`` tokens the drop rung may drop (kept and not pinned), least
+    important first (ties: oldest first)."""
+    droppable = np.flatnonzero((tiers != Tier.DROP) & ~pinned)
     if room <= 0 or len(droppable) == 0:
         return droppable[:0]
-    return droppable[np.argsort(entry.importance[droppable], kind="stable")][:room]
+    return droppable[np.argsort(importance[droppable], kind="stable")][:room]
+
+
+def _drop_order(entry: StoredConversation, min_kept_fraction: float) -> np.ndarray:
+    """The entry's ``drop_order`` down to ``min_kept_fraction`` of its tokens."""
+    room = entry.n_kept - math.ceil(min_kept_fraction * entry.n_tokens)
+    return drop_order(entry.tiers, entry.pinned, entry.importance, room)
 
 
 def _token_shares(entry: StoredConversation) -> np.ndarray:
