@@ -13,7 +13,7 @@ import codecs
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from gguf import GGUFReader
 from jinja2 import Template, TemplateError
@@ -56,10 +56,6 @@ class Tokenizer:
         self._hf_special = self._make_hf(hf_model, model, control, user)
         self._hf_plain = self._make_hf(hf_model, model, [], user)
         self._control_ids = {text: ids[text] for text in control if text}
-        # Longest first, so that the leftmost match is also the longest, as in HF's added-token split;
-        # "(?!)" never matches (a vocabulary without control tokens).
-        alternatives = "|".join(re.escape(t) for t in sorted(self._control_ids, key=len, reverse=True))
-        self._control_re = re.compile(f"({alternatives or '(?!)'})")
         self._special_ids = frozenset(i for i, t in enumerate(vocab.types) if t not in (NORMAL, USER_DEFINED, BYTE))
         self._bytes = [_token_bytes(model, text, t) for text, t in zip(vocab.tokens, vocab.types)]
 
@@ -186,9 +182,40 @@ class Tokenizer:
                 ids.extend(self._hf_plain.encode(plain, add_special_tokens=False).ids)
         return ids
 
+    @cached_property
+    def _control_re(self) -> re.Pattern[str]:
+        """Matches the control-token literals, leftmost then longest (HF's added-token split); compiled on
+        first use, since only chat prompts need it."""
+        return _literals_regex(frozenset(self._control_ids))
+
     def stream_decoder(self) -> StreamDecoder:
         """A decoder that turns tokens fed one at a time into text, never splitting a character."""
         return StreamDecoder(self)
+
+
+@lru_cache(maxsize=4)
+def _literals_regex(literals: frozenset[str]) -> re.Pattern[str]:
+    """A regex with one group that matches any of `literals`, the longest at the leftmost position.
+
+    Written as a trie, so that a match attempt costs a literal's length rather than the number of
+    literals (Gemma has 6,000 control tokens); "(?!)" never matches (no literals). Cached per process:
+    compiling thousands of literals takes about a second.
+    """
+    trie: dict = {}
+    for literal in literals:
+        node = trie
+        for char in literal:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def pattern(node: dict) -> str:
+        branches = [re.escape(char) + pattern(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        return f"(?:{body})?" if "" in node else body  # greedy: the longer literal is tried first
+
+    return re.compile(f"({pattern(trie) or '(?!)'})")
 
 
 def _token_bytes(model: VocabModel, text: str, token_type: int) -> bytes:

@@ -180,8 +180,8 @@ def _spm_bpe(vocab: Vocabulary) -> models.BPE:
     ranked = []
     for token_id, text in enumerate(vocab.tokens):
         for cut in range(1, len(text)):
-            left, right = text[:cut], text[cut:]
-            if left in ids and right in ids:
+            left = text[:cut]
+            if left in ids and (right := text[cut:]) in ids:
                 ranked.append((-vocab.scores[token_id], token_id, cut, left, right))
     ranked.sort()
     return models.BPE(ids, [(left, right) for *_, left, right in ranked], byte_fallback=True)
