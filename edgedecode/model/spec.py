@@ -13,13 +13,13 @@ from edgedecode.model.gguf_file import (
     field_value,
     tensor_table,
 )
+from edgedecode.model.tokenizer_models import SPM_MODEL
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Token texts that end a turn in the chat templates we know; tokens present in the vocab as
 # control tokens join eos as stop tokens (llama.cpp's end-of-generation set does the same).
 _END_OF_TURN_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 _CONTROL_TOKEN_TYPE = 3
-_SPM_MODEL = "llama"  # tokenizer.ggml.model of SentencePiece vocabularies (Llama 2, Gemma)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class TokenizerSpec:
         bos = field_value(reader, "tokenizer.ggml.bos_token_id")
         add_bos = field_value(reader, "tokenizer.ggml.add_bos_token")
         add_space_prefix = field_value(reader, "tokenizer.ggml.add_space_prefix")
-        space_prefix = bool(model == _SPM_MODEL if add_space_prefix is None else add_space_prefix)
+        space_prefix = bool(model == SPM_MODEL if add_space_prefix is None else add_space_prefix)
         return cls(
             name=name,
             bos_token_id=None if bos is None else int(bos),
@@ -127,7 +127,7 @@ def _tokenizer_hash(reader: GGUFReader, tokens: list[str], model: str, add_space
         digest.update(text.encode() + b"\0")
     for merge in field_value(reader, "tokenizer.ggml.merges") or []:
         digest.update(merge.encode() + b"\0")
-    if model == _SPM_MODEL:
+    if model == SPM_MODEL:
         for key, dtype in (("tokenizer.ggml.scores", "<f4"), ("tokenizer.ggml.token_type", "<i4")):
             values = field_array(reader, key)
             digest.update(key.encode() + (b"-" if values is None else values.astype(dtype).tobytes()))

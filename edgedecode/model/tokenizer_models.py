@@ -25,6 +25,7 @@ from edgedecode.model.gguf_file import field_array, field_value
 # llama.cpp's token types (tokenizer.ggml.token_type)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPM_SPACE = "\u2581"  # "▁", SentencePiece's stand-in for a space
+SPM_MODEL = "llama"  # tokenizer.ggml.model of SentencePiece vocabularies (Llama 2, Gemma)
 
 # The pre-tokenizer regexes of llama.cpp's llm_tokenizer_bpe, per tokenizer.ggml.pre, applied in turn.
 # llama.cpp's "default" is not plain GPT-2 (it adds punctuation and 3-digit splits), so it is absent.
@@ -43,7 +44,7 @@ PRE_TOKENIZER_REGEXES: dict[str, tuple[str, ...]] = {
 
 
 # SentencePiece BPE models by vocabulary digest: one per distinct vocabulary a process loads (a handful).
-_SPM_MODELS: dict[str, models.BPE] = {}
+_SPM_BPE_CACHE: dict[str, models.BPE] = {}
 
 
 class TokenizerError(EdgeDecodeError):
@@ -152,9 +153,9 @@ class SentencePiece(VocabModel):
         digest = hashlib.sha256("\0".join(vocab.tokens).encode())
         digest.update(array("d", vocab.scores).tobytes())
         key = digest.hexdigest()
-        if key not in _SPM_MODELS:
-            _SPM_MODELS[key] = _spm_bpe(vocab)
-        return _SPM_MODELS[key]
+        if key not in _SPM_BPE_CACHE:
+            _SPM_BPE_CACHE[key] = _spm_bpe(vocab)
+        return _SPM_BPE_CACHE[key]
 
     def normalizer(self) -> normalizers.Normalizer:
         escape = normalizers.Replace(" ", SPM_SPACE)
@@ -196,7 +197,7 @@ def vocab_model(model: str, pre: str, add_space_prefix: bool) -> VocabModel:
     Raises:
         TokenizerError: a tokenizer model or (for "gpt2") a pre-tokenizer that is not supported, named.
     """
-    if model == "llama":  # llama.cpp ignores tokenizer.ggml.pre for SentencePiece
+    if model == SPM_MODEL:  # llama.cpp ignores tokenizer.ggml.pre for SentencePiece
         return SentencePiece(add_space_prefix)
     if model == "gpt2" and pre in PRE_TOKENIZER_REGEXES:
         return ByteLevelBpe(pre)
