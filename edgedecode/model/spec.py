@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from gguf import GGUFReader
 
@@ -13,6 +13,7 @@ from edgedecode.model.gguf_file import (
     field_value,
     tensor_table,
 )
+from edgedecode.model.tokenizer_models import SPM_MODEL
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Token texts that end a turn in the chat templates we know; tokens present in the vocab as
@@ -64,6 +65,77 @@ class KVContract:
 
 
 @dataclass(frozen=True)
+class TokenizerSpec:
+    """The tokenizer half of a model's metadata: enough to tokenize and render chats without the weights.
+
+    Its field names are ModelSpec's own, so either one configures a Tokenizer.
+    """
+
+    name: str
+    bos_token_id: int | None
+    eos_token_id: int
+    add_bos: bool
+    add_space_prefix: bool  # SentencePiece: "▁" before each stretch of text (llama.cpp's default: yes)
+    stop_token_ids: tuple[int, ...]
+    chat_template: str | None
+    tokenizer_model: str
+    tokenizer_pre: str
+    tokenizer_hash: str
+
+    @classmethod
+    def from_gguf(cls, reader: GGUFReader, name: str) -> TokenizerSpec:
+        """Read the tokenizer.* metadata; a missing vocabulary, EOS or tokenizer model is a ModelFileError."""
+
+        def need(key: str):
+            value = field_value(reader, key)
+            if value is None:
+                raise ModelFileError(f"GGUF metadata lacks {key!r}")
+            return value
+
+        tokens = need("tokenizer.ggml.tokens")
+        token_types = field_array(reader, "tokenizer.ggml.token_type")
+        model = str(need("tokenizer.ggml.model"))
+        eos = int(need("tokenizer.ggml.eos_token_id"))
+        stops = {eos}
+        for i, text in enumerate(tokens):
+            if text in _END_OF_TURN_TEXTS and (token_types is None or token_types[i] == _CONTROL_TOKEN_TYPE):
+                stops.add(i)
+        bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+        add_bos = field_value(reader, "tokenizer.ggml.add_bos_token")
+        add_space_prefix = field_value(reader, "tokenizer.ggml.add_space_prefix")
+        space_prefix = bool(model == SPM_MODEL if add_space_prefix is None else add_space_prefix)
+        return cls(
+            name=name,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_id=eos,
+            add_bos=bool(True if add_bos is None else add_bos),
+            add_space_prefix=space_prefix,
+            stop_token_ids=tuple(sorted(stops)),
+            chat_template=field_value(reader, "tokenizer.chat_template"),
+            tokenizer_model=model,
+            tokenizer_pre=str(field_value(reader, "tokenizer.ggml.pre") or "default"),
+            tokenizer_hash=_tokenizer_hash(reader, tokens, model, space_prefix),
+        )
+
+
+def _tokenizer_hash(reader: GGUFReader, tokens: list[str], model: str, add_space_prefix: bool) -> str:
+    """SHA-256 of what decides the token ids: the token texts and merges, and for SentencePiece also the
+    scores (they rank its merges), token types and space prefix. GPT-2 BPE vocabularies keep the hash
+    they always had, so KV and graphs stored under it stay valid."""
+    digest = hashlib.sha256()
+    for text in tokens:
+        digest.update(text.encode() + b"\0")
+    for merge in field_value(reader, "tokenizer.ggml.merges") or []:
+        digest.update(merge.encode() + b"\0")
+    if model == SPM_MODEL:
+        for key, dtype in (("tokenizer.ggml.scores", "<f4"), ("tokenizer.ggml.token_type", "<i4")):
+            values = field_array(reader, key)
+            digest.update(key.encode() + (b"-" if values is None else values.astype(dtype).tobytes()))
+        digest.update(b"add_space_prefix=%d" % add_space_prefix)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything about a model that graph building, tokenization and the KV contract need."""
 
@@ -83,6 +155,7 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_id: int
     add_bos: bool
+    add_space_prefix: bool
     stop_token_ids: tuple[int, ...]
     chat_template: str | None
     tokenizer_model: str
@@ -125,7 +198,7 @@ class ModelSpec:
             raise ModelFileError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
         def need(key: str):
-            value = field_value(reader, f"{arch}.{key}" if not key.startswith("tokenizer.") else key)
+            value = field_value(reader, f"{arch}.{key}")
             if value is None:
                 raise ModelFileError(f"GGUF metadata lacks {key!r}")
             return value
@@ -136,23 +209,9 @@ class ModelSpec:
         hidden = int(need("embedding_length"))
         n_heads = int(need("attention.head_count"))
         head_dim = int(field_value(reader, f"{arch}.attention.key_length") or hidden // n_heads)
-        tokens = need("tokenizer.ggml.tokens")
-        token_types = field_array(reader, "tokenizer.ggml.token_type")
-        merges = field_value(reader, "tokenizer.ggml.merges") or []
-        eos = int(need("tokenizer.ggml.eos_token_id"))
-        stops = {eos}
-        for i, text in enumerate(tokens):
-            if text in _END_OF_TURN_TEXTS and (token_types is None or token_types[i] == _CONTROL_TOKEN_TYPE):
-                stops.add(i)
-        tok_hash = hashlib.sha256()
-        for text in tokens:
-            tok_hash.update(text.encode() + b"\0")
-        for merge in merges:
-            tok_hash.update(merge.encode() + b"\0")
-        bos = field_value(reader, "tokenizer.ggml.bos_token_id")
-        add_bos = field_value(reader, "tokenizer.ggml.add_bos_token")
+        tokenizer = TokenizerSpec.from_gguf(reader, name)
+        n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
         return cls(
-            name=name,
             architecture=arch,
             n_layers=int(need("block_count")),
             hidden_size=hidden,
@@ -163,15 +222,8 @@ class ModelSpec:
             rope_theta=float(field_value(reader, f"{arch}.rope.freq_base") or 10000.0),
             rope_dim=int(field_value(reader, f"{arch}.rope.dimension_count") or head_dim),
             norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-            vocab_size=int(field_value(reader, f"{arch}.vocab_size") or len(tokens)),
+            vocab_size=int(field_value(reader, f"{arch}.vocab_size") or n_tokens),
             context_length=int(need("context_length")),
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_id=eos,
-            add_bos=bool(True if add_bos is None else add_bos),
-            stop_token_ids=tuple(sorted(stops)),
-            chat_template=field_value(reader, "tokenizer.chat_template"),
-            tokenizer_model=str(need("tokenizer.ggml.model")),
-            tokenizer_pre=str(field_value(reader, "tokenizer.ggml.pre") or "default"),
-            tokenizer_hash=tok_hash.hexdigest(),
             tied_embeddings="output.weight" not in tensors,
+            **asdict(tokenizer),
         )

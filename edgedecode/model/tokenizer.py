@@ -1,126 +1,79 @@
-"""Byte-level BPE tokenization built from the GGUF vocabulary, matching llama.cpp's token ids.
+"""Tokenization built from the GGUF vocabulary, matching llama.cpp's token ids.
 
-Encoding runs through HuggingFace `tokenizers`; decoding maps each token to its bytes (GPT-2
-byte-level alphabet) so that streamed output can hold back incomplete UTF-8 sequences.
-Chat templates render with jinja2 exactly as HF transformers does; control tokens in a chat prompt
-come only from the template's own text, never from the messages (see `Tokenizer.encode_chat`).
+Encoding runs through HuggingFace `tokenizers` with a model part chosen by tokenizer.ggml.model
+(GPT-2 byte-level BPE or SentencePiece, see tokenizer_models); special-token splitting, BOS, chat
+prompts and decoding are the same for both. Decoding maps each token to its bytes so that streamed
+output can hold back incomplete UTF-8 sequences. Control tokens in a chat prompt come only from the
+template's own text, never from the messages (see `Tokenizer.encode_chat`).
 """
 
 from __future__ import annotations
 
 import codecs
-import json
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from gguf import GGUFReader
-from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from jinja2 import Template, TemplateError
+from tokenizers import AddedToken, models
 from tokenizers import Tokenizer as HFTokenizer
 
-from edgedecode.errors import EdgeDecodeError
-from edgedecode.model.gguf_file import field_array, field_value
-from edgedecode.model.spec import ModelSpec
+from edgedecode.model.chat_template import builtin_template, compile_template
+from edgedecode.model.spec import ModelSpec, TokenizerSpec
+from edgedecode.model.tokenizer_models import (
+    BYTE,
+    CONTROL,
+    NORMAL,
+    UNKNOWN,
+    USER_DEFINED,
+    TokenizerError,
+    VocabModel,
+    Vocabulary,
+    vocab_model,
+)
 
-SUPPORTED_MODELS = ("gpt2",)
-# llama.cpp's "default" pre-tokenizer is NOT plain GPT-2 (it adds punctuation and 3-digit splits),
-# so it is deliberately absent: only the ones verified against llama.cpp are listed.
-SUPPORTED_PRE = ("smollm", "gpt-2")
-_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
+__all__ = ["StreamDecoder", "Tokenizer", "TokenizerError", "Vocabulary"]
+
 # Private-use characters around a placeholder for a control-token literal hidden in a message.
 _MASK_OPEN, _MASK_CLOSE = "\ue000", "\ue001"
-
-
-class TokenizerError(EdgeDecodeError):
-    """The tokenizer or chat template in the model file is unsupported or failed."""
-
-
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's map from the printable unicode stand-ins back to raw bytes."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":  # llama.cpp: "\p{N}" isolated, then the GPT-2 regex
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return byte_level  # "gpt-2"
 
 
 class Tokenizer:
     """llama.cpp-compatible tokenizer and chat-template renderer for one model."""
 
-    def __init__(self, spec: ModelSpec, tokens: list[str], types: Sequence[int], merges: list[str]) -> None:
-        if spec.tokenizer_model not in SUPPORTED_MODELS or spec.tokenizer_pre not in SUPPORTED_PRE:
-            raise TokenizerError(
-                f"unsupported tokenizer (tokenizer.ggml.model={spec.tokenizer_model!r}, "
-                f"tokenizer.ggml.pre={spec.tokenizer_pre!r}); supported: model {', '.join(SUPPORTED_MODELS)} "
-                f"with pre-tokenizer {', '.join(SUPPORTED_PRE)}"
-            )
+    def __init__(self, spec: ModelSpec | TokenizerSpec, vocab: Vocabulary) -> None:
+        model = vocab_model(spec.tokenizer_model, spec.tokenizer_pre, spec.add_space_prefix)
         self.spec = spec
-        self.vocab_size = len(tokens)
-        self._tokens = tokens
-        vocab = {text: i for i, text in enumerate(tokens)}  # duplicates: last id wins, as in llama.cpp
-        pairs = []
-        for merge in merges:
-            cut = merge.find(" ", 1)  # llama.cpp splits at the first space after the first character
-            if cut < 0:
-                raise TokenizerError(f"malformed merge {merge!r} in tokenizer.ggml.merges")
-            pairs.append((merge[:cut], merge[cut + 1 :]))
-        try:
-            bpe = models.BPE(vocab, pairs)
-        except Exception as exc:
-            raise TokenizerError(f"cannot build the BPE model from the GGUF vocabulary: {exc}") from exc
-        control = [tokens[i] for i, t in enumerate(types) if t in (_CONTROL, _UNKNOWN)]
-        user = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
+        self.vocab_size = len(vocab.tokens)
+        self._tokens = vocab.tokens
+        ids = vocab.ids()
+        hf_model = model.hf_model(vocab)
+        control = [text for text, t in zip(vocab.tokens, vocab.types) if t in (CONTROL, UNKNOWN)]
+        user = [text for text, t in zip(vocab.tokens, vocab.types) if t == USER_DEFINED]
         # llama.cpp splits control tokens out only with parse_special, user-defined ones always.
-        self._hf_special = self._make_hf(bpe, control, user)
-        self._hf_plain = self._make_hf(bpe, [], user)
-        self._control_ids = {text: vocab[text] for text in control if text}
-        # Longest first, so that the leftmost match is also the longest, as in HF's added-token split;
-        # "(?!)" never matches (a vocabulary without control tokens).
-        alternatives = "|".join(re.escape(t) for t in sorted(self._control_ids, key=len, reverse=True))
-        self._control_re = re.compile(f"({alternatives or '(?!)'})")
-        byte_of = _byte_decoder()
-        self._special_ids = frozenset(i for i, t in enumerate(types) if t != _NORMAL and t != _USER_DEFINED)
-        self._bytes = [
-            text.encode()
-            if t != _NORMAL
-            else b"".join(bytes([byte_of[c]]) if c in byte_of else c.encode() for c in text)
-            for text, t in zip(tokens, types)
-        ]
+        self._hf_special = self._make_hf(hf_model, model, control, user)
+        self._hf_plain = self._make_hf(hf_model, model, [], user)
+        self._control_ids = {text: ids[text] for text in control if text}
+        self._special_ids = frozenset(i for i, t in enumerate(vocab.types) if t not in (NORMAL, USER_DEFINED, BYTE))
+        self._bytes = [_token_bytes(model, text, t) for text, t in zip(vocab.tokens, vocab.types)]
 
-    def _make_hf(self, bpe: models.BPE, special: list[str], user: list[str]) -> HFTokenizer:
-        hf = HFTokenizer(bpe)
-        hf.pre_tokenizer = _pre_tokenizer(self.spec.tokenizer_pre)
-        hf.decoder = decoders.ByteLevel()
+    @staticmethod
+    def _make_hf(hf_model: models.Model, model: VocabModel, special: list[str], user: list[str]) -> HFTokenizer:
+        hf = HFTokenizer(hf_model)
+        if (normalizer := model.normalizer()) is not None:
+            hf.normalizer = normalizer
+        if (pre_tokenizer := model.pre_tokenizer()) is not None:
+            hf.pre_tokenizer = pre_tokenizer
         hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
         return hf
 
     @classmethod
-    def from_gguf(cls, reader: GGUFReader, spec: ModelSpec) -> Tokenizer:
+    def from_gguf(cls, reader: GGUFReader, spec: ModelSpec | TokenizerSpec) -> Tokenizer:
         """Build the tokenizer from the GGUF's tokenizer.ggml.* fields; unsupported kinds raise TokenizerError."""
-        tokens = field_value(reader, "tokenizer.ggml.tokens")
-        if not tokens:
-            raise TokenizerError("GGUF metadata lacks tokenizer.ggml.tokens")
-        type_array = field_array(reader, "tokenizer.ggml.token_type")
-        types: list[int] = [_NORMAL] * len(tokens) if type_array is None else type_array.tolist()
-        merges = field_value(reader, "tokenizer.ggml.merges") or []
-        return cls(spec, tokens, types, merges)
+        return cls(spec, Vocabulary.from_gguf(reader))
 
     def token_text(self, token_id: int) -> str:
         """The vocabulary entry of one id (byte-level form for normal tokens)."""
@@ -154,24 +107,12 @@ class Tokenizer:
         return data.decode("utf-8", errors="replace")
 
     @cached_property
-    def _template(self):
-        if not self.spec.chat_template:
+    def _template(self) -> Template:
+        """The model's chat template, else the built-in one of its family (by its control tokens)."""
+        source = self.spec.chat_template or builtin_template(self._control_ids)
+        if not source:
             raise TokenizerError(f"model {self.spec.name!r} has no chat template (tokenizer.chat_template)")
-
-        def raise_exception(message: str) -> None:
-            raise TokenizerError(f"chat template error: {message}")
-
-        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        try:
-            return env.from_string(self.spec.chat_template)
-        except TemplateError as exc:
-            raise TokenizerError(f"cannot compile the chat template: {exc}") from exc
+        return compile_template(source)
 
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._tokens[token_id]
@@ -241,9 +182,49 @@ class Tokenizer:
                 ids.extend(self._hf_plain.encode(plain, add_special_tokens=False).ids)
         return ids
 
+    @cached_property
+    def _control_re(self) -> re.Pattern[str]:
+        """Matches the control-token literals, leftmost then longest (HF's added-token split); compiled on
+        first use, since only chat prompts need it."""
+        return _literals_regex(frozenset(self._control_ids))
+
     def stream_decoder(self) -> StreamDecoder:
         """A decoder that turns tokens fed one at a time into text, never splitting a character."""
         return StreamDecoder(self)
+
+
+@lru_cache(maxsize=4)
+def _literals_regex(literals: frozenset[str]) -> re.Pattern[str]:
+    """A regex with one group that matches any of `literals`, the longest at the leftmost position.
+
+    Written as a trie, so that a match attempt costs a literal's length rather than the number of
+    literals (Gemma has 6,000 control tokens); "(?!)" never matches (no literals). Cached per process:
+    compiling thousands of literals takes about a second.
+    """
+    trie: dict = {}
+    for literal in literals:
+        node = trie
+        for char in literal:
+            node = node.setdefault(char, {})
+        node[""] = {}
+
+    def pattern(node: dict) -> str:
+        branches = [re.escape(char) + pattern(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
+        return f"(?:{body})?" if "" in node else body  # greedy: the longer literal is tried first
+
+    return re.compile(f"({pattern(trie) or '(?!)'})")
+
+
+def _token_bytes(model: VocabModel, text: str, token_type: int) -> bytes:
+    """The bytes a token stands for, as llama.cpp's token_to_piece gives them (special ones unskipped)."""
+    if token_type == NORMAL:
+        return model.normal_bytes(text)
+    if token_type == BYTE:  # "<0xXX>"
+        return bytes([int(text[3:5], 16)])
+    return text.encode()
 
 
 class StreamDecoder:
