@@ -102,8 +102,10 @@ def test_put_with_a_misshapen_tier_map_or_importance_is_refused():
     store = ConversationStore(BIG, 1)
     with pytest.raises(ValueError, match=r"one code per token \[10\]"):
         store.put("a", snapshot(10), tiers=np.full((LAYERS, 10), Tier.INT8, np.uint8))
-    with pytest.raises(ValueError, match=r"importance must be finite float \[10\]"):
+    with pytest.raises(ValueError, match=r"importance must be float \[10\], >= 0 or NaN"):
         store.put("a", snapshot(10), importance=np.ones(9))
+    with pytest.raises(ValueError, match=r"importance must be float \[10\], >= 0 or NaN"):
+        store.put("a", snapshot(10), importance=np.full(10, -1.0))
     with pytest.raises(ValueError, match="holds no tokens"):
         store.put("a", snapshot(0))
     assert len(store) == 0

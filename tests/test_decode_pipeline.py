@@ -122,6 +122,9 @@ class FakeEngine:
         snapshot = KVSnapshot(CONTRACT, self.history.copy(), np.arange(n), kv[:, 0].copy(), kv[:, 1].copy(), producer)
         return snapshot, np.ones(n, bool)
 
+    def given_importance(self) -> np.ndarray:
+        return np.full(len(self.history), np.nan, np.float32)  # this fake keeps none
+
     def restore(self, prompt_ids: np.ndarray, payload: bytes) -> int:
         kept = decode_snapshot(payload, CONTRACT)
         n = min(len(kept.token_ids), len(prompt_ids))

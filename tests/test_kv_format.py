@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import itertools
@@ -316,7 +317,7 @@ def test_meta_producer_and_layouts_travel_in_the_header() -> None:
     assert header.meta == {"policy": "sink+recent", "budget": 0.3}
     assert header.producer == snap.producer
     assert set(header.layouts) == {Tier.INT4}  # only the tiers actually used
-    assert header.minor == 1 and header.transfer is None
+    assert header.minor == 2 and header.transfer is None and header.importance is None
 
 
 @pytest.mark.parametrize(
@@ -389,6 +390,42 @@ def test_a_bad_transfer_reference_is_malformed(transfer, field) -> None:
     with pytest.raises(KVMalformedError) as err:
         read(payload, snap.contract, 8)
     assert err.value.field == field
+
+
+def test_token_importance_travels_as_float16_with_nan_for_unknown_and_a_1_1_reader_ignores_it() -> None:
+    snap = snapshot(8)
+    importance = np.array([3.5, 0.0, np.nan, 1.25, 0.1, np.nan, 2.0, 1.0], np.float32)
+    payload = encode(snap, np.full(8, Tier.INT8, np.uint8), importance=importance)
+    reader, target = read(payload, snap.contract, 8)
+    got = reader.finish().importance
+    assert got is not None and got.dtype == np.float16
+    np.testing.assert_array_equal(got, importance.astype(np.float16))  # NaN where NaN, the rest as float16
+    as_1_1 = rewrite_header(payload, lambda doc: None, minor=1)  # a 1.1 reader: an unknown field, ignored
+    np.testing.assert_array_equal(read(as_1_1, snap.contract, 8)[1], target)
+
+
+@pytest.mark.parametrize(
+    "values, reason",
+    [
+        (np.array([1, -0.5, 1, 1, 1, 1, 1, 1], "<f2"), "negative"),
+        (np.array([1, np.inf, 1, 1, 1, 1, 1, 1], "<f2"), "infinite"),
+        (np.ones(7, "<f2"), "one value short"),
+        (np.ones(8, "<f4"), "float32, twice the bytes"),
+    ],
+)
+def test_bad_token_importance_is_malformed(values: np.ndarray, reason: str) -> None:
+    snap = snapshot(8)
+    b64 = base64.b64encode(values.tobytes()).decode()
+    payload = rewrite_header(encode(snap, np.full(8, Tier.INT8, np.uint8)), lambda doc: doc.update(importance=b64))
+    with pytest.raises(KVMalformedError) as err:
+        read(payload, snap.contract, 8)
+    assert err.value.field == "importance", reason
+
+
+def test_importance_a_float16_cannot_hold_is_refused_by_the_writer() -> None:
+    snap = snapshot(8)
+    with pytest.raises(KVMalformedError, match="importance"):
+        encode(snap, np.full(8, Tier.INT8, np.uint8), importance=np.full(8, 1e6, np.float32))
 
 
 def test_a_cut_stream_keeps_the_tokens_of_its_verified_chunks() -> None:

@@ -21,6 +21,7 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader
 from edgedecode.kv.wire import reader as reader_module
 from edgedecode.kv.wire.chunks import plan_chunk, section_float16
+from edgedecode.kv.wire.frames import MINOR
 
 FUZZ_CASES = 2500
 
@@ -41,8 +42,9 @@ def seeds(smollm2_model, prefiller, fuzz_decoder):
 def test_the_seeds_cover_every_tier_both_minors_and_chunkings_and_the_oracle_decodes_them_as_the_reader(seeds):
     tiers = set().union(*(np.unique(seed.header.tiers).tolist() for seed in seeds))
     assert tiers == {tier.value for tier in Tier}
-    assert {seed.header.minor for seed in seeds} == {0, 1}
+    assert {seed.header.minor for seed in seeds} == {0, MINOR}
     assert {seed.header.transfer is None for seed in seeds} == {True, False}
+    assert {seed.header.importance is None for seed in seeds} == {True, False}
     assert max(len(seed.header.chunks) for seed in seeds) > 1 and any(seed.head for seed in seeds)
     for seed in seeds:
         np.testing.assert_array_equal(

@@ -21,6 +21,7 @@ The KV goes through the store's encoder and ``Engine.restore`` as in the daemon;
 and compared with the same context's KV uncompressed: Δ perplexity (%), mean KL, top-1 agreement.
 
     python tools/drop_quality.py [--texts 16] [--context 512] [--continuation 64] [--fractions 0.25 0.5] [--json F]
+    python tools/drop_quality.py --report F
 """
 
 from __future__ import annotations
@@ -76,6 +77,27 @@ def restored(
     return engine.export_kv()
 
 
+def table(rows: list[dict], fractions: list[float]) -> list[str]:
+    """The markdown table of ``rows`` (scores per text, source and fraction), one line per source and fraction."""
+    lines = [
+        "| dropped share | source | Δ PPL % mean (min … max) | Δ PPL % median | KL mean | KL median | top-1 mean |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for fraction in [0.0, *fractions]:
+        for source in SOURCES:
+            picked = [r for r in rows if r["fraction"] == fraction and r["source"] == source]
+            if not picked:
+                continue
+            d = [r["dppl_pct"] for r in picked]
+            kl = [r["kl"] for r in picked]
+            lines.append(
+                f"| {fraction:.1%} | {source} | {statistics.mean(d):+.2f} ({min(d):+.2f} … {max(d):+.2f}) | "
+                f"{statistics.median(d):+.2f} | {statistics.mean(kl):.4f} | {statistics.median(kl):.4f} | "
+                f"{statistics.mean(r['top1'] for r in picked):.3f} |"
+            )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--texts", type=int, default=16)
@@ -84,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write every score here")
+    parser.add_argument("--report", help="print the table of a saved run (its --json) instead of running")
     args = parser.parse_args(argv)
+    if args.report:
+        with open(args.report) as f:
+            saved = json.load(f)
+        print("\n".join(table(saved["rows"], saved["args"]["fractions"])))
+        return 0
     started = time.monotonic()
     model = load_model()
     length = args.context + args.continuation
@@ -127,20 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{args.texts} texts of {args.context} context + {args.continuation} continuation tokens; "
         f"{time.monotonic() - started:.0f} s\n"
     )
-    print("| dropped share | source | Δ PPL % mean (min … max) | Δ PPL % median | KL mean | KL median | top-1 mean |")
-    print("|---:|---|---|---:|---:|---:|---:|")
-    for fraction in [0.0, *args.fractions]:
-        for source in SOURCES:
-            picked = [r for r in rows if r["fraction"] == fraction and r["source"] == source]
-            if not picked:
-                continue
-            d = [r["dppl_pct"] for r in picked]
-            kl = [r["kl"] for r in picked]
-            print(
-                f"| {fraction:.0%} | {source} | {statistics.mean(d):+.2f} ({min(d):+.2f} … {max(d):+.2f}) | "
-                f"{statistics.median(d):+.2f} | {statistics.mean(kl):.4f} | {statistics.median(kl):.4f} | "
-                f"{statistics.mean(r['top1'] for r in picked):.3f} |"
-            )
+    print("\n".join(table(rows, args.fractions)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f)

@@ -71,6 +71,9 @@ def write_docs(run: dict, directory: Path) -> None:
         f"Machine: {machine['cpu']} ({machine['cpus']} CPUs), {machine['platform']}; "
         f"{args['threads']} onnxruntime threads, {pinned}.",
         "",
+        "Which tokens the drop rung drops, and what each choice costs: [memory-drop.md](memory-drop.md). Every",
+        "prompt here is prefilled on the box, so no importance comes with the KV and the rung drops by position.",
+        "",
         "## Goals (issue 14)",
         "",
         *goal_checks(run, rows),

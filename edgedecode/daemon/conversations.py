@@ -18,10 +18,14 @@ and only as far as needed before the next:
    token) and the header still lists every token, so the next prompt is checked against all of them;
 3. evict: whole conversations go, counted (``edgedecode_session_evictions_total{reason="memory"}``).
 
-"Least important" is the importance given with the KV (the prefill side's attention, float [n]).
-Without it, position importance (``kv.importance.position_importance``): the oldest tokens after the
-sinks go first, a sliding window with attention sinks (StreamingLLM), the one order that needs
-nothing the conversation did not record. Pinned tokens are never dropped.
+"Least important" ranks by the importance that came with the KV (``kv.importance.drop_ranking``): a
+pull's EDKV ``importance``, the prefill side's attention scaled to mean 1, which the payload the store
+keeps carries on (so a restored conversation brings it back); tokens computed or generated on this
+box rank as an average one. A conversation without any ranks by position importance
+(``kv.importance.position_importance``): the oldest tokens after the sinks go first, a sliding window
+with attention sinks (StreamingLLM). Attention is the better order where there is one (dropping a
+quarter of a 512-token context by it costs about half the KL of dropping by position:
+tools/drop_quality.py, docs/memory.md). Pinned tokens are never dropped.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import numpy as np
 
 from edgedecode.daemon.metrics import ConversationMetrics
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.kv.importance import position_importance
+from edgedecode.kv.importance import drop_ranking
 from edgedecode.kv.policy import RECENT_TOKENS, pinned_mask
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.snapshot import KVSnapshot
@@ -188,7 +192,9 @@ class ConversationStore:
         Args:
             session_id: the conversation.
             snapshot: its KV (``Engine.export_kv``), tokens at their true positions.
-            importance: float [n], higher is kept longer by the drop rung; None: position importance.
+            importance: float [n], the importance that came with each token's KV (``Engine.given_importance``;
+                NaN where none did), kept in the payload; None: none at all. The drop rung ranks by
+                ``kv.importance.drop_ranking`` of it.
             tiers: the starting tier of every token, or uint8 [n] Tier codes.
 
         Returns:
@@ -196,7 +202,8 @@ class ConversationStore:
             itself is re-tiered, trimmed and, as the very last resort, evicted like any other idle one.
 
         Raises:
-            ValueError: tiers or importance not shaped [n], no tokens, or KV that ``encode_payload`` refuses.
+            ValueError: tiers or importance not shaped [n], importance negative or infinite, no tokens, or KV
+                that ``encode_payload`` refuses.
         """
         return self.add(self.compress(session_id, snapshot, importance, tiers))
 
@@ -310,23 +317,24 @@ class ConversationStore:
         if tier_map.shape != (n,):
             raise ValueError(f"tiers must be one Tier or one code per token [{n}], got shape {list(tier_map.shape)}")
         positions = np.asarray(snapshot.positions, np.int64)
-        scores = position_importance(positions) if importance is None else np.asarray(importance, np.float32)
-        if scores.shape != (n,) or not np.isfinite(scores).all():
-            raise ValueError(f"importance must be finite float [{n}], got shape {list(scores.shape)}")
-        payload, chunk_nbytes = self._encoded(snapshot, tier_map)
+        given = np.full(n, np.nan, np.float32) if importance is None else np.asarray(importance, np.float32)
+        known = given[~np.isnan(given)]
+        if given.shape != (n,) or not (np.isfinite(known) & (known >= 0)).all():
+            raise ValueError(f"importance must be float [{n}], >= 0 or NaN, got shape {list(given.shape)}")
+        payload, chunk_nbytes = self._encoded(snapshot, given, tier_map)
         return StoredConversation(
             session_id,
             payload,
             chunk_nbytes,
             snapshot.contract,
             tier_map.astype(np.uint8),
-            scores,
+            drop_ranking(given, positions),
             store_pins(positions),
         )
 
-    def _encoded(self, snapshot: KVSnapshot, tiers: np.ndarray) -> tuple[bytes, int]:
-        """The EDKV payload of ``snapshot`` at ``tiers``, and its bytes in chunk frames."""
-        frames = list(encode_payload(snapshot, tiers, workers=self.workers))
+    def _encoded(self, snapshot: KVSnapshot, importance: np.ndarray | None, tiers: np.ndarray) -> tuple[bytes, int]:
+        """The EDKV payload of ``snapshot`` at ``tiers`` carrying ``importance``, and its bytes in chunk frames."""
+        frames = list(encode_payload(snapshot, tiers, workers=self.workers, importance=importance))
         return b"".join(frames), sum(len(frame) for frame in frames[1:-1])  # less the header and the trailer
 
     def _relieve(self, nbytes: int) -> list[LadderStep]:
@@ -372,7 +380,7 @@ class ConversationStore:
 
     def _reencoded(self, entry: StoredConversation, tiers: np.ndarray, action: str) -> LadderStep | None:
         """Replace ``entry`` (in its LRU place) by its KV encoded at ``tiers``; None when that frees nothing."""
-        payload, chunk_nbytes = self._encoded(_decoded(entry), tiers)
+        payload, chunk_nbytes = self._encoded(*_decoded(entry), tiers)
         smaller = replace(entry, payload=payload, chunk_nbytes=chunk_nbytes, tiers=tiers)
         freed = entry.nbytes - smaller.nbytes
         if freed <= 0:
@@ -445,8 +453,9 @@ def _token_shares(entry: StoredConversation) -> np.ndarray:
     return entry.chunk_nbytes * raw / raw.sum()
 
 
-def _decoded(entry: StoredConversation) -> KVSnapshot:
-    """The entry's KV as a float32 snapshot of all its tokens; dropped ones hold zeros."""
+def _decoded(entry: StoredConversation) -> tuple[KVSnapshot, np.ndarray | None]:
+    """The entry's KV as a float32 snapshot of all its tokens (dropped ones hold zeros), and the
+    importance its payload carries."""
     buffers: list[np.ndarray] = []
 
     def full_size(header: EDKVHeader) -> np.ndarray:
@@ -461,7 +470,8 @@ def _decoded(entry: StoredConversation) -> KVSnapshot:
     if header.n_kept < header.n_tokens:  # the reader wrote the kept tokens compacted: move them to their slots
         kv[:, :, :, header.kept] = kv[:, :, :, : header.n_kept].copy()
         kv[:, :, :, ~header.kept] = 0
-    return KVSnapshot(header.contract, header.token_ids, header.positions, kv[:, 0], kv[:, 1], header.producer)
+    snapshot = KVSnapshot(header.contract, header.token_ids, header.positions, kv[:, 0], kv[:, 1], header.producer)
+    return snapshot, header.importance
 
 
 def _mib(nbytes: int) -> str:

@@ -16,8 +16,8 @@ conversations resident in their slots are compressed into the store (float32 to 
 recently used first; then the store's own rungs over compressed conversations (re-tier to INT4, drop
 their least important tokens, evict the least recently used — counted); as the last resort the
 turn's own conversation loses the KV of its least important kept tokens (sinks and the recent window
-stay; position importance as in the store), so a conversation longer than the budget goes on as a
-sliding window with attention sinks. What still does not fit is a 503 naming the budget
+stay; ranked as in the store: importance from the pull, else position), so a conversation longer
+than the budget goes on as a window with attention sinks. What still does not fit is a 503 naming the budget
 (``KVMemoryError``), before anything was fetched.
 """
 
@@ -33,7 +33,7 @@ import numpy as np
 from edgedecode.daemon.conversations import ConversationStore, KVMemoryError, LadderStep, StoredConversation
 from edgedecode.daemon.metrics import ConversationMetrics
 from edgedecode.daemon.slots import Slot, SlotPool
-from edgedecode.kv.importance import position_importance
+from edgedecode.kv.importance import drop_ranking
 from edgedecode.kv.policy import pinned_mask
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import KVFormatError
@@ -143,7 +143,8 @@ class KVMemory:
         count = -(-shortfall // self.bytes_per_slot_token)
         if not 0 < count <= len(droppable):
             return 0
-        order = droppable[np.argsort(position_importance(positions)[droppable], kind="stable")]
+        ranking = drop_ranking(slot.engine.given_importance()[positions], positions)
+        order = droppable[np.argsort(ranking[droppable], kind="stable")]
         await asyncio.get_running_loop().run_in_executor(self.ingest, slot.engine.evict, positions[order[:count]])
         self.metrics.active_evicted.inc(count)
         logger.warning(
@@ -221,6 +222,7 @@ class KVMemory:
             if self._room_in_store() > 0:
                 loop = asyncio.get_running_loop()
                 snapshot, held = await loop.run_in_executor(self.ingest, engine.export_positions)
+                importance = engine.given_importance()
             else:
                 self.store.record_eviction(session, "max_sessions")
         engine.reset()
@@ -229,7 +231,7 @@ class KVMemory:
             return
         tiers = np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8)
         loop = asyncio.get_running_loop()
-        entry = await loop.run_in_executor(None, self.store.compress, session, snapshot, None, tiers)
+        entry = await loop.run_in_executor(None, self.store.compress, session, snapshot, importance, tiers)
         await self._compress_idle_until_fits(entry.nbytes)  # idle residents go before any kept one is evicted
         self._log(self.store.add(entry, max(self._room_in_store(), 1)))
 

@@ -78,6 +78,10 @@ class DecodeEngine(Protocol):
         """The held KV over every position processed, and which positions it holds."""
         ...
 
+    def given_importance(self) -> np.ndarray:
+        """The importance that came with each position's KV, NaN where none came."""
+        ...
+
     def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0, head: int = 0) -> StreamedKV: ...
 
     def compute_head(self, stream: StreamedKV) -> None:

@@ -52,3 +52,26 @@ def position_importance(positions: np.ndarray, *, sinks: int = 4, half_life: flo
     age = (span - 1 - positions).astype(np.float64)
     decay = np.exp2(-age / (half_life or max(span / 4, 1.0)))
     return np.where(positions < sinks, 2.0, decay).astype(np.float32)
+
+
+def relative_importance(scores: np.ndarray) -> np.ndarray:
+    """float32 [n]: ``scores`` scaled to mean 1, as a payload carries them (EDKV ``importance``): a
+    token at 2 drew twice the average token's attention, whatever the prompt's length or the model."""
+    scores = np.asarray(scores, np.float32)
+    mean = float(scores.mean()) if len(scores) else 0.0
+    return scores / mean if mean > 0 else np.ones_like(scores)
+
+
+def drop_ranking(given: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """float32 [n]: what the memory ladder ranks a stored conversation's tokens by (higher is kept
+    longer): the importance that came with their KV (``relative_importance``: attention from the
+    prefill side), where any did; tokens without one (computed or generated on this box) rank as
+    an average token (1). A conversation with none at all ranks by ``position_importance``.
+
+    Measured (tools/drop_quality.py, docs/memory.md): dropping a quarter of a 512-token context by
+    attention costs about half the KL of dropping by position, and avoids its worst cases."""
+    given = np.asarray(given, np.float32)
+    known = ~np.isnan(given)
+    if not known.any():
+        return position_importance(positions)
+    return np.where(known, given, np.float32(1.0))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
+from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance, relative_importance
 from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.snapshot import KVSnapshot
@@ -185,10 +185,12 @@ def encode_within_budget(
             pdtrim_head_fraction=pdtrim_head_fraction,
         )
 
+    importance = relative_importance(scored.importance)
+
     def encode(tiers: np.ndarray) -> EncodedKV:
         counts = np.bincount(tiers, minlength=len(Tier))
         raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
-        return EncodedKV(payload_frames(snapshot, tiers, meta, transfer, workers), tiers, fp16_bytes, raw)
+        return EncodedKV(payload_frames(snapshot, tiers, meta, importance, transfer, workers), tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
     target = budget
@@ -233,12 +235,24 @@ def through_wire(
 
 
 def payload_frames(
-    snapshot: KVSnapshot, tiers: np.ndarray, meta: dict, transfer: TransferRef | None = None, workers: int = 1
+    snapshot: KVSnapshot,
+    tiers: np.ndarray,
+    meta: dict,
+    importance: np.ndarray,
+    transfer: TransferRef | None = None,
+    workers: int = 1,
 ) -> list[bytes]:
-    """The frames of a served payload: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks."""
+    """The frames of a served payload: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with
+    each token's ``importance`` (``relative_importance``) for the receiver's memory ladder."""
     return list(
         encode_payload(
-            snapshot, tiers, chunk_tokens=PAYLOAD_CHUNK_TOKENS, meta=meta, workers=workers, transfer=transfer
+            snapshot,
+            tiers,
+            chunk_tokens=PAYLOAD_CHUNK_TOKENS,
+            meta=meta,
+            workers=workers,
+            transfer=transfer,
+            importance=importance,
         )
     )
 
@@ -250,4 +264,5 @@ def smallest_payload(snapshot: KVSnapshot, meta: dict, transfer: TransferRef | N
     tiers = np.full(snapshot.n_tokens, Tier.DROP, np.uint8)
     costs = tier_costs(snapshot)
     fp16_bytes = int(costs[Tier.FP16] * snapshot.n_tokens)
-    return EncodedKV(payload_frames(snapshot, tiers, meta, transfer), tiers, fp16_bytes, 0)
+    importance = np.zeros(snapshot.n_tokens, np.float32)  # its size on the wire does not depend on the values
+    return EncodedKV(payload_frames(snapshot, tiers, meta, importance, transfer), tiers, fp16_bytes, 0)

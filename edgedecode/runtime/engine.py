@@ -145,6 +145,8 @@ class Engine:
         self._tokens = np.zeros(self.max_context, np.int64)  # token id held by each cache slot
         self._positions = np.zeros((1, self.max_context), np.int64)  # its true position (RoPE)
         self._history = np.zeros(self.spec.context_length, np.int64)  # token id at every position before next_position
+        # the importance that came with each position's KV (EDKV 1.2), NaN where none came: the memory ladder's ranking
+        self._importance = np.full(self.spec.context_length, np.nan, np.float32)
         self._ramp = np.arange(self.max_context, dtype=np.int64)
         self._mask = np.ones((1, self.max_context), np.int64)
         self._last_position = np.array([-1], np.int64)
@@ -316,6 +318,7 @@ class Engine:
         position = self.next_position
         np.add(self._ramp[:n], position, out=self._positions[0, start : start + n])
         self._history[position : position + n] = self._tokens[start : start + n]
+        self._importance[position : position + n] = np.nan
         io.bind_cpu_input("input_ids", self._tokens[None, start : start + n])
         io.bind_cpu_input("attention_mask", self._mask[:, : start + n])
         io.bind_cpu_input("position_ids", self._positions[:, start : start + n])
@@ -341,6 +344,7 @@ class Engine:
         position = self.next_position
         self._positions[0, slot] = position
         self._history[position] = self._tokens[slot]
+        self._importance[position] = np.nan
         logits = graph_step.run(int(self._tokens[slot]), slot, position)
         self.cache.length = slot + 1
         return logits
@@ -414,6 +418,7 @@ class Engine:
         self._tokens[:injected] = prompt_ids[:injected]
         self._positions[0, :injected] = self._ramp[:injected]
         self._history[: len(prompt_ids)] = prompt_ids
+        self._importance[:injected] = np.nan
         self.cache.length = injected
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), injected_tokens=injected)
 
@@ -485,6 +490,7 @@ class Engine:
         self._tokens[:slots] = header.token_ids[:common][kept]
         self._positions[0, :slots] = header.positions[:common][kept]
         self._history[:common] = prompt_ids[:common]
+        self._importance[:common] = np.nan if header.importance is None else header.importance[:common]
         self.cache.length = slots
         return self.reusable_prefix(prompt_ids)
 
@@ -506,7 +512,7 @@ class Engine:
             self.compute_head(stream)
         if not stream.ended:
             stream.finish()
-        token_ids, positions = stream.adopted()
+        token_ids, positions, importance = stream.adopted()
         injected = self._injectable_count(positions, prompt_ids)
         after_head = stream.kept_slots + stream.head
         self.cache.commit_ingest(
@@ -518,6 +524,7 @@ class Engine:
             stream.keep + stream.head,
             token_ids[:injected],
             positions[:injected],
+            importance[:injected],
         )
         self.stats.reused_tokens = stream.keep
         self.stats.computed_tokens += stream.head
@@ -552,15 +559,22 @@ class Engine:
         return int(np.searchsorted(positions, len(prompt_ids) - 1))
 
     def _process_prompt(
-        self, prompt_ids: np.ndarray, kept_slots: int, keep: int, token_ids: np.ndarray, positions: np.ndarray
+        self,
+        prompt_ids: np.ndarray,
+        kept_slots: int,
+        keep: int,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        importance: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Record the injected slots (already in the cache after the kept ones), then run the prompt
-        from just after them."""
+        """Record the injected slots (already in the cache after the kept ones) and the importance
+        that came with them (None: none), then run the prompt from just after them."""
         injected = len(token_ids)
         end = kept_slots + injected
         self._tokens[kept_slots:end] = token_ids
         self._positions[0, kept_slots:end] = positions
         self._history[: len(prompt_ids)] = prompt_ids
+        self._importance[positions] = np.nan if importance is None else importance
         self.cache.length = end
         resume = int(positions[-1]) + 1 if injected else keep
         self.stats = GenerationStats(
@@ -597,6 +611,11 @@ class Engine:
             held_kv.contract, self._history[:n].copy(), np.arange(n, dtype=np.int64), keys, values, held_kv.producer
         )
         return snapshot, held
+
+    def given_importance(self) -> np.ndarray:
+        """float32 [next_position]: the importance that came with each position's KV (a pull's or a
+        restored payload's EDKV ``importance``), NaN where none came (computed or generated here)."""
+        return self._importance[: self.next_position].copy()
 
     def export_kv(self) -> KVSnapshot:
         """A copy of the cached KV with its token ids, positions, layout contract and producer."""

@@ -57,6 +57,13 @@ class Segment:
             return np.zeros(0, np.int64)
         return self.header.positions[: self.tokens][self.header.kept[: self.tokens]]
 
+    @property
+    def importance(self) -> np.ndarray:
+        """float32 importance of the kept tokens that count (EDKV 1.2 ``importance``; NaN where none came)."""
+        if self.header is None or self.header.importance is None:
+            return np.full(len(self.positions), np.nan, np.float32)
+        return self.header.importance[: self.tokens][self.header.kept[: self.tokens]].astype(np.float32)
+
 
 class StreamedKV:
     """EDKV segments of (part of) one prompt's KV, written into one engine's buffers as they arrive.
@@ -156,13 +163,14 @@ class StreamedKV:
         """The current segment's reader's progress."""
         return self.reader.progress
 
-    def adopted(self) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids, positions) of the kept tokens of every ended segment, in slot order."""
+    def adopted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids, positions, importance) of the kept tokens of every ended segment, in slot order."""
         if not self.segments:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
         return (
             np.concatenate([segment.token_ids for segment in self.segments]),
             np.concatenate([segment.positions for segment in self.segments]),
+            np.concatenate([segment.importance for segment in self.segments]),
         )
 
 

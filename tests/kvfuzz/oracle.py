@@ -209,7 +209,7 @@ def _check_prefix(stream: StreamedKV, seed: Seed, header: EDKVHeader, done: int)
     whole = _cells(header, done).all(axis=0)
     prefix = header.n_tokens if whole.all() else int(np.argmin(whole))
     segment = stream.segments[-1]
-    ids, positions = stream.adopted()
+    ids, positions, _ = stream.adopted()
     if segment.tokens != prefix or len(ids) != header.slots_before[prefix]:
         raise FuzzFailure(
             "wrong ingest", f"kept {segment.tokens} tokens ({len(ids)} slots); the verified chunks hold {prefix}"

@@ -101,10 +101,11 @@ def build_seeds(tokenizer: Tokenizer, prefill: Engine, decoder: Engine) -> list[
 
 
 def as_minor_0(payload: bytes) -> bytes:
-    """The payload as an EDKV 1.0 stream: minor version 0, no ``transfer`` field (resealed)."""
+    """The payload as an EDKV 1.0 stream: minor version 0, no ``transfer`` or ``importance`` field (resealed)."""
     header, _, _ = split_frames(payload)
     doc = json.loads(header[HEADER_PREFIX.size : -HEADER_CRC.size])
     doc.pop("transfer", None)
+    doc.pop("importance", None)
     return with_header(payload, json.dumps(doc, separators=(",", ":")).encode(), minor=0)
 
 

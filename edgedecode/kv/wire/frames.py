@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 MAJOR = 1
-MINOR = 1  # 1.1: the optional header field `transfer`, and cut streams keep their verified prefix
+MINOR = 2  # 1.1: the optional header field `transfer`, and cut streams keep their verified prefix; 1.2: `importance`
 
 HEADER_MAGIC = b"EDKV"
 CHUNK_MAGIC = b"EDKC"

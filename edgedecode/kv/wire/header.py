@@ -86,6 +86,7 @@ class EDKVHeader:
     meta: dict[str, Any]
     minor: int = MINOR  # of the stream it came from; the writer writes the current one
     transfer: TransferRef | None = None  # 1.1: where the rest of this prefill can be asked for
+    importance: np.ndarray | None = None  # 1.2: float16 [n], each token's relative importance; NaN: none known
 
     def __post_init__(self) -> None:
         self._check_arrays()
@@ -142,6 +143,8 @@ class EDKVHeader:
         }
         if self.transfer is not None:
             doc["transfer"] = dataclasses.asdict(self.transfer)
+        if self.importance is not None:
+            doc["importance"] = _b64(self.importance.astype("<f2"))
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -179,6 +182,7 @@ class EDKVHeader:
             meta=meta,
             minor=minor,
             transfer=TransferRef.from_doc(doc_field(doc, "transfer", dict)) if "transfer" in doc else None,
+            importance=_array(doc, "importance", "<f2", n) if "importance" in doc else None,
         )
 
     def _check_arrays(self) -> None:
@@ -189,6 +193,8 @@ class EDKVHeader:
             raise KVMalformedError("positions", "positions must be non-negative and strictly increasing")
         check_tier_map(self.tiers, layers, n)
         check_layouts(self.tiers, self.layouts, self.contract.head_dim)
+        if self.importance is not None:
+            check_importance(self.importance, n)
 
     def _check_chunks(self) -> None:
         """The chunk table tiles layers × tokens exactly: vectorised, no Python work per chunk or per cell."""
@@ -262,6 +268,17 @@ def check_tier_map(tiers: np.ndarray, n_layers: int, n_tokens: int) -> None:
         raise KVMalformedError(
             "tiers", f"token {int(split[0])} is DROP in some layers only; a token's DROP must be shared by all layers"
         )
+
+
+def check_importance(importance: np.ndarray, n_tokens: int) -> None:
+    """The ``importance`` field: float16 [n], each value >= 0 or NaN (none known for that token)."""
+    if importance.dtype != np.float16 or importance.shape != (n_tokens,):
+        raise KVMalformedError(
+            "importance", f"must be float16 [{n_tokens}], got {importance.dtype} {list(importance.shape)}"
+        )
+    known = importance[~np.isnan(importance)]
+    if not (np.isfinite(known) & (known >= 0)).all():
+        raise KVMalformedError("importance", "values must be >= 0 and finite, or NaN where none is known")
 
 
 def check_layouts(tiers: np.ndarray, layouts: dict[Tier, tuple[QuantLayout, QuantLayout]], head_dim: int) -> None:

@@ -56,6 +56,7 @@ def encode_payload(
     meta: dict[str, Any] | None = None,
     workers: int = 1,
     transfer: TransferRef | None = None,
+    importance: np.ndarray | None = None,
 ) -> Iterator[bytes]:
     """Encode `snapshot` as an EDKV 1.x stream.
 
@@ -71,6 +72,8 @@ def encode_payload(
         workers: threads that quantize and compress chunks at once (numpy and zstd release the GIL);
             the frames come out in order either way, byte for byte the same.
         transfer: where the sender keeps this prefill for a resume (EDKV 1.1 header field).
+        importance: float [n], each token's relative importance to the sender (>= 0; NaN where none is known),
+            written as float16 (EDKV 1.2 header field): what a receiver ranks tokens by when it must drop some later.
 
     Returns:
         An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
@@ -78,8 +81,9 @@ def encode_payload(
         (ValueError on values a quantizer cannot represent).
     """
     header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta)
-    if transfer is not None:
-        header = dataclasses.replace(header, transfer=transfer)
+    if transfer is not None or importance is not None:
+        given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
+        header = dataclasses.replace(header, transfer=transfer, importance=given)
     try:
         body = header.to_json()
     except TypeError as e:  # every other field is built here from numbers and strings
