@@ -68,6 +68,8 @@ class DaemonConfig:
     min_budget: float = 0.2  # quality floor of adaptive budgets (SmolLM2: lowest b with Δ PPL <= +2 %, kv-quality.md)
     local_dppl_pct: float = 0.0  # quality cost of prefilling here vs the server's FP16 KV (SmolLM2: -0.01 %, none)
     split_slowdown: float = 1.3  # a split's pull vs alone, until measured here (2 cores of the H100 host: 1.27-1.28)
+    link_stale_margin: float = 1.5  # a link estimate idle past its lapse plans this many times slower than it was
+    state_dir: str = ""  # directory kept across restarts (the link estimates); empty: nothing is kept
     min_wire_bytes: int = 64 << 10  # a payload this small is never squeezed below it (short prompts keep their tokens)
     policy: str = "ours"
     max_tokens: int = 256  # completion length when a request gives none
@@ -294,6 +296,12 @@ def _validate(config: Config, server: Literal["daemon", "prefill"] | None) -> No
         problems.append("daemon.ttft_target_ms must be >= 0 (0: no target, the fixed budget)")
     if not 1 <= d.split_slowdown <= 10:
         problems.append(f"daemon.split_slowdown must be in [1, 10], not {d.split_slowdown}")
+    if not 1 <= d.link_stale_margin <= 100:
+        problems.append(
+            f"daemon.link_stale_margin must be in [1, 100] (a stale link is no faster), not {d.link_stale_margin}"
+        )
+    if d.state_dir and server in (None, "daemon") and not _writable_dir(d.state_dir):
+        problems.append(f"daemon.state_dir ({d.state_dir}) must be a directory this process can write to")
     if not 0 <= d.local_dppl_pct < 1000:
         problems.append(f"daemon.local_dppl_pct must be in [0, 1000) (Δ perplexity, %), not {d.local_dppl_pct}")
     if not 0 < d.min_budget <= 1:
@@ -372,6 +380,10 @@ def _prefill_tls_problems(d: DaemonConfig, read: bool) -> list[str]:
                 "set daemon.prefill_ca_file"
             ]
     return []
+
+
+def _writable_dir(path: str) -> bool:
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
 
 def _unreadable(section: str, key: str, path: str) -> list[str]:

@@ -1,7 +1,8 @@
 """The daemon under a time-to-first-token target over a shaped link (issue 13): the link shaper on
 its own, then one prefill server and two daemons, one pulling through a 10 Mbit/s shaper, the other
 straight: the shaped one asks a lower budget and meets a target b 1.0 misses; over a link too slow
-for any budget it prefills locally without asking the prefill server."""
+for any budget it prefills locally without asking the prefill server; a daemon restarted with its
+state directory plans from the link it learned before."""
 
 from __future__ import annotations
 
@@ -80,38 +81,48 @@ def _config(tmp_path, name: str, **daemon) -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(smollm2_model, tmp_path_factory):
+def tier(smollm2_model, tmp_path_factory):
+    """(prefill server, the 10 Mbit/s shaper in front of it)."""
+    workdir = tmp_path_factory.mktemp("adaptive_tier")
+    prefill = ServerProcess(
+        ["prefill-server", "--config", _config(workdir, "prefill")],
+        workdir / "prefill.log",
+        env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN},
+    )
+    try:
+        with LinkShaper(
+            "127.0.0.1", int(prefill.url.rsplit(":", 1)[1]), rate_bytes_per_s=RATE, delay_s=DELAY_S
+        ) as shaper:
+            yield prefill, shaper
+    finally:
+        prefill.stop()
+
+
+def _daemon(workdir, name: str, url: str, **settings) -> ServerProcess:
+    return ServerProcess(
+        ["serve", "--config", _config(workdir, name, **settings), "--prefill-url", url],
+        workdir / f"{name}.log",
+        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+    )
+
+
+@pytest.fixture(scope="module")
+def servers(tier, tmp_path_factory):
     """(prefill server, shaper, shaped daemon, unshaped daemon, shaped daemon at a fixed b 1.0).
 
     The adaptive daemons count local prefill as costly (``local_dppl_pct``), as for a model whose
     edge graph is worse than the server's: these tests are about the budget the link allows."""
+    prefill, shaper = tier
     workdir = tmp_path_factory.mktemp("adaptive_link")
     started: list = []
     try:
-        prefill = ServerProcess(
-            ["prefill-server", "--config", _config(workdir, "prefill")],
-            workdir / "prefill.log",
-            env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN},
-        )
-        started.append(prefill)
-        port = int(prefill.url.rsplit(":", 1)[1])
-        shaper = LinkShaper("127.0.0.1", port, rate_bytes_per_s=RATE, delay_s=DELAY_S)
-        started.append(shaper)
-        daemons = []
         for name, url, settings in (
             ("shaped", shaper.url, {"local_dppl_pct": 5.0}),
             ("direct", prefill.url, {"local_dppl_pct": 5.0}),
             ("fixed", shaper.url, {"budget": 1.0}),
         ):
-            daemons.append(
-                ServerProcess(
-                    ["serve", "--config", _config(workdir, name, **settings), "--prefill-url", url],
-                    workdir / f"{name}.log",
-                    env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
-                )
-            )
-            started.append(daemons[-1])
-        yield prefill, shaper, *daemons
+            started.append(_daemon(workdir, name, url, **settings))
+        yield prefill, shaper, *started
     finally:
         for server in reversed(started):
             server.stop()
@@ -201,3 +212,31 @@ def test_over_a_link_too_slow_for_any_budget_the_daemon_prefills_locally_without
     assert _prefill_requests(prefill) == requests  # no pull was asked
     assert (shaper.bytes_down, shaper.bytes_up) == forwarded  # nothing went over the link
     assert _metrics(shaped)["edgedecode_kv_decisions_total{decision=local}"] - decided == 1
+
+
+def test_a_restarted_daemon_plans_from_the_link_it_remembers(tier, tmp_path):
+    """The link estimate is kept in daemon.state_dir: after a restart (the estimate as stale as after
+    a long idle time) the first turn under a target plans from the remembered 10 Mbit/s link —
+    local prefill, nothing asked of the server — where a daemon that knew nothing would pull at the
+    configured budget."""
+    prefill, shaper = tier
+    state = tmp_path / "state"
+    state.mkdir()
+    first = _daemon(tmp_path, "before", shaper.url, state_dir=str(state))
+    try:
+        taught = _turn(first)  # no target: the configured budget, which teaches the link model
+    finally:
+        first.stop()
+    assert taught["kv"]["source"] == "prefill_server" and taught["kv"]["budget"] == BUDGET, taught
+    assert len(list(state.glob("link-*.json"))) == 1
+
+    restarted = _daemon(tmp_path, "after", shaper.url, state_dir=str(state))
+    try:
+        requests, forwarded = _prefill_requests(prefill), shaper.bytes_down
+        # b 0.3 of this prompt takes ~2 s at 10 Mbit/s (3 s with the stale margin); local ~0.3-1 s
+        report = _turn(restarted, ttft_target_ms=2000)
+    finally:
+        restarted.stop()
+    assert report["kv"]["decision"] == "local" and report["kv"]["pulled_tokens"] == 0, report
+    assert report["kv"]["predicted_ms"] is not None, report  # planned, not the unknown link's configured budget
+    assert _prefill_requests(prefill) == requests and shaper.bytes_down == forwarded  # nothing asked

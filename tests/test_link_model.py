@@ -1,6 +1,7 @@
 """The link model (daemon.link): moving averages of goodput, round trip and server time per token,
-their idle decay, predictions and gauges; and the pull's own timings against a real aiohttp endpoint
-on 127.0.0.1 sending a real EDKV payload in timed pieces."""
+their idle decay to a stale (not forgotten) estimate, predictions and gauges; what the planner
+makes of a remembered link; the estimate kept across restarts (daemon.link_store); and the pull's
+own timings against a real aiohttp endpoint on 127.0.0.1 sending a real EDKV payload in timed pieces."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from serving_helpers import ThreadedApp
 
+from edgedecode.daemon.adaptive import KVPlan, PlanInputs, QualityCosts, plan_kv
 from edgedecode.daemon.kv_pull import PullResult, PullSettings, first_segment, pull_segment
-from edgedecode.daemon.link import LinkEstimate, LinkModel, LinkModels
+from edgedecode.daemon.link import STALE_MARGIN, LinkEstimate, LinkModel, LinkModels
+from edgedecode.daemon.link_store import LinkStore
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader, encode_payload
@@ -93,31 +96,36 @@ def test_a_step_change_is_followed_within_a_few_pulls(clock):
     assert after.rtt_s == pytest.approx(0.2, rel=0.05)
 
 
-def test_estimates_are_forgotten_after_a_long_idle_time(clock):
-    link = LinkModel("http://p", half_life_s=60.0, clock=clock)
+def test_after_a_long_idle_time_the_estimate_is_stale_not_forgotten(clock):
+    link = LinkModel("http://p", half_life_s=60.0, stale_margin=1.5, clock=clock)
     link.observe(pull(10 * MB, 0.02, server=0.1), tokens=1000)
-    clock.now += 150  # 2.5 half-lives: still known
-    assert link.estimate().goodput_bps == pytest.approx(10 * MB)
-    clock.now += 100  # 4.2 half-lives of a lone pull
-    assert link.estimate() == LinkEstimate(None, None, None)
-    assert link.predict_fetch_s(MB, 100) is None
-    # after idleness the next pull is the estimate (the forgotten past does not dilute it)
+    clock.now += 150  # 2.5 half-lives: still fresh
+    assert link.estimate() == LinkEstimate(pytest.approx(10 * MB), pytest.approx(0.02), pytest.approx(1e-4))
+    fresh_s = link.predict_fetch_s(MB, 100)
+    clock.now += 3600  # an hour idle: remembered, every time 1.5x the learned one
+    assert link.estimate() == LinkEstimate(
+        pytest.approx(10 * MB / 1.5), pytest.approx(0.03), pytest.approx(1.5e-4), stale=True
+    )
+    assert link.predict_fetch_s(MB, 100) == pytest.approx(1.5 * fresh_s)
+    # the next pull is the estimate (the stale past does not dilute it): a changed link is learned from it
     link.observe(pull(1 * MB, 0.3, server=0.5), tokens=1000)
-    estimate = link.estimate()
-    assert estimate.goodput_bps == pytest.approx(1 * MB, rel=0.01)
-    assert estimate.rtt_s == pytest.approx(0.3, rel=0.01)
-    assert estimate.server_s_per_token == pytest.approx(5e-4, rel=0.01)
+    assert link.estimate() == LinkEstimate(pytest.approx(1 * MB), pytest.approx(0.3), pytest.approx(5e-4))
 
 
-def test_a_steady_history_is_trusted_longer_than_a_lone_pull(clock):
+def test_a_steady_history_stays_fresh_longer_than_a_lone_pull(clock):
     lone, steady = LinkModel("http://a", clock=clock), LinkModel("http://b", clock=clock)
     for _ in range(10):
         steady.observe(pull(10 * MB, 0.02), tokens=100)
     lone.observe(pull(10 * MB, 0.02), tokens=100)
     clock.now += 250
-    assert lone.estimate().goodput_bps is None and steady.estimate().goodput_bps is not None
+    assert lone.estimate().stale and not steady.estimate().stale
     clock.now += 100
-    assert steady.estimate().goodput_bps is None
+    assert steady.estimate().stale
+
+
+def test_a_stale_margin_below_one_is_refused():
+    with pytest.raises(ValueError, match="stale_margin"):
+        LinkModel("http://p", stale_margin=0.9)
 
 
 def test_short_pulls_teach_the_round_trip_but_not_the_goodput(clock):
@@ -179,6 +187,119 @@ def test_link_models_export_goodput_and_rtt_per_endpoint(clock):
     b.observe(pull(50 * MB, 0.001), tokens=100)
     assert gauges("http://10.0.0.2:8000") == (pytest.approx(50 * MB), pytest.approx(0.001))
     assert gauges("http://10.0.0.1:8000") == (pytest.approx(5 * MB), pytest.approx(0.03))
+
+
+# --- what the planner makes of a remembered link --------------------------------------------------
+
+FIRST_TURN_TOKENS = 316  # a 256-token system prompt and a user message (tools/sim_fleet.py's first turn)
+FP16_BYTES_PER_TOKEN = 23040  # SmolLM2-135M
+SLOW, FAST = pull(5e6 / 8, 0.08, server=0.02), pull(200e6 / 8, 0.015, server=0.02)  # 5 and 200 Mbit/s
+
+
+def _plan(link: LinkModel, *, target_s: float = 1.0, local_s: float = 0.6, local_dppl: float = 0.0) -> KVPlan:
+    """The daemon's plan for a first turn's KV with ``link`` (the configured budget is 0.3)."""
+    fp16_bytes = FIRST_TURN_TOKENS * FP16_BYTES_PER_TOKEN
+    return plan_kv(
+        PlanInputs(
+            target_s=target_s,
+            fixed_budget=0.3,
+            wire_bytes=lambda budget: int(budget * fp16_bytes),
+            predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, FIRST_TURN_TOKENS),
+            local_s=local_s,
+            min_budget=0.2,
+            quality=QualityCosts(local=local_dppl),
+        )
+    )
+
+
+def _idle_link(clock: FakeClock, *pulls: PullResult) -> LinkModel:
+    """A link model that learned from ``pulls`` and was then idle for an hour (60 half-lives)."""
+    link = LinkModel("http://p", clock=clock)
+    for result in pulls:
+        link.observe(result, tokens=FIRST_TURN_TOKENS)
+        clock.now += 20.0
+    clock.now += 3600.0
+    assert link.estimate().stale
+    return link
+
+
+def test_a_link_never_pulled_from_asks_the_configured_budget(clock):
+    plan = _plan(LinkModel("http://p", clock=clock))
+    assert (plan.decision, plan.budget, plan.predicted_s) == ("remote", 0.3, None)
+
+
+def test_a_slow_link_remembered_after_idleness_plans_local_prefill_or_a_small_budget(clock):
+    link = _idle_link(clock, SLOW, SLOW)
+    assert _plan(link).decision == "local"  # b 0.3 would take ~3.5 s at 5 Mbit/s
+    # where local prefill is costly and slow too: the fastest pull allowed, below the configured 0.3
+    costly = _plan(link, local_s=30.0, local_dppl=5.0)
+    assert (costly.decision, costly.budget) == ("remote", 0.2) and costly.predicted_s is not None
+
+
+def test_a_fast_link_remembered_after_idleness_plans_a_lossless_pull(clock):
+    plan = _plan(_idle_link(clock, FAST, FAST))
+    assert (plan.decision, plan.budget) == ("remote", 0.5), plan  # lossless, and faster than b 1.0 or local
+    fresh = FAST.headers_seconds + 0.5 * FIRST_TURN_TOKENS * FP16_BYTES_PER_TOKEN / (200e6 / 8)
+    assert plan.predicted_s == pytest.approx(STALE_MARGIN * fresh)  # planned with the margin
+
+
+@pytest.mark.parametrize(("before", "now", "decision"), [(SLOW, FAST, "remote"), (FAST, SLOW, "local")])
+def test_a_link_that_changed_while_idle_is_learned_again_from_one_pull(clock, before, now, decision):
+    link = _idle_link(clock, before, before, before)
+    link.observe(now, tokens=FIRST_TURN_TOKENS)
+    estimate = link.estimate()
+    assert not estimate.stale and estimate.goodput_bps == pytest.approx(now.transfer_bytes / now.transfer_seconds)
+    assert _plan(link).decision == decision
+
+
+# --- the link estimate kept across restarts ---------------------------------------------------------
+
+
+def test_a_restarted_daemon_starts_from_the_stored_estimate_as_stale(clock, tmp_path):
+    before = LinkModels(CollectorRegistry(), store=LinkStore(tmp_path), clock=clock)
+    before.get("http://10.0.0.1:8000/").observe(SLOW, tokens=FIRST_TURN_TOKENS)
+    assert [p.name for p in tmp_path.iterdir()] == [LinkStore(tmp_path).path("http://10.0.0.1:8000").name]
+
+    after = LinkModels(CollectorRegistry(), store=LinkStore(tmp_path), clock=clock)
+    restored = after.get("http://10.0.0.1:8000")
+    assert restored.estimate() == LinkEstimate(
+        pytest.approx(5e6 / 8 / STALE_MARGIN),
+        pytest.approx(0.08 * STALE_MARGIN),
+        pytest.approx(0.02 / FIRST_TURN_TOKENS * STALE_MARGIN),
+        stale=True,
+    )
+    assert _plan(restored).decision == "local"
+    assert after.get("http://10.0.0.2:8000").estimate() == LinkEstimate(None, None, None)  # another endpoint
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "not json",
+        '{"version": 2, "endpoint": "http://p", "seconds_per_byte": 1e-6}',
+        '{"version": 1, "endpoint": "http://q", "seconds_per_byte": 1e-6}',
+        '{"version": 1, "endpoint": "http://p", "seconds_per_byte": NaN}',
+        '{"version": 1, "endpoint": "http://p", "seconds_per_byte": 0}',
+        '{"version": 1, "endpoint": "http://p", "rtt_s": -1}',
+        '{"version": 1, "endpoint": "http://p", "rtt_s": "0.1"}',
+        "[1, 2]",
+    ],
+)
+def test_a_stored_estimate_that_is_not_valid_is_ignored(clock, tmp_path, caplog, text):
+    store = LinkStore(tmp_path)
+    store.path("http://p").write_text(text)
+    assert store.load("http://p") is None
+    assert "ignoring the link estimate" in caplog.text
+    links = LinkModels(CollectorRegistry(), store=store, clock=clock)
+    assert links.get("http://p").estimate() == LinkEstimate(None, None, None)
+
+
+def test_a_link_estimate_that_cannot_be_stored_is_logged_and_the_pull_still_teaches(clock, tmp_path, caplog):
+    links = LinkModels(CollectorRegistry(), store=LinkStore(tmp_path / "missing"), clock=clock)
+    link = links.get("http://p")
+    link.observe(FAST, tokens=FIRST_TURN_TOKENS)
+    assert "cannot store the link estimate" in caplog.text
+    assert link.estimate().goodput_bps == pytest.approx(200e6 / 8)
 
 
 # --- the pull's timings against a real endpoint ----------------------------------------------------

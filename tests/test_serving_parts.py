@@ -48,6 +48,12 @@ def test_config_layers_file_env_and_flags(tmp_path):
         ("[daemon]\npolicy = 'best'\n", {}, "daemon.policy must be one of"),
         ("[daemon]\nprefill_url = 'ftp://x'\n", {}, "daemon.prefill_url must be an http(s) URL"),
         ("[daemon\n", {}, "is not valid TOML"),
+        ("", {"EDGEDECODE_DAEMON_LINK_STALE_MARGIN": "0.5"}, "daemon.link_stale_margin must be in [1, 100]"),
+        (
+            "[daemon]\nstate_dir = '/nonexistent/state'\n",
+            {},
+            "daemon.state_dir (/nonexistent/state) must be a directory",
+        ),
         ("[fleet]\nrouting = 'random'\n", {}, "fleet.routing must be one of affinity, round_robin"),
         ("[fleet]\nreplicas = 4\nmax_replicas = 3\n", {}, "autoscaling needs 0 <= fleet.min_replicas"),
     ],

@@ -19,10 +19,12 @@ a TTFT target; ``fixed-1.0``), or ``adaptive``: every box runs the daemon's own 
 (``edgedecode.daemon.link``), which learns from each pull what the daemon learns (round trip:
 the response headers' wait less the server's own time, so queueing at the tier counts; goodput;
 server time per token), and a ``LocalPrefillModel`` from measured local prefill times. Local
-prefill loads no replica; a split pulls the tail's bytes only. The link model forgets what it
-learned while idle (its 60 s half-life), so a conversation starting after a long gap asks the
-configured budget, as the daemon does; ``adaptive-kept`` is a what-if daemon that keeps it (and
-has learned its link before the simulation starts).
+prefill loads no replica; a split pulls the tail's bytes only. Every box has pulled before the
+simulation starts (one typical pull, a 256-token prompt at b 0.3, an hour earlier: the daemon keeps
+its link estimate in ``daemon.state_dir`` across restarts), so its estimate starts stale; an
+estimate idle past its lapse (the model's 60 s half-life) plans with the remembered link worsened
+by the daemon's default ``link_stale_margin``, as the daemon does, and the next pull refreshes it
+(a split's pull teaches nothing, as in the daemon).
 
 **The tier**: R replicas, each one worker in FIFO order (the prefill service runs one request at
 a time). Routing as ``prefill.fleet.router`` does: a conversation stays on the replica that
@@ -44,6 +46,7 @@ share of turns prefilled locally.
 
     python tools/sim_fleet.py [--boxes 10000] [--replicas 4 6 8 10 12 16] [--device gpu|cpu]
                               [--policies fixed-0.3 fixed-1.0 adaptive] [--write-docs] [--json]
+                              [--json-out docs/bench/sim-fleet-....json]
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ BENCH = {
 LOCAL_BENCH = ROOT / "docs/bench/serve-cpu-vm-2026-11-26.json"  # the 2-core edge box's own prefill
 MIN_WIRE_BYTES = 64 << 10  # daemon.min_wire_bytes
 MIN_BUDGET, SPLIT_SLOWDOWN = 0.2, 1.3  # daemon.min_budget, daemon.split_slowdown
-KEPT_LINK_HALF_LIFE_S = 1e9  # "adaptive-kept": a what-if daemon whose link estimate never lapses
+HISTORY_S = 3600.0  # each box's one pull before the simulation was this long before it starts
 USER_SIGMA, ANSWER_SIGMA, THINK_SIGMA = 0.8, 0.6, 0.8  # lognormal spreads (log space) of the workload
 
 
@@ -230,13 +233,12 @@ def simulate(
     now = [0.0]
     shares = np.array([link.share for link in workload.links])
     picks = rng.choice(len(workload.links), workload.boxes, p=shares / shares.sum())
-    memory_s = KEPT_LINK_HALF_LIFE_S if policy == "adaptive-kept" else LinkModel.__init__.__kwdefaults__["half_life_s"]
-    boxes = [Box(workload.links[i], LinkModel("tier", half_life_s=memory_s, clock=lambda: now[0])) for i in picks]
-    if policy == "adaptive-kept":  # it has pulled before: one typical pull (256 tokens at b 0.3) taught it its link
+    boxes = [Box(workload.links[i], LinkModel("tier", clock=lambda: now[0])) for i in picks]
+    if policy == "adaptive":
+        now[0] = -HISTORY_S
         for box in boxes:
-            wire, server = int(0.3 * 256 * FP16_BYTES_PER_TOKEN), service.seconds(256, 0.3)
-            transfer = wire * 8 / (box.link.mbit_s * 1e6)
-            box.model.observe(PullResult(wire, 0, {}, 0.0, server, box.link.rtt_s + server, transfer, wire), 256)
+            _teach_history(box, service)
+        now[0] = 0.0
     tier = Tier(replicas, routing)
     events = [(float(rng.exponential(workload.conversation_gap_s)), i) for i in range(workload.boxes)]
     heapq.heapify(events)
@@ -281,9 +283,10 @@ def simulate(
             ttft = headers_s + transfer_s
             if head:
                 ttft = max(ttft, local.predict_between(box.held, box.held + head))
-            box.model.observe(
-                PullResult(wire, sent * FP16_BYTES_PER_TOKEN, {}, ttft, seconds, headers_s, transfer_s, wire), new
-            )
+            else:  # as the daemon, which learns nothing from a split's pull (the head's compute shares its cores)
+                box.model.observe(
+                    PullResult(wire, sent * FP16_BYTES_PER_TOKEN, {}, ttft, seconds, headers_s, transfer_s, wire), new
+                )
             if counted:
                 egress_bytes += wire
                 requests += 1
@@ -319,6 +322,13 @@ def simulate(
         "wait_p95_s": float(np.percentile(waits, 95)) if waits else 0.0,
         "ttft_p95_by_link_s": {f"{mbit:g}": float(np.percentile(v, 95)) for mbit, v in sorted(by_link.items())},
     }
+
+
+def _teach_history(box: Box, service: ServiceModel) -> None:
+    """The box's pull before the simulation: a 256-token prompt at b 0.3 over its link, to an idle tier."""
+    wire, server = int(0.3 * 256 * FP16_BYTES_PER_TOKEN), service.seconds(256, 0.3)
+    transfer = wire * 8 / (box.link.mbit_s * 1e6)
+    box.model.observe(PullResult(wire, 0, {}, 0.0, server, box.link.rtt_s + server, transfer, wire), 256)
 
 
 def lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
@@ -357,14 +367,15 @@ def main() -> None:
     parser.add_argument("--boxes", type=int, default=Workload.boxes)
     parser.add_argument("--device", choices=sorted(BENCH), default="gpu")
     parser.add_argument("--replicas", type=int, nargs="+", default=[4, 6, 8, 10, 12, 16])
-    parser.add_argument("--policies", nargs="+", default=["fixed-0.3", "fixed-1.0", "adaptive", "adaptive-kept"])
+    parser.add_argument("--policies", nargs="+", default=["fixed-0.3", "fixed-1.0", "adaptive"])
     parser.add_argument("--routing", choices=("affinity", "round_robin"), default="affinity")
     parser.add_argument("--target-s", type=float, default=1.0, help="the adaptive policy's TTFT target")
     parser.add_argument("--sim-s", type=float, default=600.0)
     parser.add_argument("--warmup-s", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--write-docs", action="store_true", help="rewrite docs/scale.md's simulation section")
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
+    parser.add_argument("--json-out", type=Path, help="also write the rows as JSON to this file")
     args = parser.parse_args()
     workload = Workload(boxes=args.boxes)
     service, local = ServiceModel.from_bench(BENCH[args.device]), local_model()
@@ -384,8 +395,18 @@ def main() -> None:
         for policy in args.policies
         for r in args.replicas
     ]
+    document = json.dumps(
+        {
+            "args": {**vars(args), "json_out": args.json_out and str(args.json_out)},
+            "workload": report.workload_json(workload),
+            "rows": rows,
+        },
+        indent=1,
+    )
+    if args.json_out:
+        args.json_out.write_text(document + "\n")
     if args.json:
-        print(json.dumps({"args": vars(args), "workload": report.workload_json(workload), "rows": rows}, indent=1))
+        print(document)
         return
     table = report.table(rows)
     print(table)

@@ -62,12 +62,14 @@ def write_docs(args, rows: list[dict], table_text: str, bench: Path) -> None:
         f"python tools/sim_fleet.py --boxes {args.boxes} --device {args.device} "
         f"--replicas {' '.join(map(str, args.replicas))} --policies {' '.join(args.policies)} "
         f"--warmup-s {args.warmup_s:g} --sim-s {args.sim_s:g} --write-docs"
+        + (f" --json-out {_relative(args.json_out)}" if args.json_out else "")
     )
+    raw = f"; raw output `{_relative(args.json_out)}`" if args.json_out else ""
     section = "\n".join(
         [
             DOCS_BEGIN,
             f"`{command}` (seed {args.seed}, {args.warmup_s:g} s warm-up, {args.sim_s:g} s measured; "
-            f"service times: `{bench}`):",
+            f"service times: `{bench}`{raw}):",
             "",
             table_text,
             "",
@@ -83,3 +85,9 @@ def write_docs(args, rows: list[dict], table_text: str, bench: Path) -> None:
     text = path.read_text()
     start, stop = text.index(DOCS_BEGIN), text.index(DOCS_END) + len(DOCS_END)
     path.write_text(text[:start] + section + text[stop:])
+
+
+def _relative(path: Path) -> str:
+    """``path`` relative to the repository when it is inside it."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else str(path)

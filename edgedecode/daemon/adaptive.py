@@ -10,8 +10,9 @@ KV: -0.01 %, i.e. none). The plan is, among the options predicted to meet the ta
 ``QUALITY_TIE_PCT`` of the best cost, the fastest; when none meets it, the fastest of all. The quality
 floor: no option costing more than ``QUALITY_FLOOR_PCT`` (+2 %) at the prompt's length is planned,
 and no budget below the operator's ``min_budget`` is asked for. Without a target, or while the link is unknown
-(no pull yet, or idle long enough for its estimate to lapse), the configured budget is asked for, as
-before — and that pull teaches the link model.
+(no pull from this endpoint yet), the configured budget is asked for, as before — and that pull
+teaches the link model. A link idle long enough for its estimate to go stale is still planned for,
+from the remembered estimate worsened by the link model's ``stale_margin`` (``daemon.link``).
 """
 
 from __future__ import annotations

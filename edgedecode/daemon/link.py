@@ -14,14 +14,19 @@ For one endpoint a ``LinkModel`` keeps three moving averages across pulls:
 * the server's compute time per prompt token it was asked for.
 
 Each average is an exponentially weighted mean: a new pull weighs ``alpha`` of it once a few pulls
-are in. Its confidence (the weight of what it has seen) halves every ``half_life_s`` of idleness;
-once below ``min_weight`` the average is unknown again (None), and the next pull counts in full.
-With the defaults (alpha 0.3, min_weight 0.1, half-life 60 s) a lone pull stays known for about 3
-minutes of idleness, a steady history for about 5.
+are in. Its confidence (the weight of what it has seen) halves every ``half_life_s`` of idleness.
+With the defaults (alpha 0.3, min_weight 0.1, half-life 60 s) a lone pull stays fresh for about 3
+minutes of idleness, a steady history for about 5. Once the confidence is below ``min_weight`` the
+estimate is **stale**: it is still what was last learned, not forgotten (a box behind a slow link
+does not become fast by idling), but it is assumed worse by ``stale_margin``: every time it
+predicts (seconds per byte, round trip, server time per token) is ``stale_margin`` times the
+remembered one. The next pull then counts in full (the stale past does not dilute it), so a link
+that changed while idle is learned again from that one pull.
 
 ``LinkModels`` holds one model per endpoint URL and exports the goodput and round-trip estimates as
 gauges, set after every pull that taught them (a gauge keeps its last value while the estimate
-ages; it is never set to NaN).
+ages; it is never set to NaN). Given a ``LinkStore`` it also keeps each endpoint's remembered
+estimate on disk after every pull and starts from it (stale) after a restart.
 """
 
 from __future__ import annotations
@@ -29,31 +34,45 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from edgedecode.daemon.kv_pull import PullResult
 
 MIN_TRANSFER_BYTES = 64 << 10
+STALE_MARGIN = 1.5  # daemon.link_stale_margin: a stale estimate's times, against the remembered ones
+STATE_KEYS = ("seconds_per_byte", "rtt_s", "server_s_per_token")  # LinkModel.state()
+
+
+class LinkStoreLike(Protocol):
+    """Where ``LinkModels`` keeps each endpoint's state across restarts (``daemon.link_store.LinkStore``)."""
+
+    def load(self, endpoint: str) -> Mapping[str, float | None] | None: ...
+
+    def save(self, endpoint: str, state: Mapping[str, float | None]) -> None: ...
 
 
 @dataclass(frozen=True)
 class LinkEstimate:
-    """A link's estimates now; None where unknown (never learned, or forgotten after idleness)."""
+    """A link's estimates now; None where never learned. ``stale``: some of them are remembered past
+    their idle lapse, and so already worsened by the model's ``stale_margin``."""
 
     goodput_bps: float | None  # payload bytes per second
     rtt_s: float | None  # request sent to response headers, less the server's compute time
     server_s_per_token: float | None  # the prefill server's compute time per prompt token asked
+    stale: bool = False
 
 
 class DecayingMean:
     """An exponentially weighted mean whose weight halves every ``half_life_s`` without samples.
 
     A sample weighs 1 against the (decayed) weight of the past samples, capped at ``1/alpha - 1`` (so a
-    sample weighs at least ``alpha`` of the mean); the mean is None while the weight of all it has seen
-    is below ``min_weight``.
+    sample weighs at least ``alpha`` of the mean). While the weight of all it has seen is below
+    ``min_weight`` the mean has lapsed: ``value`` is None, ``remembered`` still the last mean, and
+    the next sample replaces it.
     """
 
     def __init__(self, alpha: float, half_life_s: float, min_weight: float) -> None:
@@ -62,7 +81,7 @@ class DecayingMean:
         self.max_weight = 1 / alpha - 1
         self.half_life_s = half_life_s
         self.min_weight = min_weight
-        self._mean = 0.0
+        self._mean: float | None = None
         self._weight = 0.0
         self._at = 0.0
 
@@ -74,18 +93,33 @@ class DecayingMean:
 
     def add(self, sample: float, now: float) -> None:
         past = self.weight(now)
-        past = 0.0 if past < self.min_weight else min(past, self.max_weight)  # forgotten: the sample is all
-        self._mean = (past * self._mean + sample) / (past + 1)
-        self._weight = past + 1
+        if past < self.min_weight or self._mean is None:  # lapsed: the sample is all
+            self._mean, self._weight = sample, 1.0
+        else:
+            past = min(past, self.max_weight)
+            self._mean = (past * self._mean + sample) / (past + 1)
+            self._weight = past + 1
         self._at = now
 
     def value(self, now: float) -> float | None:
+        """The mean while its weight is at least ``min_weight``, else None."""
         return self._mean if self.weight(now) >= self.min_weight else None
+
+    @property
+    def remembered(self) -> float | None:
+        """The last mean whatever its weight (None before any sample)."""
+        return self._mean
+
+    def remember(self, mean: float) -> None:
+        """Hold ``mean`` as a lapsed mean (weight 0), as after a long idle time: ``remembered`` but
+        no ``value``, replaced by the next sample."""
+        self._mean, self._weight = mean, 0.0
 
 
 class LinkModel:
     """The link to one prefill endpoint: goodput, round-trip time and server compute time per token.
 
+    ``stale_margin``: how much worse a stale estimate is assumed (its times multiplied by it, >= 1);
     ``clock``: seconds (monotonic) for the idle decay; ``on_update``: called with the estimate after
     every observation.
     """
@@ -98,11 +132,15 @@ class LinkModel:
         alpha: float = 0.3,
         min_weight: float = 0.1,
         min_transfer_bytes: int = MIN_TRANSFER_BYTES,
+        stale_margin: float = STALE_MARGIN,
         clock: Callable[[], float] = time.monotonic,
         on_update: Callable[[LinkEstimate], None] | None = None,
     ) -> None:
+        if not stale_margin >= 1:
+            raise ValueError(f"stale_margin must be >= 1 (a stale link is assumed no better), not {stale_margin}")
         self.endpoint = endpoint
         self.min_transfer_bytes = min_transfer_bytes
+        self.stale_margin = stale_margin
         self.clock = clock
         self.on_update = on_update
         self._seconds_per_byte = DecayingMean(alpha, half_life_s, min_weight)
@@ -125,19 +163,39 @@ class LinkModel:
             self.on_update(self.estimate())
 
     def estimate(self) -> LinkEstimate:
+        """The estimates now: fresh ones as learned, stale ones worsened by ``stale_margin``."""
         now = self.clock()
-        seconds_per_byte = self._seconds_per_byte.value(now)
-        return LinkEstimate(
-            None if not seconds_per_byte else 1 / seconds_per_byte,
-            self._rtt.value(now),
-            self._server_per_token.value(now),
-        )
+        (seconds_per_byte, rtt, per_token), stale = zip(*(self._timed(mean, now) for mean in self._means), strict=True)
+        return LinkEstimate(None if not seconds_per_byte else 1 / seconds_per_byte, rtt, per_token, any(stale))
+
+    @property
+    def _means(self) -> tuple[DecayingMean, DecayingMean, DecayingMean]:
+        """The averages in ``STATE_KEYS`` order."""
+        return self._seconds_per_byte, self._rtt, self._server_per_token
+
+    def _timed(self, mean: DecayingMean, now: float) -> tuple[float | None, bool]:
+        """(a time the model predicts from ``mean``, whether it is stale)."""
+        fresh = mean.value(now)
+        if fresh is not None or mean.remembered is None:
+            return fresh, False
+        return mean.remembered * self.stale_margin, True
+
+    def state(self) -> dict[str, float | None]:
+        """What the model remembers, as stored by ``LinkStore`` (``STATE_KEYS``; None: never learned)."""
+        return {key: mean.remembered for key, mean in zip(STATE_KEYS, self._means, strict=True)}
+
+    def restore(self, state: Mapping[str, float | None]) -> None:
+        """Start from ``state`` (as ``state()`` gave it, e.g. before a restart), held as stale."""
+        for key, mean in zip(STATE_KEYS, self._means, strict=True):
+            value = state.get(key)
+            if value is not None:
+                mean.remember(value)
 
     def predict_fetch_s(self, wire_bytes: int, tokens: int) -> float | None:
         """Predicted time of a pull of ``tokens`` prompt tokens whose payload is ``wire_bytes``: round
-        trip + server compute + transfer; None while the goodput or the round trip is unknown. The
-        server's compute counts as 0 while unknown (a server that does not report it has it in the
-        round trip)."""
+        trip + server compute + transfer (``stale_margin`` times slower while the estimate is stale);
+        None while the goodput or the round trip was never learned. The server's compute counts as 0
+        while unknown (a server that does not report it has it in the round trip)."""
         estimate = self.estimate()
         if estimate.goodput_bps is None or estimate.rtt_s is None:
             return None
@@ -149,11 +207,20 @@ class LinkModels:
     """A ``LinkModel`` per prefill endpoint URL (made on first use), exported on ``registry`` as
     ``edgedecode_link_goodput_bytes_per_second{endpoint}`` and ``edgedecode_link_rtt_seconds{endpoint}``.
 
-    ``clock`` is every ``LinkModel``'s (the others keep their defaults).
+    ``stale_margin`` and ``clock`` are every ``LinkModel``'s (the others keep their defaults);
+    ``store``, when given, starts each model from its stored state and stores it after every pull.
     """
 
-    def __init__(self, registry: CollectorRegistry, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self._make = functools.partial(LinkModel, clock=clock)
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        stale_margin: float = STALE_MARGIN,
+        store: LinkStoreLike | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._make = functools.partial(LinkModel, stale_margin=stale_margin, clock=clock)
+        self.store = store
         self._models: dict[str, LinkModel] = {}
         self.goodput = Gauge(
             "edgedecode_link_goodput_bytes_per_second",
@@ -174,12 +241,20 @@ class LinkModels:
         model = self._models.get(endpoint)
         if model is None:
             model = self._models[endpoint] = self._make(
-                endpoint, on_update=lambda estimate: self._publish(endpoint, estimate)
+                endpoint, on_update=lambda estimate: self._updated(endpoint, estimate)
             )
+            state = None if self.store is None else self.store.load(endpoint)
+            if state is not None:
+                model.restore(state)
         return model
 
     def __contains__(self, url: str) -> bool:
         return url.rstrip("/") in self._models
+
+    def _updated(self, endpoint: str, estimate: LinkEstimate) -> None:
+        self._publish(endpoint, estimate)
+        if self.store is not None:
+            self.store.save(endpoint, self._models[endpoint].state())
 
     def _publish(self, endpoint: str, estimate: LinkEstimate) -> None:
         if estimate.goodput_bps is not None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -27,6 +28,7 @@ from edgedecode.daemon.kv_fetch import FetchOutcome, KVFetch
 from edgedecode.daemon.kv_memory import KVMemory
 from edgedecode.daemon.kv_pull import PullSettings
 from edgedecode.daemon.link import DecayingMean, LinkModels
+from edgedecode.daemon.link_store import LinkStore
 from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest, StopText
@@ -162,7 +164,8 @@ class DecodeService:
             metrics.conversations,
             preallocated=engines[0].kv_preallocated,
         )
-        self.links = LinkModels(metrics.registry)
+        store = LinkStore(Path(d.state_dir)) if d.state_dir else None
+        self.links = LinkModels(metrics.registry, stale_margin=d.link_stale_margin, store=store)
         self.local_speed = LocalPrefillModel()  # daemon/run.py calibrates it on a real engine before serving
         self.quality = QualityCosts(local=d.local_dppl_pct)
         # how much longer a split's pull takes than alone, as measured on this box (the configured
