@@ -64,3 +64,14 @@ def test_a_built_graph_is_reused_not_rebuilt(smollm2_model):
 def test_invalid_graph_options_are_refused(kwargs, message):
     with pytest.raises(GraphOptionsError, match=message):
         GraphOptions(**kwargs)
+
+
+@pytest.mark.parametrize(("setting", "expected"), [(None, "1"), ("0", "0"), ("1", "1")])
+def test_thread_spinning_follows_edgedecode_spin(smollm2_model, monkeypatch, setting, expected):
+    if setting is None:
+        monkeypatch.delenv("EDGEDECODE_SPIN", raising=False)
+    else:
+        monkeypatch.setenv("EDGEDECODE_SPIN", setting)
+    path = smollm2_model.graph(GraphOptions.for_device("decode", "cpu"))
+    options = create_session(path, threads=1).get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == expected
