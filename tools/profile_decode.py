@@ -17,13 +17,12 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from bench_decode import prompt_tokens
+from bench_prompts import prompt_tokens
 
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
-
 
 LAYER_PREFIX = re.compile(r"^layers\.\d+\.")
 

@@ -27,6 +27,8 @@ from edgedecode.model.weights import load_tensors
 logger = logging.getLogger(__name__)
 # Bump whenever graph.py, weights.py or onnx_builder.py change what they emit.
 BUILDER_VERSION = 3
+# Graphs whose initializers pass protobuf's 2 GiB message limit (3B-class models) keep them in a side file.
+INLINE_LIMIT_BYTES = 1 << 30
 
 
 def graph_key(gguf_sha256: str, options: GraphOptions) -> str:
@@ -64,7 +66,8 @@ class LoadedModel:
             model = build_graph(self.spec, tensors, options)
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(f".partial-{os.getpid()}")
-            onnx.save(model, partial)
+            external = sum(len(t.raw_data) for t in model.graph.initializer) > INLINE_LIMIT_BYTES
+            onnx.save(model, partial, save_as_external_data=external, location=f"{path.name}.data")
             os.replace(partial, path)
         return path
 
