@@ -6,8 +6,8 @@ import importlib.metadata
 
 import pytest
 
-from edgedecode.model.graph import GraphOptions, GraphOptionsError
 from edgedecode.model import loader
+from edgedecode.model.graph import GraphOptions, GraphOptionsError
 from edgedecode.model.loader import graph_key
 from edgedecode.runtime import session
 from edgedecode.runtime.session import (

@@ -27,7 +27,7 @@ from edgedecode.model.weights import load_tensors
 logger = logging.getLogger(__name__)
 # Bump whenever graph.py, weights.py or onnx_builder.py change what they emit.
 BUILDER_VERSION = 3
-# Graphs whose initializers pass protobuf's 2 GiB message limit (3B-class models) keep them in a side file.
+# Graphs with more initializer bytes keep them in a side file (protobuf refuses messages over 2 GiB: 3B-class models).
 INLINE_LIMIT_BYTES = 1 << 30
 
 
