@@ -80,18 +80,18 @@ def main() -> None:
     parser.add_argument("--plot", type=Path)
     args, extra = parser.parse_known_args()  # the rest (--no-rss, --q4-1 ...) goes to bench_decode.py
     started = time.perf_counter()
+    command = " ".join(["python", "tools/bench_shapes.py", *sys.argv[1:]])
     results = []
     for shape in args.shapes:
         for weight_type in args.types:
             result = run_one(shape, weight_type, args, extra)
             results.append({"shape": shape, "type": weight_type, **result})
             print(f"{shape} {weight_type}: done at {time.perf_counter() - started:.0f} s", file=sys.stderr)
+            if args.json_out:  # after every file, so an interrupted run keeps what it measured
+                summary = {"command": command, "elapsed_s": time.perf_counter() - started, "results": results}
+                args.json_out.write_text(json.dumps({**summary, "table": table_rows(results)}, indent=2) + "\n")
     rows = table_rows(results)
     elapsed = time.perf_counter() - started
-    command = " ".join(["python", "tools/bench_shapes.py", *sys.argv[1:]])
-    if args.json_out:
-        summary = {"command": command, "elapsed_s": elapsed, "table": rows, "results": results}
-        args.json_out.write_text(json.dumps(summary, indent=2) + "\n")
     if args.plot:
         plot_shapes(results, args.plot)
     print("\n".join(rows))
