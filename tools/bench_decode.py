@@ -13,7 +13,12 @@ ingest of a 4k-token KV (upload alone; upload plus the first token; and, where t
 is installed, decoding an all-INT4 payload of it alone, and streaming that payload into the engine
 then resuming).
 
-    python tools/bench_decode.py [--runs 5] [--threads 2] [--past 16 512 2048] [--json]
+On the CPU it also reports bytes read per token (tools/bench_bytes.py), this machine's read bandwidth
+with the same threads (tools/membw.py, measured in the same invocation), each engine's fraction of
+that bound, RSS / (weights + KV), and the load average before and after (a loaded host shows itself).
+
+    python tools/bench_decode.py [--model NAME | --gguf PATH | --shape NAME --type T] [--runs 5]
+        [--threads 2] [--past 16 512 2048] [--json] [--json-out FILE] [--plot PNG]
     python tools/bench_decode.py --device cuda [--runs 7] [--no-rss] [--q4-1 zero_point] [--json]
 
 llama.cpp comes from the optional extra: pip install -e '.[bench]' (llama-cpp-python, built from source).
