@@ -94,6 +94,7 @@ def build(
 ) -> None:
     """Build (or find in the cache) the ONNX graphs of a model."""
     from edgedecode.model.graph import GraphOptions
+    from edgedecode.model.loader import graph_bytes, side_file
 
     try:
         loaded = _open_model(model)
@@ -104,7 +105,7 @@ def build(
             options = GraphOptions.for_device(k, device, accuracy_level) if device else GraphOptions(k, dtype)
             _ensure_graph(loaded, options)
             path = loaded.graph(options)
-            typer.echo(f"{k}: {path} ({path.stat().st_size} bytes)")
+            typer.echo(f"{k}: {path} ({graph_bytes(path)} bytes with {side_file(path).name})")
     except EdgeDecodeError as exc:
         _fail(exc)
 
@@ -416,6 +417,7 @@ def info(model: str | None = typer.Option(None, "--model", "-m")) -> None:
     from dataclasses import asdict
 
     from edgedecode.model.graph import GraphOptions
+    from edgedecode.model.loader import graph_bytes
     from edgedecode.model.registry import list_models
     from edgedecode.runtime.session import available_devices, installed_onnxruntime
 
@@ -429,7 +431,7 @@ def info(model: str | None = typer.Option(None, "--model", "-m")) -> None:
             graphs[f"{options.kind}-{options.dtype}-acc{options.accuracy_level}"] = {
                 "path": str(path),
                 "built": path.exists(),
-                "bytes": path.stat().st_size if path.exists() else None,
+                "bytes": graph_bytes(path) if path.exists() else None,
             }
         report = {
             "model": {

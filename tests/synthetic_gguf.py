@@ -1,18 +1,12 @@
 """Synthetic GGUFs for the tests, in every tensor type the builder reads, written with the gguf package.
 
-``gguf.quants.quantize`` writes the 32-element block types and BF16; the K-quants (Q4_K, Q5_K,
-Q6_K) it only reads, so ``encode`` packs those itself with a plain min/max quantizer per sub-block
-(not llama.cpp's search, which only changes which codes are chosen, not how they are stored). Its
-bytes are held to gguf's own ``dequantize`` in test_tensor_types.py.
-
 ``write_tiny_llama`` writes a small llama model with chosen types; ``requantized_copy`` rewrites a
-real GGUF's matrices into other types, keeping its metadata; ``llama_cpp_mix`` picks types the way
-llama.cpp's quantizer does for its Q4_K_M / Q5_K_M / Q6_K / Q8_0 / BF16 presets (simplified).
+real GGUF's matrices into other types, keeping its metadata. Both write matrices with
+edgedecode.model.tensor_encode; edgedecode.model.quant_mix picks types as llama.cpp's presets do.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,93 +14,11 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
-from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
 
-K_QUANTS = (QType.Q4_K, QType.Q5_K, QType.Q6_K)
-# llama.cpp's fallback for a K-quant tensor whose rows are not whole 256-element super-blocks
-K_FALLBACK = {QType.Q4_K: QType.Q5_0, QType.Q5_K: QType.Q5_1, QType.Q6_K: QType.Q8_0}
+from edgedecode.model.tensor_encode import add_matrix
 
-
-def _pack_fields(values: np.ndarray, width: int, group: int) -> np.ndarray:
-    """Inverse of tensor_types._fields: field i of byte j in each run of ``group`` bytes is element i·group + j."""
-    runs = values.astype(np.uint8).reshape(*values.shape[:-1], -1, 8 // width, group)
-    shifts = np.arange(0, 8, width, dtype=np.uint8).reshape(-1, 1)
-    packed = np.bitwise_or.reduce(runs << shifts, axis=-2)
-    return packed.reshape(*values.shape[:-1], -1)
-
-
-def _f16_bytes(values: np.ndarray) -> np.ndarray:
-    return values.astype(np.float16)[..., None].view(np.uint8)
-
-
-def _divide(x: np.ndarray, by: np.ndarray) -> np.ndarray:
-    """x / by, and 0 where by is 0."""
-    safe = np.where(by == 0, 1, by)
-    return np.where(by == 0, 0, x / safe)
-
-
-def _pack_k_scales(sc: np.ndarray, mins: np.ndarray) -> np.ndarray:
-    """Eight 6-bit scales and mins into Q4_K/Q5_K's 12 bytes (the inverse of gguf's Q4_K.get_scale_min)."""
-    low = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
-    mid = mins[:, :4] | ((mins[:, 4:] >> 4) << 6)
-    high = (sc[:, 4:] & 0x0F) | ((mins[:, 4:] & 0x0F) << 4)
-    return np.concatenate([low, mid, high], axis=-1).astype(np.uint8)
-
-
-def _encode_k_asymmetric(w: np.ndarray, bits: int) -> np.ndarray:
-    """Q4_K (bits 4) or Q5_K (bits 5) super-blocks: ``d·sc·q − dmin·m`` per 32, sc and m 6-bit."""
-    x = w.reshape(-1, 8, 32).astype(np.float32)
-    top = (1 << bits) - 1
-    lo = np.minimum(x.min(-1), 0)
-    scale, mins = (x.max(-1) - lo) / top, -lo
-    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
-    dmin = (mins.max(-1) / 63).astype(np.float16).astype(np.float32)
-    sc = np.clip(np.rint(_divide(scale, d[:, None])), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(_divide(mins, dmin[:, None])), 0, 63).astype(np.uint8)
-    step, offset = d[:, None] * sc, dmin[:, None] * m
-    q = np.clip(np.rint(_divide(x + offset[..., None], step[..., None])), 0, top).astype(np.uint8).reshape(-1, 256)
-    parts = [_f16_bytes(d), _f16_bytes(dmin), _pack_k_scales(sc, m)]
-    if bits == 5:
-        parts.append(_pack_fields(q >> 4, 1, 32))
-    parts.append(_pack_fields(q & 0x0F, 4, 32))
-    return np.concatenate(parts, axis=-1)
-
-
-def _encode_q6_k(w: np.ndarray) -> np.ndarray:
-    """Q6_K super-blocks: ``d·sc·(q − 32)`` per 16, sc int8 of either sign (as llama.cpp's can be)."""
-    x = w.reshape(-1, 16, 16).astype(np.float32)
-    extreme = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]
-    scale = extreme / -32  # the extreme element gets code 0
-    d = (np.abs(scale).max(-1) / 127).astype(np.float16).astype(np.float32)
-    sc = np.clip(np.rint(_divide(scale, d[:, None])), -127, 127).astype(np.int8)
-    step = d[:, None] * sc
-    q = np.clip(np.rint(_divide(x, step[..., None])) + 32, 0, 63).astype(np.uint8).reshape(-1, 256)
-    parts = [_pack_fields(q & 0x0F, 4, 64), _pack_fields(q >> 4, 2, 32), sc.view(np.uint8), _f16_bytes(d)]
-    return np.concatenate(parts, axis=-1)
-
-
-_K_ENCODERS: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
-    QType.Q4_K: lambda w: _encode_k_asymmetric(w, 4),
-    QType.Q5_K: lambda w: _encode_k_asymmetric(w, 5),
-    QType.Q6_K: _encode_q6_k,
-}
-
-
-def encode(weight: np.ndarray, kind: QType) -> np.ndarray:
-    """A float [N, K] matrix as GGUFWriter.add_tensor takes it in ``kind`` (raw bytes [N, row bytes] if quantized)."""
-    weight = np.asarray(weight, np.float32)
-    if kind in _K_ENCODERS:
-        block, block_bytes = GGML_QUANT_SIZES[kind]
-        rows = _K_ENCODERS[kind](weight)
-        return rows.reshape(weight.shape[0], weight.shape[1] // block * block_bytes)
-    return quantize(weight, kind)
-
-
-def add_matrix(writer: GGUFWriter, name: str, weight: np.ndarray, kind: QType) -> None:
-    """Write ``weight`` as tensor ``name`` of type ``kind``."""
-    data = encode(weight, kind)
-    writer.add_tensor(name, data, raw_dtype=None if kind in (QType.F32, QType.F16) else kind)
+TypeChoice = Callable[[str, int], QType | None]  # (tensor name, row length K) -> new type; None keeps it
 
 
 @dataclass(frozen=True)
@@ -188,9 +100,6 @@ def write_tiny_llama(
     return path
 
 
-TypeChoice = Callable[[str, int], QType | None]  # (tensor name, row length K) -> new type; None keeps it
-
-
 def requantized_copy(reader: GGUFReader, path: Path, choose: TypeChoice) -> Path:
     """Write ``reader``'s model to ``path`` with each matrix dequantized and re-encoded in the type ``choose`` gives.
 
@@ -215,36 +124,3 @@ def requantized_copy(reader: GGUFReader, path: Path, choose: TypeChoice) -> Path
             add_matrix(writer, tensor.name, dense, target)
     _finish(writer)
     return path
-
-
-def _gets_q6_k(name: str, n_layers: int) -> bool:
-    """Q4_K_M / Q5_K_M: the output head, and attn_v and ffn_down on llama.cpp's use_more_bits layers
-    (the first and last eighth of the layers and every third in between)."""
-    if name == "output.weight":
-        return True
-    if not name.endswith(("attn_v.weight", "ffn_down.weight")):
-        return False
-    layer = int(name.split(".")[1])
-    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
-
-
-def llama_cpp_mix(preset: str, n_layers: int, overrides: dict[str, QType] | None = None) -> TypeChoice:
-    """Tensor types as llama.cpp's quantizer picks them for a preset (its main rules, not every special case).
-
-    Q4_K_M / Q5_K_M: Q4_K / Q5_K matrices, Q6_K for the output head and for attn_v and ffn_down on
-    the use_more_bits layers. Q6_K, Q8_0, BF16: every matrix in that type. ``overrides`` maps a
-    regular expression to the type of the tensors whose names it matches, as llama-quantize's
-    ``--tensor-type`` and ``--token-embedding-type`` do. Last, a K-quant tensor whose rows are not
-    whole 256-element super-blocks falls back to Q5_0 / Q5_1 / Q8_0.
-    """
-    base = {"Q4_K_M": QType.Q4_K, "Q5_K_M": QType.Q5_K}.get(preset) or QType[preset]
-    patterns = [(re.compile(pattern), kind) for pattern, kind in (overrides or {}).items()]
-
-    def choose(name: str, k: int) -> QType:
-        kind = QType.Q6_K if preset in ("Q4_K_M", "Q5_K_M") and _gets_q6_k(name, n_layers) else base
-        kind = next((override for pattern, override in patterns if pattern.search(name)), kind)
-        if kind in K_FALLBACK and k % 256:
-            kind = K_FALLBACK[kind]
-        return kind
-
-    return choose

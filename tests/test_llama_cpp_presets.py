@@ -2,7 +2,7 @@
 
 The test writes the real model's weights into one file as ``llama-quantize`` would for
 ``Q4_K_M --token-embedding-type bf16 --tensor-type 'blk\\.1[0-9]\\.ffn_down=q5_k'
---tensor-type 'ffn_(gate|up)=q5_1'`` (tests/synthetic_gguf.py). SmolLM2's 576-wide rows are not
+--tensor-type 'ffn_(gate|up)=q5_1'`` (edgedecode/model/quant_mix.py). SmolLM2's 576-wide rows are not
 whole 256-element super-blocks, so most matrices fall back from Q4_K to Q5_0 (Q6_K to Q8_0) and
 only ffn_down (1536 wide) holds K-quants: the file has every type beside the original Q4_1 and
 Q8_0 ones, one model at the cost of one.
@@ -15,12 +15,13 @@ from collections import Counter
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
-from synthetic_gguf import llama_cpp_mix, requantized_copy
+from synthetic_gguf import requantized_copy
 
 from edgedecode.model.fetch import register_gguf
 from edgedecode.model.gguf_file import open_gguf
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
+from edgedecode.model.quant_mix import llama_cpp_mix
 from edgedecode.model.reference import reference_forward
 from edgedecode.model.weights import load_tensors
 from edgedecode.runtime.engine import Engine

@@ -6,6 +6,7 @@ import importlib.metadata
 
 import pytest
 
+from edgedecode.model import loader
 from edgedecode.model.graph import GraphOptions, GraphOptionsError
 from edgedecode.model.loader import graph_key
 from edgedecode.runtime import session
@@ -64,3 +65,23 @@ def test_a_built_graph_is_reused_not_rebuilt(smollm2_model):
 def test_invalid_graph_options_are_refused(kwargs, message):
     with pytest.raises(GraphOptionsError, match=message):
         GraphOptions(**kwargs)
+
+
+@pytest.mark.parametrize(("setting", "expected"), [(None, "1"), ("0", "0"), ("1", "1")])
+def test_thread_spinning_follows_edgedecode_spin(smollm2_model, monkeypatch, setting, expected):
+    if setting is None:
+        monkeypatch.delenv("EDGEDECODE_SPIN", raising=False)
+    else:
+        monkeypatch.setenv("EDGEDECODE_SPIN", setting)
+    path = smollm2_model.graph(GraphOptions.for_device("decode", "cpu"))
+    options = create_session(path, threads=1).get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == expected
+
+
+def test_a_built_graph_keeps_its_initializers_in_a_side_file(smollm2_model):
+    """onnxruntime maps the side file instead of copying the weights to the heap; protobuf would refuse
+    a 3B-class graph in one message anyway."""
+    path = smollm2_model.graph(GraphOptions("decode", "float32", 4))
+    side = loader.side_file(path)
+    assert side.stat().st_size > 50 * path.stat().st_size
+    assert loader.graph_bytes(path) == path.stat().st_size + side.stat().st_size

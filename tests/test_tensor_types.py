@@ -14,12 +14,13 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
-from synthetic_gguf import TinyLlama, encode, write_tiny_llama
+from synthetic_gguf import TinyLlama, write_tiny_llama
 
 from edgedecode.model.gguf_file import open_gguf
 from edgedecode.model.graph import Q4_1_MODES, GraphOptions, build_graph
 from edgedecode.model.reference import reference_forward
 from edgedecode.model.spec import ModelSpec
+from edgedecode.model.tensor_encode import encode
 from edgedecode.model.tensor_types import BLOCK_TYPES, SUPPORTED_TENSOR_TYPES, unpack
 from edgedecode.model.weights import load_block_quantized, load_tensors
 from edgedecode.runtime.session import available_devices, create_session
@@ -124,7 +125,7 @@ def test_every_quantized_matrix_maps_exactly_to_its_graph_form(name, mixes):
 
 @pytest.mark.parametrize(("kind", "sibling"), [(QType.Q4_K, QType.Q4_1), (QType.Q5_K, QType.Q5_1)])
 def test_k_quant_encoder_writes_what_gguf_reads_back(kind, sibling):
-    """The tests' own K-quant writer (synthetic_gguf.encode) against gguf's decoder: about as close to the
+    """The K-quant writer (tensor_encode.encode) against gguf's decoder: about as close to the
     weights as gguf's own 32-block quantizer of the same width; Q6_K closer than a 5-bit one."""
     rng = np.random.default_rng(7)
     w = (rng.standard_normal((16, 512)) * np.exp(rng.standard_normal((16, 1)))).astype(np.float32)

@@ -13,7 +13,12 @@ ingest of a 4k-token KV (upload alone; upload plus the first token; and, where t
 is installed, decoding an all-INT4 payload of it alone, and streaming that payload into the engine
 then resuming).
 
-    python tools/bench_decode.py [--runs 5] [--threads 2] [--past 16 512 2048] [--json]
+On the CPU it also reports bytes read per token (tools/bench_bytes.py), this machine's read bandwidth
+with the same threads (tools/membw.py, measured in the same invocation), each engine's fraction of
+that bound, RSS / (weights + KV), and the load average before and after (a loaded host shows itself).
+
+    python tools/bench_decode.py [--model NAME | --gguf PATH | --shape NAME --type T] [--runs 5]
+        [--threads 2] [--past 16 512 2048] [--json] [--json-out FILE] [--plot PNG]
     python tools/bench_decode.py --device cuda [--runs 7] [--no-rss] [--q4-1 zero_point] [--json]
 
 llama.cpp comes from the optional extra: pip install -e '.[bench]' (llama-cpp-python, built from source).
@@ -23,33 +28,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
-from pydoc_data.topics import topics
+from pathlib import Path
 
 import numpy as np
+from bench_bytes import gguf_weight_bytes, graph_weight_bytes, kv_bytes_per_token
+from bench_cuda import INGEST_TOKENS, cuda_extras, cuda_machine
+from bench_models import gguf_model, synthetic_model
+from bench_plots import plot_decode
+from bench_prompts import prompt_tokens
+from membw import read_bandwidth_gb_s
+from synth_gguf import SHAPES, WEIGHT_TYPES
 
 from edgedecode.model.graph import DEVICE_Q4_1, Q4_1_MODES, GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
+from edgedecode.runtime.session import spin_enabled
 
 DECODE_STEPS = 64
-INGEST_TOKENS = 4096  # the KV payload whose ingest --device cuda times
-FIRST_TOKEN_PROMPTS = {"chat": None, "2k": 2048}  # None: a short chat prompt
-
-
-def prompt_tokens(tokenizer, n: int) -> np.ndarray:
-    """The first n tokens of CPython's bundled documentation prose."""
-    text = "\n\n".join(topics[key] for key in sorted(topics))
-    ids = tokenizer.encode(text[: n * 8])
-    if len(ids) < n:
-        raise SystemExit(f"not enough prose for a {n}-token prompt")
-    return np.asarray(ids[:n], np.int64)
 
 
 class EdgeDecodeRunner:
@@ -159,104 +162,6 @@ def make_runner(name: str, args, model):
     )
 
 
-def first_token_ms(engine: Engine, ids: np.ndarray) -> float:
-    """From the call to generate() to the first token in hand (prompt pass, then sampling)."""
-    started = time.perf_counter()
-    next(iter(engine.generate(ids, SamplingParams(max_tokens=1, stop_token_ids=()))))
-    return (time.perf_counter() - started) * 1e3
-
-
-def ingest_ms(engine: Engine, ids: np.ndarray, kv, payload: bytes | None) -> dict[str, float]:
-    """One ingest of ``kv`` (a snapshot of ``ids``): the KV upload alone (from the snapshot's dtype,
-    and from float32 as the wire decoder returns it); resuming from it (prefill with kv: upload,
-    then the last prompt token to first-token logits); and, given an EDKV payload of it, decoding
-    the payload alone, and streaming it into the engine then resuming."""
-    n = len(ids) - 1
-    keys32, values32 = kv.keys.astype(np.float32), kv.values.astype(np.float32)
-    started = time.perf_counter()
-    engine.cache.update(0, keys32[:, :, :n], values32[:, :, :n])
-    uploaded32 = time.perf_counter()
-    engine.cache.update(0, kv.keys[:, :, :n], kv.values[:, :, :n])
-    uploaded = time.perf_counter()
-    engine.prefill(ids, kv=kv)
-    resumed = time.perf_counter()
-    times = {
-        "upload_ms": (uploaded - uploaded32) * 1e3,
-        "upload_from_float32_ms": (uploaded32 - started) * 1e3,
-        "resume_ms": (resumed - uploaded) * 1e3,
-    }
-    if payload is not None:
-        from edgedecode.kv.wire import decode_snapshot
-
-        started = time.perf_counter()
-        decode_snapshot(payload, engine.spec.kv_contract)
-        times["edkv_int4_decode_ms"] = (time.perf_counter() - started) * 1e3
-        started = time.perf_counter()
-        reader = engine.open_kv_stream(ids)
-        reader.feed(payload)
-        engine.prefill(ids, reader)
-        times["edkv_int4_stream_and_resume_ms"] = (time.perf_counter() - started) * 1e3
-    return times
-
-
-def int4_payload(kv) -> bytes | None:
-    """An all-INT4 EDKV payload of ``kv``, or None where the wire format is not installed."""
-    try:
-        from edgedecode.kv.tiers import Tier
-        from edgedecode.kv.wire import encode_payload
-    except ImportError as exc:
-        print(f"EDKV ingest not measured: {exc}", file=sys.stderr)
-        return None
-    return b"".join(encode_payload(kv, np.full(kv.n_tokens, Tier.INT4, np.uint8)))
-
-
-def cuda_extras(runners, model, args) -> dict:
-    """First-token latency and 4k-token KV ingest of each CUDA runner (medians over args.runs)."""
-    tokenizer = model.tokenizer
-    prompts = {
-        name: (
-            np.asarray(tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}]), np.int64)
-            if n is None
-            else prompt_tokens(tokenizer, n)
-        )
-        for name, n in FIRST_TOKEN_PROMPTS.items()
-    }
-    ingest_ids = prompt_tokens(tokenizer, INGEST_TOKENS)
-    runners[0].engine.prefill(ingest_ids)
-    kv = runners[0].engine.export_kv()
-    payload = int4_payload(kv)
-    extras = {}
-    for runner in runners:
-        first = {name: [] for name in prompts}
-        ingests = []
-        for _ in range(args.runs):
-            for name, ids in prompts.items():
-                first[name].append(first_token_ms(runner.engine, ids))
-            ingests.append(ingest_ms(runner.engine, ingest_ids, kv, payload))
-        extras[runner.name] = {
-            "first_token_ms": {
-                f"{name} ({len(prompts[name])} tokens)": statistics.median(v) for name, v in first.items()
-            },
-            f"ingest_{INGEST_TOKENS}_tokens": {key: statistics.median(i[key] for i in ingests) for key in ingests[0]},
-        }
-    if payload is not None:
-        extras["edkv_int4_payload_bytes"] = len(payload)
-    return extras
-
-
-def cuda_machine() -> dict:
-    """Card, driver and onnxruntime version, for the record."""
-    import onnxruntime
-
-    info = {"onnxruntime": onnxruntime.__version__, "python": platform.python_version()}
-    try:
-        query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
-        info["gpu"] = subprocess.run(query, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError) as exc:
-        info["gpu"] = f"unknown ({exc})"
-    return info
-
-
 def peak_rss_mib(engine: str, args) -> float | None:
     """Peak RSS of a fresh process that runs one engine at the largest past length."""
     cmd = [
@@ -304,37 +209,50 @@ def own_peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def plot_decode(results: dict, path: str) -> None:
-    """Decode (and prefill) tokens/s against past length, one line per engine."""
-    import matplotlib
+def choose_model(args) -> str | None:
+    """The registered name of the model to run: --model, --gguf (registered here) or --shape/--type (written once)."""
+    if args.gguf:
+        return gguf_model(Path(args.gguf))
+    if args.shape:
+        return synthetic_model(args.shape, args.type)
+    return args.model
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (decode, prefill) = plt.subplots(1, 2, figsize=(11, 4))
+def accounting(results: dict, model, options: GraphOptions, args) -> None:
+    """Add bytes read per token, the bandwidth bound's fraction and RSS / (weights + KV) to ``results``.
+
+    Per engine: weights (edgedecode: the built graph's initializers; llama.cpp: the GGUF's tensors)
+    plus its KV (float32 / float16 per past token) at the mean past of the decode steps.
+    """
+    spec, gguf_path = model.spec, model.record.gguf_path
+    weights = {"edgedecode": graph_weight_bytes(model.graph_path(options)), "llama.cpp": gguf_weight_bytes(gguf_path)}
+    kv_itemsize = {"edgedecode": np.dtype(options.dtype).itemsize, "llama.cpp": 2}  # llama.cpp's default f16 KV
+    bandwidth = results["memory_bandwidth_gb_s"] * 1e9
+    results["gguf_weight_bytes"] = gguf_weight_bytes(gguf_path)
     for name, engine in results["engines"].items():
-        pasts = sorted(engine["past"], key=int)
-        decode.plot([int(p) for p in pasts], [engine["past"][p]["decode_tok_s"] for p in pasts], marker="o", label=name)
-        prefill.plot(
-            [int(p) for p in pasts], [engine["past"][p]["prefill_tok_s"] for p in pasts], marker="o", label=name
-        )
-    where = results.get("gpu") or f"{results['machine']}, {results['threads']} threads"
-    decode.set(xscale="log", xlabel="past length (tokens)", ylabel="decode tokens/s", title=f"Decode, {where}")
-    prefill.set(xscale="log", xlabel="prompt length (tokens)", ylabel="prefill tokens/s", title="Prompt processing")
-    for ax in (decode, prefill):
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        kv_per_token = kv_bytes_per_token(spec, kv_itemsize[name])
+        engine.update(weight_bytes_per_token=weights[name], kv_bytes_per_past_token=kv_per_token)
+        for past, row in engine["past"].items():
+            read = weights[name] + kv_per_token * (int(past) + DECODE_STEPS // 2)
+            row["bytes_per_token"] = read
+            row["bandwidth_fraction"] = row["decode_tok_s"] * read / bandwidth
+        if engine["peak_rss_mib"] is not None:
+            held = results["gguf_weight_bytes"] + kv_per_token * bench_context(args)
+            engine["rss_over_weights_and_kv"] = engine["peak_rss_mib"] * (1 << 20) / held
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", default=None, help="a registered model (default: the default model)")
+    which.add_argument("--gguf", help="a GGUF file, registered with edgedecode so both engines run it")
+    which.add_argument("--shape", choices=sorted(SHAPES), help="a synthetic GGUF of this shape (tools/synth_gguf.py)")
+    parser.add_argument("--type", choices=WEIGHT_TYPES, default="Q4_0", help="--shape's weight type")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--past", type=int, nargs="+", default=[16, 512, 2048, 4096])
     parser.add_argument("--plot", help="Also draw decode tok/s against past length per engine into this PNG.")
+    parser.add_argument("--json-out", help="Also write the results' JSON to this file.")
     parser.add_argument("--accuracy-level", type=int, default=4)
     parser.add_argument(
         "--q4-1",
@@ -359,6 +277,7 @@ def main() -> None:
     if args.rss_child:
         return rss_child(args)
 
+    args.model = choose_model(args)
     model = load_model(args.model)
     with_llama = not args.no_llama and args.device == "cpu" and llama_cpp_available()
     names = (
@@ -366,6 +285,8 @@ def main() -> None:
         + (["llama.cpp"] if with_llama else [])
         + (["edgedecode-no-graph"] if args.device == "cuda" else [])
     )
+    load_before = os.getloadavg()
+    bandwidth = read_bandwidth_gb_s(args.threads)
     runners = [make_runner(name, args, model) for name in names]
     prompts = {p: prompt_tokens(model.tokenizer, p) for p in args.past}
     samples = {(r.name, p): [] for r in runners for p in args.past}
@@ -376,13 +297,18 @@ def main() -> None:
             for runner in runners:
                 samples[(runner.name, past)].append(runner.run(prompts[past]))
     results = {
+        "model": model.record.name,
+        "gguf": str(model.record.gguf_path),
         "device": args.device,
         "threads": args.threads,
         "runs": args.runs,
         "decode_steps": DECODE_STEPS,
         "accuracy_level": args.accuracy_level,
         "q4_1": args.q4_1,
+        "spinning": spin_enabled(),
         "machine": platform.processor() or platform.machine(),
+        "load_average_before_after": [load_before[0], os.getloadavg()[0]],
+        "memory_bandwidth_gb_s": bandwidth,
         "context": bench_context(args),
         "engines": {},
     }
@@ -400,11 +326,13 @@ def main() -> None:
             },
         }
     if args.device == "cuda":
-        results["cuda"] = cuda_extras(runners, model, args)
+        results["cuda"] = cuda_extras(runners, model, args.runs)
         graph, plain = (results["engines"][name]["past"] for name in ("edgedecode", "edgedecode-no-graph"))
         results["ratio_graph_over_no_graph"] = {
             past: graph[past]["decode_tok_s"] / plain[past]["decode_tok_s"] for past in graph
         }
+    else:
+        accounting(results, model, runners[0].engine.options, args)
     if "llama.cpp" in results["engines"]:
         ours, theirs = (results["engines"][name]["past"] for name in ("edgedecode", "llama.cpp"))
         results["ratio_edgedecode_over_llama_cpp"] = {
@@ -413,26 +341,46 @@ def main() -> None:
         }
     if args.plot:
         plot_decode(results, args.plot)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
     if args.json:
         print(json.dumps(results, indent=2))
         return
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    """The results as a plain-text table."""
     print(
-        f"{args.device}: median of {args.runs} alternating runs, {args.threads} threads, "
-        f"{DECODE_STEPS} greedy decode steps"
+        f"{results['model']}, {results['device']}: median of {results['runs']} alternating runs, "
+        f"{results['threads']} threads, {DECODE_STEPS} greedy decode steps; load average "
+        f"{results['load_average_before_after'][0]:.1f} -> {results['load_average_before_after'][1]:.1f}; "
+        f"read bandwidth {results['memory_bandwidth_gb_s']:.1f} GB/s"
     )
-    print(f"{'engine':<12}{'past':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ratio':>14}")
+    print(
+        f"{'engine':<12}{'past':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ratio':>14}"
+        f"{'MB/token':>10}{'of bound':>10}"
+    )
     engines = results["engines"]
-    for past in map(str, args.past):
+    for past in next(iter(engines.values()))["past"]:
         for name, result in engines.items():
             row = result["past"][past]
             ratio = ""
             if name == "edgedecode" and "llama.cpp" in engines:
                 ratio = f"{row['decode_tok_s'] / engines['llama.cpp']['past'][past]['decode_tok_s']:.2f}x"
-            print(f"{name:<12}{past:>6}{row['prefill_tok_s']:>15.1f}{row['decode_tok_s']:>14.1f}{ratio:>14}")
+            read = (
+                f"{row['bytes_per_token'] / 1e6:10.1f}{row['bandwidth_fraction']:10.0%}"
+                if "bytes_per_token" in row
+                else ""
+            )
+            print(f"{name:<12}{past:>6}{row['prefill_tok_s']:>15.1f}{row['decode_tok_s']:>14.1f}{ratio:>14}{read}")
     for name, result in engines.items():
         rss = result["peak_rss_mib"]
-        print(f"peak RSS {name}: {'n/a' if rss is None else f'{rss:.0f} MiB'}")
-    if args.device == "cuda":
+        share = (
+            f" ({result['rss_over_weights_and_kv']:.2f}x weights + KV)" if "rss_over_weights_and_kv" in result else ""
+        )
+        print(f"peak RSS {name}: {'n/a' if rss is None else f'{rss:.0f} MiB'}{share}")
+    if results["device"] == "cuda":
         print(f"{results['gpu']}, onnxruntime {results['onnxruntime']}, context {results['context']}")
         for past, ratio in results["ratio_graph_over_no_graph"].items():
             print(f"past {past}: CUDA graph / no graph decode {ratio:.2f}x")

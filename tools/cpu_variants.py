@@ -1,58 +1,86 @@
-"""CPU decode tok/s at past 16 / 2048 for the Q4_1 graph forms and onnxruntime session variants.
+#!/usr/bin/env python3
+"""Decode cost of graph forms and session variants on one model, alternating, in wall and CPU time.
 
-Engines alternate run by run; medians of N runs (first argument, default 5); 64 greedy steps
-(32 for the slow zero-point form). Used to rule levers in or out for the decode-speed work:
+Each variant is an Engine over the same model; runs alternate variant by variant so host drift hits
+all alike. Per run: prefill ``past`` prose tokens, then time ``--steps`` single-token steps. CPU time
+(this process's, all threads) is what the variant costs the cores; on a box other processes load, it
+moves far less than wall time, so it ranks variants there. It is only comparable without thread
+spinning (spinning threads burn CPU while idle), so spinning is off unless --spin.
 
-    python tools/cpu_variants.py 5
+    python tools/cpu_variants.py --model NAME [--variants shipped stacked float16 1thread]
+        [--past 16 512] [--steps 32] [--runs 3] [--threads 2] [--spin]
 """
 
-import statistics
-import sys
+from __future__ import annotations
 
-import numpy as np
-import onnxruntime as ort
+import argparse
+import os
+import statistics
+import time
+
+from bench_prompts import prompt_tokens
 
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.runtime.engine import Engine
-from edgedecode.runtime.sampler import SamplingParams
 
-model = load_model()
-
-
-def make(q4_1="correction", threads=2, config=None):
-    real = ort.SessionOptions
-    if config:
-
-        class Opt(real):
-            def __init__(self, *a, **k):
-                super().__init__(*a, **k)
-                for key, v in config.items():
-                    self.add_session_config_entry(key, v)
-
-        ort.SessionOptions = Opt
-    try:
-        return Engine(model, GraphOptions(q4_1=q4_1), max_context=2200, threads=threads)
-    finally:
-        ort.SessionOptions = real
-
-
-engines = {
-    "correction": make(),
-    "stacked": make("stacked"),
-    "zero_point": make("zero_point"),
-    "nospin": make(config={"session.intra_op.allow_spinning": "0"}),
-    "1thread": make(threads=1),
+# name -> (GraphOptions fields over the CPU decode graph's, threads: None for --threads)
+VARIANTS: dict[str, tuple[dict, int | None]] = {
+    "shipped": ({}, None),
+    "stacked": ({"q4_1": "stacked"}, None),
+    "zero_point": ({"q4_1": "zero_point"}, None),
+    "float16": ({"dtype": "float16"}, None),
+    "accuracy0": ({"accuracy_level": 0}, None),
+    "1thread": ({}, 1),
 }
-ids = np.random.default_rng(0).integers(100, 40000, 2100)
-pasts = (16, 2048)
-res = {(n, p): [] for n in engines for p in pasts}
-for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 5):
-    for p in pasts:
-        for n, e in engines.items():
-            steps = 33 if n == "zero_point" else 65
-            for _ in e.generate(ids[:p], SamplingParams(max_tokens=steps, stop_token_ids=())):
-                pass
-            res[(n, p)].append(e.stats.decode_tokens_per_second)
-for (n, p), v in res.items():
-    print(f"{n:11} past {p:5}: {statistics.median(v):7.1f} tok/s  {[round(x) for x in v]}")
+
+
+def make_engine(model, variant: str, threads: int, context: int) -> Engine:
+    fields, variant_threads = VARIANTS[variant]
+    shipped = GraphOptions.for_device("decode", "cpu")
+    options = GraphOptions(**{**shipped.__dict__, **fields})
+    return Engine(model, options, max_context=context, threads=variant_threads or threads)
+
+
+def step_times_ms(engine: Engine, ids, steps: int) -> tuple[float, float]:
+    """(wall, CPU) milliseconds per decode step after prefilling ``ids``."""
+    logits = engine.prefill(ids)
+    token = int(logits.argmax())
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        token = int(engine.step(token).argmax())
+    return (time.perf_counter() - wall) * 1e3 / steps, (time.process_time() - cpu) * 1e3 / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["shipped", "stacked", "float16"])
+    parser.add_argument("--past", type=int, nargs="+", default=[16, 512])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--spin", action="store_true", help="leave onnxruntime's thread spinning on")
+    args = parser.parse_args()
+    if not args.spin:
+        os.environ["EDGEDECODE_SPIN"] = "0"
+    model = load_model(args.model)
+    context = max(args.past) + args.steps + 8
+    engines = {name: make_engine(model, name, args.threads, context) for name in args.variants}
+    prompts = {past: prompt_tokens(model.tokenizer, past) for past in args.past}
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {(n, p): [] for n in engines for p in args.past}
+    for _ in range(args.runs):
+        for past, ids in prompts.items():
+            for name, engine in engines.items():
+                times[(name, past)].append(step_times_ms(engine, ids, args.steps))
+    print(f"{model.record.name}: median of {args.runs} alternating runs, {args.steps} steps, spinning {args.spin}")
+    print(f"{'variant':<12}{'past':>6}{'wall ms':>10}{'CPU ms':>10}{'wall ratio':>12}{'CPU ratio':>11}")
+    for past in args.past:
+        base = [statistics.median(t[i] for t in times[(args.variants[0], past)]) for i in (0, 1)]
+        for name in engines:
+            wall, cpu = (statistics.median(t[i] for t in times[(name, past)]) for i in (0, 1))
+            print(f"{name:<12}{past:>6}{wall:>10.2f}{cpu:>10.2f}{base[0] / wall:>11.2f}x{base[1] / cpu:>10.2f}x")
+
+
+if __name__ == "__main__":
+    main()

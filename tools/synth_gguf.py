@@ -8,9 +8,12 @@ model hub. Never report quality from these files: their weights are noise.
 Shapes (dimensions as published in each model's config.json): ``smollm2-135m``, ``qwen2.5-0.5b``,
 ``llama3.2-1b``, ``llama3.2-3b``. All are written as the ``llama`` architecture (what both engines
 run today): the Qwen shape keeps Qwen2.5's dimensions but not its QKV biases (3 small vectors a
-layer), and the Llama 3.2 shapes leave out RoPE scaling, which changes no cost. Every projection
-matrix is --type (Q4_0 or Q4_1); the token embedding, tied to the LM head as in all four models,
-is Q8_0, as in SmolLM2's published Q4_1 file. The vocabulary is SmolLM2's tokenizer (from the
+layer), and the Llama 3.2 shapes leave out RoPE scaling, which changes no cost. With --type Q4_0 or
+Q4_1 every projection matrix is that type and the token embedding, tied to the LM head as in all
+four models, is Q8_0, as in SmolLM2's published Q4_1 file; Q4_K_M mixes types as llama.cpp's
+quantizer does for that preset (Q4_K, Q6_K for attn_v and ffn_down on half the layers and for the
+tied embedding, and the 32-element fallbacks Q5_0 / Q8_0 for rows that are not whole 256-element
+super-blocks, as Qwen2.5-0.5B's 896-wide ones). The vocabulary is SmolLM2's tokenizer (from the
 default model's GGUF), padded with unused tokens up to the shape's vocabulary size, so prompts
 tokenize alike in both engines.
 
@@ -25,8 +28,11 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from gguf import GGMLQuantizationType as QType
 
+from edgedecode.model.quant_mix import K_MIXES, TypeChoice, llama_cpp_mix
 from edgedecode.model.registry import resolve_model
+from edgedecode.model.tensor_encode import add_matrix
 
 
 @dataclass(frozen=True)
@@ -48,49 +54,62 @@ class Shape:
 
 
 SHAPES = {
-    "tiny": Shape(hidden=64, layers=2, heads=4, kv_heads=2, ffn=128, vocab=49_160, rope_base=10_000.0),
+    # for the tests: rows of whole 256-element super-blocks, so Q4_K_M holds K-quants
+    "tiny": Shape(hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=49_160, rope_base=10_000.0),
     "smollm2-135m": Shape(hidden=576, layers=30, heads=9, kv_heads=3, ffn=1536, vocab=49_152, rope_base=100_000.0),
     "qwen2.5-0.5b": Shape(hidden=896, layers=24, heads=14, kv_heads=2, ffn=4864, vocab=151_936, rope_base=1e6),
     "llama3.2-1b": Shape(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128_256, rope_base=500_000.0),
     "llama3.2-3b": Shape(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, vocab=128_256, rope_base=500_000.0),
 }
-WEIGHT_TYPES = {"Q4_0": gguf.GGMLQuantizationType.Q4_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
-TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.merges", "tokenizer.chat_template")
+WEIGHT_TYPES = ("Q4_0", "Q4_1", "Q4_K_M")
+FILE_TYPES = {
+    "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+    "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+}
+
+
+def tensor_types(shape: Shape, weight_type: str) -> TypeChoice:
+    """The type of each matrix: Q4_0 / Q4_1 layers with a Q8_0 embedding (as SmolLM2's published
+    files), or llama.cpp's Q4_K_M mix for a model with a tied embedding (edgedecode.model.quant_mix)."""
+    if weight_type in K_MIXES:
+        return llama_cpp_mix(weight_type, shape.layers, tied_embedding=True)
+    layers = QType[weight_type]
+    return lambda name, k: QType.Q8_0 if name == "token_embd.weight" else layers
+
+
+def matrix_shapes(shape: Shape) -> dict[str, tuple[int, int]]:
+    """Every matrix's [N, K] by tensor name, in file order."""
+    kv = shape.kv_heads * shape.head_dim
+    per_layer = {
+        "attn_q": (shape.hidden, shape.hidden),
+        "attn_k": (kv, shape.hidden),
+        "attn_v": (kv, shape.hidden),
+        "attn_output": (shape.hidden, shape.hidden),
+        "ffn_gate": (shape.ffn, shape.hidden),
+        "ffn_up": (shape.ffn, shape.hidden),
+        "ffn_down": (shape.hidden, shape.ffn),
+    }
+    shapes = {"token_embd.weight": (shape.vocab, shape.hidden)}
+    for layer in range(shape.layers):
+        shapes.update({f"blk.{layer}.{name}.weight": dims for name, dims in per_layer.items()})
+    return shapes
 
 
 def write_synthetic(path: Path, shape: Shape, weight_type: str, tokenizer_from: Path, seed: int = 0) -> None:
-    """Write a GGUF of ``shape`` with random weights (``weight_type`` projections, Q8_0 embedding)
-    and the tokenizer of the GGUF at ``tokenizer_from``, padded to the shape's vocabulary."""
+    """Write a GGUF of ``shape`` with random weights, its matrices typed per ``tensor_types``, and the
+    tokenizer of the GGUF at ``tokenizer_from``, padded to the shape's vocabulary."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "llama")
     _metadata(writer, shape, weight_type)
     _tokenizer(writer, gguf.GGUFReader(tokenizer_from), shape.vocab)
-    qtype = WEIGHT_TYPES[weight_type]
-
-    def matrix(name: str, rows: int, columns: int, kind: gguf.GGMLQuantizationType) -> None:
-        weights = (rng.standard_normal((rows, columns), np.float32) * 0.02).astype(np.float32)
-        writer.add_tensor(name, gguf.quants.quantize(weights, kind), raw_dtype=kind)
-
-    def norm(name: str, size: int) -> None:
-        writer.add_tensor(name, np.ones(size, np.float32))
-
-    matrix("token_embd.weight", shape.vocab, shape.hidden, gguf.GGMLQuantizationType.Q8_0)
-    norm("output_norm.weight", shape.hidden)
-    kv = shape.kv_heads * shape.head_dim
-    for layer in range(shape.layers):
-        block = f"blk.{layer}"
-        norm(f"{block}.attn_norm.weight", shape.hidden)
-        norm(f"{block}.ffn_norm.weight", shape.hidden)
-        for name, rows, columns in (
-            ("attn_q", shape.hidden, shape.hidden),
-            ("attn_k", kv, shape.hidden),
-            ("attn_v", kv, shape.hidden),
-            ("attn_output", shape.hidden, shape.hidden),
-            ("ffn_gate", shape.ffn, shape.hidden),
-            ("ffn_up", shape.ffn, shape.hidden),
-            ("ffn_down", shape.hidden, shape.ffn),
-        ):
-            matrix(f"{block}.{name}.weight", rows, columns, qtype)
+    choose = tensor_types(shape, weight_type)
+    norms = ["output_norm.weight"] + [f"blk.{i}.{n}_norm.weight" for i in range(shape.layers) for n in ("attn", "ffn")]
+    for name in norms:
+        writer.add_tensor(name, np.ones(shape.hidden, np.float32))
+    for name, (rows, columns) in matrix_shapes(shape).items():
+        weights = rng.standard_normal((rows, columns), np.float32) * np.float32(0.02)
+        add_matrix(writer, name, weights, choose(name, columns))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -109,7 +128,7 @@ def _metadata(writer: gguf.GGUFWriter, shape: Shape, weight_type: str) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.vocab)
     writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if weight_type == "Q4_0" else gguf.LlamaFileType.MOSTLY_Q4_1)
+    writer.add_file_type(FILE_TYPES[weight_type])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
@@ -152,7 +171,7 @@ def _string(field: gguf.ReaderField) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    parser.add_argument("--type", choices=sorted(WEIGHT_TYPES), default="Q4_0")
+    parser.add_argument("--type", choices=WEIGHT_TYPES, default="Q4_0")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()

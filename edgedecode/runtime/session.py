@@ -64,6 +64,17 @@ def default_threads() -> int:
     return int(os.environ.get("EDGEDECODE_THREADS") or psutil.cpu_count(logical=False) or os.cpu_count() or 1)
 
 
+def spin_enabled() -> bool:
+    """Whether onnxruntime's idle worker threads spin (``$EDGEDECODE_SPIN``, default on; ``0`` turns it off).
+
+    Spinning saves the wake-up between ops on cores of its own (SmolLM2, 2 threads, quiet: 126 tok/s
+    against 94 without); on cores other processes share it loses badly, since each op waits for its
+    slowest, descheduled thread (Qwen2.5-0.5B's shape, 2 threads, load ~3.3 on 2 cores: 31 tok/s
+    against 51 without, and 61 on 1 thread; docs/performance.md).
+    """
+    return os.environ.get("EDGEDECODE_SPIN", "1") != "0"
+
+
 def create_session(
     path: Path | bytes,
     *,
@@ -99,15 +110,17 @@ def create_session(
     options.inter_op_num_threads = 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_enabled() else "0")
     options.enable_profiling = profile
     capture = cuda_graph and device == "cuda"
     provider = (PROVIDERS[device], {"enable_cuda_graph": "1"}) if capture else PROVIDERS[device]
     providers = [provider] + ([PROVIDERS["cpu"]] if device != "cpu" else [])
     logger.debug(
-        "creating %s session for %s with %d threads%s",
+        "creating %s session for %s with %d threads (spinning %s)%s",
         device,
         "a serialized model" if isinstance(path, bytes) else path,
         options.intra_op_num_threads,
+        "on" if spin_enabled() else "off",
         ", CUDA graph capture" if capture else "",
     )
     return ort.InferenceSession(path if isinstance(path, bytes) else str(path), options, providers=providers)

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The speed table of issue 17: tools/bench_decode.py over real model shapes and weight types, one command.
+
+For each --shapes × --types pair it runs bench_decode.py on the synthetic GGUF of that shape and type
+(tools/synth_gguf.py: random weights, so speed and memory only, never quality; written once into
+$EDGEDECODE_HOME/synth/), in its own process, edgedecode and llama.cpp alternating on the same file.
+It writes every raw result and the whole table into --json-out, prints the table as Markdown, draws
+--plot (decode tok/s against model size, and against past length), and says how long it took.
+
+    python tools/bench_shapes.py [--shapes smollm2-135m qwen2.5-0.5b llama3.2-1b llama3.2-3b]
+        [--types Q4_0 Q4_1 Q4_K_M] [--past 16 512] [--runs 3] [--threads 2]
+        [--json-out docs/bench/shapes.json] [--plot docs/bench/shapes.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_plots import plot_shapes
+from synth_gguf import SHAPES, WEIGHT_TYPES
+
+BENCH = Path(__file__).resolve().parent / "bench_decode.py"
+
+
+def run_one(shape: str, weight_type: str, args, extra: list[str]) -> dict:
+    """bench_decode.py's results for one synthetic file, from a process of its own."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        cmd = [sys.executable, str(BENCH), "--shape", shape, "--type", weight_type, "--runs", str(args.runs)]
+        cmd += ["--threads", str(args.threads), "--past", *map(str, args.past), "--json-out", str(out), *extra]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
+def table_rows(results: list[dict]) -> list[str]:
+    """One Markdown row per file and past length: both engines' tok/s, the ratio, bytes and the bound."""
+    rows = [
+        "| model | type | past | edgedecode decode tok/s | llama.cpp decode tok/s | ratio | edgedecode MB/token "
+        "(of bound) | llama.cpp MB/token (of bound) | prefill ratio | peak RSS MiB ed / llama (× weights+KV) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in results:
+        ours, theirs = result["engines"]["edgedecode"], result["engines"].get("llama.cpp")
+        rss = f"{ours['peak_rss_mib'] or 0:.0f} ({ours.get('rss_over_weights_and_kv', 0):.2f}×)"
+        if theirs:
+            rss += f" / {theirs['peak_rss_mib'] or 0:.0f} ({theirs.get('rss_over_weights_and_kv', 0):.2f}×)"
+        for past, row in ours["past"].items():
+            other = theirs["past"][past] if theirs else None
+            cells = [result["shape"], result["type"], past, f"{row['decode_tok_s']:.1f}"]
+            if other:
+                cells += [f"{other['decode_tok_s']:.1f}", f"**{row['decode_tok_s'] / other['decode_tok_s']:.2f}×**"]
+            else:
+                cells += ["–", "–"]
+            for engine_row in (row, other):
+                cells.append(
+                    f"{engine_row['bytes_per_token'] / 1e6:.0f} ({engine_row['bandwidth_fraction']:.0%})"
+                    if engine_row
+                    else "–"
+                )
+            cells.append(f"{row['prefill_tok_s'] / other['prefill_tok_s']:.2f}×" if other else "–")
+            cells.append(rss)
+            rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=[s for s in SHAPES if s != "tiny"])
+    parser.add_argument("--types", nargs="+", choices=WEIGHT_TYPES, default=list(WEIGHT_TYPES))
+    parser.add_argument("--past", type=int, nargs="+", default=[16, 512])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json-out", type=Path)
+    parser.add_argument("--plot", type=Path)
+    args, extra = parser.parse_known_args()  # the rest (--no-rss, --q4-1 ...) goes to bench_decode.py
+    started = time.perf_counter()
+    command = " ".join(["python", "tools/bench_shapes.py", *sys.argv[1:]])
+    results = []
+    for shape in args.shapes:
+        for weight_type in args.types:
+            result = run_one(shape, weight_type, args, extra)
+            results.append({"shape": shape, "type": weight_type, **result})
+            print(f"{shape} {weight_type}: done at {time.perf_counter() - started:.0f} s", file=sys.stderr)
+            if args.json_out:  # after every file, so an interrupted run keeps what it measured
+                summary = {"command": command, "elapsed_s": time.perf_counter() - started, "results": results}
+                args.json_out.write_text(json.dumps({**summary, "table": table_rows(results)}, indent=2) + "\n")
+    rows = table_rows(results)
+    elapsed = time.perf_counter() - started
+    if args.plot:
+        plot_shapes(results, args.plot)
+    print("\n".join(rows))
+    print(f"\n{command}: {elapsed / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
