@@ -26,7 +26,7 @@ from edgedecode.model.weights import load_tensors
 
 logger = logging.getLogger(__name__)
 # Bump whenever graph.py, weights.py or onnx_builder.py change what they emit.
-BUILDER_VERSION = 3
+BUILDER_VERSION = 4
 
 
 def graph_key(gguf_sha256: str, options: GraphOptions) -> str:
