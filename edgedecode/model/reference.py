@@ -64,7 +64,8 @@ def reference_forward(
     s, traits = spec, spec.traits
     n = len(token_ids)
     positions = np.arange(n)
-    x = _dense(tensors.embedding)[np.asarray(token_ids)]
+    table = _dense(tensors.embedding)  # [vocab, hidden]; dequantized once, for a tied head too
+    x = table[np.asarray(token_ids)]
     if traits.embedding_scale:
         x = x * np.float32(np.sqrt(s.hidden_size))
     keys = np.empty((s.n_layers, s.n_kv_heads, n, s.head_dim), np.float32)
@@ -95,6 +96,6 @@ def reference_forward(
         gate, up = (h @ _dense(w).T for w in layer.gate_up)
         out = (_activation(gate, traits.activation) * up) @ _dense(layer.down).T
         x = x + _rms_norm(out, layer.post_ffn_norm, s.norm_eps)
-    head = _dense(tensors.embedding if tensors.lm_head is None else tensors.lm_head)
+    head = table if tensors.lm_head is None else _dense(tensors.lm_head)
     logits = _rms_norm(x, tensors.output_norm, s.norm_eps) @ head.T
     return ReferenceOutput(logits.astype(np.float32), keys, values, queries)
