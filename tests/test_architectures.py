@@ -113,8 +113,9 @@ def _gguf_with(path, arch: str, **keys) -> ModelSpec:
     for field in reader.fields.values():
         if not field.name.startswith("GGUF.") and field.name != "general.architecture":
             writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=field.types[-1])
+    adders = {str: writer.add_string, float: writer.add_float32, int: writer.add_uint32, list: writer.add_array}
     for key, value in keys.items():
-        (writer.add_string if isinstance(value, str) else writer.add_float32)(f"{writer.arch}.{key}", value)
+        adders[type(value)](f"{writer.arch}.{key}", value)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, tensor.data, raw_dtype=QType(tensor.tensor_type))
     writer.write_header_to_file()
@@ -122,6 +123,14 @@ def _gguf_with(path, arch: str, **keys) -> ModelSpec:
     writer.write_tensors_to_file()
     writer.close()
     return ModelSpec.from_gguf(open_gguf(path.with_suffix(".extra.gguf")), "extra")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "sliding"), [(2, (0,)), (1, ()), ([False, True], (1,))], ids=["period 2", "period 1", "flags"]
+)
+def test_the_sliding_window_pattern_key_overrides_the_default(pattern, sliding, tmp_path):
+    spec = _gguf_with(tmp_path / "model.gguf", "gemma3", **{"attention.sliding_window_pattern": pattern})
+    assert spec.sliding_layers == sliding and spec.sliding_window == 5
 
 
 @pytest.mark.parametrize(

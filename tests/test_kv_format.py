@@ -607,6 +607,11 @@ def test_malformed_streams_name_the_field() -> None:
         "header": with_header(payload, b"[]"),
         "contract": with_header(payload, b'{"n_tokens": 12}'),
         "contract.n_layers": rewrite_header(payload, lambda doc: doc["contract"].update(n_layers="3")),
+        "contract.sliding_window": rewrite_header(payload, lambda doc: doc["contract"].update(sliding_window=0)),
+        "contract.sliding_layers": rewrite_header(payload, lambda doc: doc["contract"].update(sliding_layers=[3])),
+        "contract.rope_local_theta": rewrite_header(
+            payload, lambda doc: doc["contract"].update(rope_local_theta="1e4")
+        ),
         "trailer": payload + b"\0",
     }
     for field, bad in cases.items():

@@ -91,7 +91,7 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: Progress | None = None) -> 
 
 
 def register_gguf(path: Path, name: str | None = None) -> ModelRecord:
-    """Record a local Llama-family GGUF (not copied) under ``name`` (default: a slug of the file stem).
+    """Record a local GGUF of a supported architecture (not copied) under ``name`` (default: a slug of the file stem).
 
     Raises:
         ModelFileError: the file is missing, not GGUF, truncated, or of an unsupported architecture or tensor type.
