@@ -14,7 +14,7 @@ from synthetic_gguf import TinyLlama, write_tiny_llama
 
 from edgedecode.model.fetch import register_gguf
 from edgedecode.model.gguf_file import ModelFileError, open_gguf
-from edgedecode.model.graph import GraphOptions
+from edgedecode.model.graph import GraphOptions, GraphOptionsError, build_graph
 from edgedecode.model.loader import load_model
 from edgedecode.model.reference import reference_forward
 from edgedecode.model.spec import ARCHITECTURES, ModelSpec
@@ -78,6 +78,13 @@ def test_graphs_of_every_architecture_match_the_reference(arch, kind, models):
     reference = reference_forward(spec, tensors, PROMPT.tolist())
     print(f"{arch} {kind}: max |logit diff| vs numpy reference {np.abs(logits - reference.logits).max():.2e}")
     np.testing.assert_allclose(logits, reference.logits, atol=1e-4)
+
+
+def test_a_float16_gemma3_graph_is_refused(models):
+    """Gemma 3's residual stream passes float16's 65504 (layer 8 of 270M): inf, then NaN logits."""
+    _, reader, spec = models["gemma3"]
+    with pytest.raises(GraphOptionsError, match="gemma3: activations overflow float16"):
+        build_graph(spec, load_tensors(reader, spec, dense=False), GraphOptions.for_device("decode", "cuda"))
 
 
 def test_the_sliding_window_and_local_rope_base_change_gemma3s_output(models):

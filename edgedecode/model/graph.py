@@ -469,7 +469,16 @@ def _stack(weights: list) -> BlockQuantized | np.ndarray:
 
 
 def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -> onnx.ModelProto:
-    """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so)."""
+    """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so).
+
+    Raises:
+        GraphOptionsError: a float16 graph of an architecture whose residual stream overflows float16.
+    """
+    if options.dtype == "float16" and not spec.traits.float16_residual:
+        raise GraphOptionsError(
+            f"{spec.architecture}: activations overflow float16 (the residual stream passes 65504), "
+            "so a float16 graph would compute inf/NaN; build the float32 graph (dtype='float32')"
+        )
     tensors = requantize_layers(tensors, options.weight_format)
     e = _Emitter(spec, options)
     g = e.g
