@@ -156,6 +156,8 @@ class _Emitter:
         self._doubled: dict[str, str] = {}
         self._shared: dict[str, str] = {}
         self._rope: dict[str, tuple[str, str]] = {}
+        # The residual stream's dtype: float32 inside a float16 graph where the architecture's outgrows float16.
+        self.residual_dt = np.dtype(np.float32) if not spec.traits.float16_residual else self.dt
         self.embed_table: str | None = None  # initializer name, reused by a tied LM head
         self.embed: BlockQuantized | None = None  # the block embedding table, whose codes a tied head shares
 
@@ -381,11 +383,11 @@ class _Emitter:
         normed = self.rms_norm(split, gamma, name)
         return self.g.op1("Reshape", [normed, self.shared("merge_heads", [0, 0, -1])], name=f"{name}.merge")
 
-    def rms_norm(self, x: str, gamma: np.ndarray, name: str) -> str:
-        """RMSNorm over the last axis."""
+    def rms_norm(self, x: str, gamma: np.ndarray, name: str, dtype: np.dtype | None = None) -> str:
+        """RMSNorm over the last axis of x (of ``dtype``, default the graph's)."""
         return self.g.op1(
             "SimplifiedLayerNormalization",
-            [x, self.weight(f"{name}.weight", gamma)],
+            [x, self.const(f"{name}.weight", gamma.astype(dtype or self.dt))],
             name=name,
             axis=-1,
             epsilon=self.spec.norm_eps,
@@ -423,16 +425,28 @@ class _Emitter:
         return self.g.op1("Mul", [gate, self.g.op1("Sigmoid", [gate])], name=f"{name}.silu")
 
     def skip_norm(self, x: str, residual: str, gamma: np.ndarray, name: str) -> tuple[str, str]:
-        """(RMSNorm(x + residual), x + residual)."""
+        """(RMSNorm(x + residual), x + residual); the sum stays in the residual stream's dtype."""
         out, _, _, summed = self.g.op(
             "SkipSimplifiedLayerNormalization",
-            [x, residual, self.weight(f"{name}.weight", gamma)],
+            [self.to_residual(x, name), residual, self.const(f"{name}.weight", gamma.astype(self.residual_dt))],
             4,
             name=name,
             domain=MS_DOMAIN,
             epsilon=self.spec.norm_eps,
         )
-        return out, summed
+        return self.from_residual(out, name), summed
+
+    def to_residual(self, x: str, name: str) -> str:
+        """x in the residual stream's dtype (a Cast where it differs from the graph's)."""
+        if self.residual_dt == self.dt:
+            return x
+        return self.g.op1("Cast", [x], name=f"{name}.to_residual", to=onnx_dtype(self.residual_dt))
+
+    def from_residual(self, x: str, name: str) -> str:
+        """x, from the residual stream's dtype, in the graph's."""
+        if self.residual_dt == self.dt:
+            return x
+        return self.g.op1("Cast", [x], name=f"{name}.from_residual", to=onnx_dtype(self.dt))
 
     def rope_cache(self, layer: int) -> tuple[str, str]:
         """GQA's (cos, sin) caches [context, head_dim / 2] for ``layer``'s RoPE: one pair per distinct base."""
@@ -469,16 +483,7 @@ def _stack(weights: list) -> BlockQuantized | np.ndarray:
 
 
 def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -> onnx.ModelProto:
-    """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so).
-
-    Raises:
-        GraphOptionsError: a float16 graph of an architecture whose residual stream overflows float16.
-    """
-    if options.dtype == "float16" and not spec.traits.float16_residual:
-        raise GraphOptionsError(
-            f"{spec.architecture}: activations overflow float16 (the residual stream passes 65504), "
-            "so a float16 graph would compute inf/NaN; build the float32 graph (dtype='float32')"
-        )
+    """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so)."""
     tensors = requantize_layers(tensors, options.weight_format)
     e = _Emitter(spec, options)
     g = e.g
@@ -495,8 +500,9 @@ def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -
     x = e.embedding(ids, tensors.embedding)
     if spec.traits.embedding_scale:
         x = g.op1("Mul", [x, e.weight("embed.scale", np.array(np.sqrt(spec.hidden_size)))], name="embed.scale")
-    h = e.rms_norm(x, tensors.layers[0].attn_norm, "layers.0.attn_norm")
-    residual = x
+    residual = e.to_residual(x, "embed")
+    first_norm = e.rms_norm(residual, tensors.layers[0].attn_norm, "layers.0.attn_norm", e.residual_dt)
+    h = e.from_residual(first_norm, "layers.0.attn_norm")
     for i, layer in enumerate(tensors.layers):
         attn = e.post_norm(e.attention(h, i, layer, seqlens, total), layer.post_attn_norm, f"layers.{i}.post_attn_norm")
         h, residual = e.skip_norm(attn, residual, layer.ffn_norm, f"layers.{i}.ffn_norm")

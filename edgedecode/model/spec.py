@@ -28,7 +28,7 @@ class ArchitectureTraits:
     embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden)
     sliding_window_pattern: int = 0  # every Nth layer global, the others windowed (llama.cpp's default); 0: none
     rope_local_theta: float | None = None  # RoPE base of the windowed layers (the file's freq_base is the global one)
-    float16_residual: bool = True  # False: the residual stream outgrows float16 (no float16 graph is built)
+    float16_residual: bool = True  # False: the residual stream outgrows float16 (float16 graphs keep it in float32)
 
 
 # What each architecture maps to; llama.cpp's hparams and graph builders are the reference for each.
