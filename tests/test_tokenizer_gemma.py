@@ -7,8 +7,9 @@ import json
 
 import numpy as np
 import pytest
-from conftest import GEMMA_MODEL, GEMMA_VECTORS_DIR
+from conftest import GEMMA_VECTORS_DIR
 
+from edgedecode.model.registry import GEMMA3_270M
 from edgedecode.model.spec import TokenizerSpec
 from edgedecode.model.tokenizer import Tokenizer, TokenizerError
 
@@ -25,7 +26,7 @@ _QUESTION = "What is the capital of France, and what river runs through it?"
 @pytest.fixture(scope="module")
 def spec(gemma_reader) -> TokenizerSpec:
     # TokenizerSpec, not ModelSpec: the tokenizer does not wait for the gemma3 architecture.
-    return TokenizerSpec.from_gguf(gemma_reader, GEMMA_MODEL)
+    return TokenizerSpec.from_gguf(gemma_reader, GEMMA3_270M)
 
 
 @pytest.fixture(scope="module")

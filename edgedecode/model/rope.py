@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def apply_rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """Rotate-half RoPE on x [heads, S, head_dim]."""
+def apply_rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE on x [heads, S, head_dim] with frequencies ``inv_freq`` [head_dim / 2]
+    (``ModelSpec.rope_inv_freq``: a layer's own base and scaling)."""
     half = x.shape[-1] // 2
-    inv_freq = theta ** (-np.arange(0, x.shape[-1], 2, dtype=np.float64) / x.shape[-1])
-    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]
+    angles = positions[:, None].astype(np.float64) * np.asarray(inv_freq, np.float64)[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     x1, x2 = x[..., :half], x[..., half:]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 from gguf import GGUFReader
 
 from edgedecode.model.gguf_file import (
@@ -15,7 +16,40 @@ from edgedecode.model.gguf_file import (
 )
 from edgedecode.model.tokenizer_models import SPM_MODEL
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+
+@dataclass(frozen=True)
+class ArchitectureTraits:
+    """How one GGUF architecture's decoder block differs from plain llama (the one block builder reads these)."""
+
+    qk_rows_permuted: bool = False  # llama.cpp's "norm" RoPE type: Q/K rows interleaved in the file (undone on load)
+    qkv_bias: bool = False  # blk.N.attn_{q,k,v}.bias added after the projections
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys (attn_{q,k}_norm), before RoPE
+    post_norms: bool = False  # RMSNorm of the attention and MLP outputs before each residual add
+    activation: str = "silu"  # the gate's activation: "silu" or "gelu_tanh"
+    embedding_scale: bool = False  # embeddings multiplied by sqrt(hidden)
+    sliding_window_pattern: int = 0  # every Nth layer global, the others windowed (llama.cpp's default); 0: none
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers (the file's freq_base is the global one)
+    float16_residual: bool = True  # False: the residual stream outgrows float16 (float16 graphs keep it in float32)
+
+
+# What each architecture maps to; llama.cpp's hparams and graph builders are the reference for each.
+ARCHITECTURES: dict[str, ArchitectureTraits] = {
+    "llama": ArchitectureTraits(qk_rows_permuted=True),
+    "qwen2": ArchitectureTraits(qkv_bias=True),
+    "qwen3": ArchitectureTraits(qk_norm=True),
+    "gemma3": ArchitectureTraits(
+        qk_norm=True,
+        post_norms=True,
+        activation="gelu_tanh",
+        embedding_scale=True,
+        sliding_window_pattern=6,
+        rope_local_theta=10000.0,
+        float16_residual=False,  # 270M's passes 65504 at layer 8 (measured on the prose prompt)
+    ),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+# Metadata that changes the forward pass in ways the graphs do not implement: refused, never ignored.
+_REFUSED_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
 # Token texts that end a turn in the chat templates we know; tokens present in the vocab as
 # control tokens join eos as stop tokens (llama.cpp's end-of-generation set does the same).
 _END_OF_TURN_TEXTS = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -54,6 +88,12 @@ class KVContract:
     rope_theta: float
     layout: KVLayout
     tokenizer_hash: str
+    # Windowed (local) layers and their RoPE base; keys are post-RoPE, so the bases and the frequency
+    # factors of the producer must be the receiver's.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float | None = None
+    rope_scaling: str = "none"  # "llama3:<digest of the frequency factors>" where the file has rope_freqs
 
     def mismatches(self, other: KVContract) -> list[str]:
         """Names and values of every field that differs, e.g. ["n_layers: 30 != 24"]."""
@@ -163,6 +203,11 @@ class ModelSpec:
     tokenizer_hash: str
     tied_embeddings: bool
     kv_layout: KVLayout = field(default=DECODER_KV_LAYOUT)
+    traits: ArchitectureTraits = field(default=ARCHITECTURES["llama"])
+    sliding_window: int | None = None  # keys a windowed layer's query sees, itself included
+    sliding_layers: tuple[int, ...] = ()  # the windowed layers
+    rope_local_theta: float | None = None  # RoPE base of the windowed layers
+    rope_freq_factors: tuple[float, ...] | None = None  # llama3 scaling: per-frequency divisors [head_dim / 2]
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -171,6 +216,32 @@ class ModelSpec:
             raise ModelFileError(
                 f"partial rotary (rope dim {self.rope_dim} < head_dim {self.head_dim}) is not supported"
             )
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ModelFileError(
+                f"rope_freqs has {len(self.rope_freq_factors)} factors, expected head_dim/2 = {self.head_dim // 2}"
+            )
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends to a sliding window of recent keys rather than to all of them."""
+        return layer in self.sliding_layers
+
+    def rope_theta_of(self, layer: int) -> float:
+        """The RoPE base ``layer`` rotates its queries and keys with."""
+        if self.is_sliding(layer) and self.rope_local_theta is not None:
+            return self.rope_local_theta
+        return self.rope_theta
+
+    def rope_inv_freq(self, layer: int) -> np.ndarray:
+        """float64 [head_dim / 2]: the rotation frequencies of ``layer`` (llama3 factors divide them)."""
+        inv_freq = self.rope_theta_of(layer) ** (-np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        if self.rope_freq_factors is not None:
+            inv_freq = inv_freq / np.asarray(self.rope_freq_factors, np.float64)
+        return inv_freq
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q·k: 1/sqrt(head_dim) (Gemma 3's query_pre_attn_scalar is head_dim up to 12B)."""
+        return float(1.0 / np.sqrt(self.head_dim))
 
     @property
     def kv_contract(self) -> KVContract:
@@ -183,6 +254,10 @@ class ModelSpec:
             self.rope_theta,
             self.kv_layout,
             self.tokenizer_hash,
+            self.sliding_window,
+            self.sliding_layers,
+            self.rope_local_theta,
+            _rope_scaling_name(self.rope_freq_factors),
         )
 
     @property
@@ -194,8 +269,12 @@ class ModelSpec:
     def from_gguf(cls, reader: GGUFReader, name: str) -> ModelSpec:
         """Read the spec from GGUF metadata; a missing key or an unsupported model is a ModelFileError."""
         arch = field_value(reader, "general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise ModelFileError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        traits = ARCHITECTURES[arch]
+        for key in _REFUSED_KEYS:
+            if field_value(reader, f"{arch}.{key}") is not None:
+                raise ModelFileError(f"{arch}.{key} is set: logit soft-capping is not supported")
 
         def need(key: str):
             value = field_value(reader, f"{arch}.{key}")
@@ -204,8 +283,16 @@ class ModelSpec:
             return value
 
         tensors = tensor_table(reader)
-        if "rope_freqs.weight" in tensors or field_value(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
-            raise ModelFileError("RoPE frequency scaling (rope_freqs / rope.scaling) is not supported yet")
+        scaling = field_value(reader, f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none", "llama3"):
+            raise ModelFileError(
+                f"{arch}.rope.scaling.type {scaling!r} is not supported (llama3 frequency factors are)"
+            )
+        factors = tensors.get("rope_freqs.weight")
+        if scaling == "llama3" and factors is None:
+            raise ModelFileError(f"{arch}.rope.scaling.type is 'llama3' but the file has no rope_freqs.weight tensor")
+        n_layers = int(need("block_count"))
+        window = field_value(reader, f"{arch}.attention.sliding_window") if traits.sliding_window_pattern else None
         hidden = int(need("embedding_length"))
         n_heads = int(need("attention.head_count"))
         head_dim = int(field_value(reader, f"{arch}.attention.key_length") or hidden // n_heads)
@@ -213,7 +300,7 @@ class ModelSpec:
         n_tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
         return cls(
             architecture=arch,
-            n_layers=int(need("block_count")),
+            n_layers=n_layers,
             hidden_size=hidden,
             ffn_size=int(need("feed_forward_length")),
             n_heads=n_heads,
@@ -226,4 +313,32 @@ class ModelSpec:
             context_length=int(need("context_length")),
             tied_embeddings="output.weight" not in tensors,
             **asdict(tokenizer),
+            traits=traits,
+            sliding_window=None if not window else int(window),
+            sliding_layers=_sliding_layers(reader, arch, traits, n_layers) if window else (),
+            rope_local_theta=traits.rope_local_theta if window else None,
+            rope_freq_factors=None if factors is None else tuple(float(f) for f in np.asarray(factors.data).ravel()),
         )
+
+
+def _sliding_layers(reader: GGUFReader, arch: str, traits: ArchitectureTraits, n_layers: int) -> tuple[int, ...]:
+    """The windowed layers: from ``{arch}.attention.sliding_window_pattern`` (a period, or one flag a layer)
+    where the file has it, else the architecture's period (llama.cpp: layer i is global iff (i+1) % N == 0)."""
+    pattern = field_value(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers:
+            raise ModelFileError(
+                f"{arch}.attention.sliding_window_pattern has {len(pattern)} flags for {n_layers} layers"
+            )
+        return tuple(i for i, flag in enumerate(pattern) if flag)
+    period = int(pattern) if pattern is not None else traits.sliding_window_pattern
+    if period < 1:
+        raise ModelFileError(f"{arch}.attention.sliding_window_pattern must be positive, not {period}")
+    return tuple(i for i in range(n_layers) if i % period < period - 1)
+
+
+def _rope_scaling_name(factors: tuple[float, ...] | None) -> str:
+    """The contract's name for the RoPE frequency factors: "none", or "llama3:" and a digest of their values."""
+    if factors is None:
+        return "none"
+    return "llama3:" + hashlib.sha256(np.asarray(factors, np.float32).tobytes()).hexdigest()[:16]

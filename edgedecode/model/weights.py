@@ -10,8 +10,9 @@
   5-, 6- and 8-bit types to 8-bit codes (MatMulNBits has no 5- or 6-bit form).
 * dense float32 ``[N, K]`` arrays for the higher-precision prefill graph and the numpy reference.
 
-GGUF stores the Q and K projection rows permuted for llama.cpp's interleaved RoPE; both forms
+GGUF stores llama's Q and K projection rows permuted for llama.cpp's interleaved RoPE; both forms
 undo that here, so every graph uses HF (rotate-half) order and the KV layout is the same everywhere.
+(qwen2, qwen3 and gemma3 use llama.cpp's "neox" RoPE, whose rows are already in that order.)
 """
 
 from __future__ import annotations
@@ -210,6 +211,11 @@ class LayerTensors:
     ffn_norm: np.ndarray
     gate_up: list[Weight]  # [gate, up]
     down: Weight
+    qkv_bias: np.ndarray | None = None  # [q | k | v] biases, concatenated like the fused QKV's output
+    q_norm: np.ndarray | None = None  # per-head RMSNorm gammas [head_dim], applied before RoPE
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None  # RMSNorm of the attention output before its residual add
+    post_ffn_norm: np.ndarray | None = None  # RMSNorm of the MLP output before its residual add
 
 
 @dataclass(frozen=True)
@@ -223,22 +229,32 @@ class ModelTensors:
 
 
 def load_tensors(reader: GGUFReader, spec: ModelSpec, dense: bool) -> ModelTensors:
-    """Load every weight of a llama-family model, dense float32 or block-quantized."""
+    """Load every weight of the model, dense float32 or block-quantized; the architecture's traits
+    (``spec.traits``) say which optional tensors (biases, QK and post norms) each layer must have."""
     check_tensor_types(reader)
     table = tensor_table(reader)
+    traits = spec.traits
 
     def get(name: str) -> ReaderTensor:
         if name not in table:
-            raise ModelFileError(f"GGUF lacks tensor {name!r}")
+            raise ModelFileError(f"GGUF lacks tensor {name!r} (architecture {spec.architecture})")
         return table[name]
 
+    def rows(name: str, heads: int | None) -> np.ndarray | None:
+        """The order that un-permutes llama's Q/K rows; None where the file's order is already HF's."""
+        return unpermute_rows(int(get(name).shape[-1]), heads) if heads and traits.qk_rows_permuted else None
+
     def matrix(name: str, heads: int | None = None) -> Weight:
-        tensor = get(name)
+        tensor, order = get(name), rows(name, heads)
         if dense:
-            rows = load_dense(tensor)
-            return rows if heads is None else rows[unpermute_rows(int(tensor.shape[1]), heads)]
+            weight = load_dense(tensor)
+            return weight if order is None else weight[order]
         blocks = load_block_quantized(tensor)
-        return blocks if heads is None else blocks.with_rows(unpermute_rows(int(tensor.shape[1]), heads))
+        return blocks if order is None else blocks.with_rows(order)
+
+    def vector(name: str, heads: int | None = None) -> np.ndarray:
+        values, order = load_dense(get(name)).reshape(-1), rows(name, heads)
+        return values if order is None else values[order]
 
     def embedding_table(name: str) -> Weight:
         tensor = get(name)
@@ -248,26 +264,35 @@ def load_tensors(reader: GGUFReader, spec: ModelSpec, dense: bool) -> ModelTenso
             return load_block_quantized(tensor)
         return _quantize_8bit_symmetric(load_dense(tensor))
 
+    def optional(name: str, present: bool) -> np.ndarray | None:
+        return vector(name) if present else None
+
     layers = []
     for i in range(spec.n_layers):
         p = f"blk.{i}."
+        heads = {"q": spec.n_heads, "k": spec.n_kv_heads, "v": None}
         layers.append(
             LayerTensors(
-                attn_norm=load_dense(get(p + "attn_norm.weight")),
-                qkv=[
-                    matrix(p + "attn_q.weight", spec.n_heads),
-                    matrix(p + "attn_k.weight", spec.n_kv_heads),
-                    matrix(p + "attn_v.weight"),
-                ],
+                attn_norm=vector(p + "attn_norm.weight"),
+                qkv=[matrix(f"{p}attn_{x}.weight", n) for x, n in heads.items()],
                 o=matrix(p + "attn_output.weight"),
-                ffn_norm=load_dense(get(p + "ffn_norm.weight")),
+                ffn_norm=vector(p + "ffn_norm.weight"),
                 gate_up=[matrix(p + "ffn_gate.weight"), matrix(p + "ffn_up.weight")],
                 down=matrix(p + "ffn_down.weight"),
+                qkv_bias=(
+                    np.concatenate([vector(f"{p}attn_{x}.bias", n) for x, n in heads.items()])
+                    if traits.qkv_bias
+                    else None
+                ),
+                q_norm=optional(p + "attn_q_norm.weight", traits.qk_norm),
+                k_norm=optional(p + "attn_k_norm.weight", traits.qk_norm),
+                post_attn_norm=optional(p + "post_attention_norm.weight", traits.post_norms),
+                post_ffn_norm=optional(p + "post_ffw_norm.weight", traits.post_norms),
             )
         )
     return ModelTensors(
         embedding=embedding_table("token_embd.weight"),
         layers=layers,
-        output_norm=load_dense(get("output_norm.weight")),
+        output_norm=vector("output_norm.weight"),
         lm_head=None if spec.tied_embeddings else embedding_table("output.weight"),
     )

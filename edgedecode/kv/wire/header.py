@@ -346,7 +346,32 @@ def contract_from_doc(doc: dict[str, Any]) -> KVContract:
         ),
         tokenizer_hash=_name(c, "tokenizer_hash", "contract."),
         **dims,
+        **_windows_and_rope(c, dims["n_layers"]),
     )
+
+
+def _windows_and_rope(c: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """The contract's sliding-window and RoPE-variant fields; absent (a producer older than them): the defaults,
+    which are what a model without windows or RoPE scaling has."""
+    p = "contract."
+    fields: dict[str, Any] = {}
+    if c.get("sliding_window") is not None:
+        fields["sliding_window"] = doc_field(c, "sliding_window", int, p)
+        if fields["sliding_window"] < 1:
+            raise KVMalformedError(p + "sliding_window", f"must be positive, got {fields['sliding_window']}")
+    if "sliding_layers" in c:
+        layers = doc_field(c, "sliding_layers", list, p)
+        if len(layers) > n_layers or any(type(i) is not int or not 0 <= i < n_layers for i in layers):
+            raise KVMalformedError(p + "sliding_layers", f"must be layer indices below {n_layers}")
+        fields["sliding_layers"] = tuple(layers)
+    if c.get("rope_local_theta") is not None:
+        try:
+            fields["rope_local_theta"] = float(doc_field(c, "rope_local_theta", float, p))
+        except OverflowError:
+            raise KVMalformedError(p + "rope_local_theta", "beyond the float range") from None
+    if "rope_scaling" in c:
+        fields["rope_scaling"] = _name(c, "rope_scaling", p)
+    return fields
 
 
 def check_meta(meta: dict[str, Any]) -> None:
