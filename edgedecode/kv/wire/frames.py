@@ -62,11 +62,13 @@ def max_sections(n_tokens: int, n_layers: int) -> int:
 def max_header_nbytes(max_tokens: int, n_layers: int) -> int:
     """Header JSON bytes that a legitimate header of up to `max_tokens` tokens can need, generously.
 
-    Base64 token ids, positions (8 bytes a token each) and tier map (a byte per layer and token), a row for each
-    of the `max_chunks` chunks, and HEADER_BASE_BYTES for everything of fixed size.
+    Base64 token ids, positions (8 bytes a token each), tier map (a byte per layer and token) and importance
+    (1.2: 2 bytes a token), a row for each of the `max_chunks` chunks, and HEADER_BASE_BYTES for everything of
+    fixed size.
     """
     n = max(0, max_tokens)
-    return HEADER_BASE_BYTES + 2 * _b64_len(8 * n) + _b64_len(n_layers * n) + CHUNK_ROW_BYTES * max_chunks(n, n_layers)
+    per_token = 2 * _b64_len(8 * n) + _b64_len(n_layers * n) + _b64_len(2 * n)
+    return HEADER_BASE_BYTES + per_token + CHUNK_ROW_BYTES * max_chunks(n, n_layers)
 
 
 def max_header_containers(max_tokens: int, n_layers: int) -> int:
