@@ -11,6 +11,7 @@ import json
 import numpy as np
 import pytest
 from conftest import GEMMA_VECTORS_DIR, TEST_THREADS
+from graph_helpers import prefill_against_llama_cpp
 
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.reference import reference_forward
@@ -47,18 +48,7 @@ def gemma_prefiller(gemma_model):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_prefill_graph_argmax_equals_llama_cpp_at_scored_positions(prompt, gemma_prefiller, gemma_vectors):
-    ids = gemma_vectors[f"{prompt}_ids"]
-    top5_ids, top5_logits = gemma_vectors[f"{prompt}_top5_ids"], gemma_vectors[f"{prompt}_top5_logits"]
-    scored = gemma_vectors[f"{prompt}_scored_positions"]
-    gemma_prefiller.reset()
-    logits = gemma_prefiller.forward(ids, all_logits=True)
-    diff = np.abs(np.take_along_axis(logits, top5_ids.astype(np.int64), axis=1) - top5_logits)
-    last_diff = float(np.abs(logits[-1] - gemma_vectors[f"{prompt}_last_logits"]).max())
-    print(
-        f"{prompt}: |logit diff| vs llama.cpp over its top-5 at all positions: max {diff.max():.3f}, "
-        f"mean {diff.mean():.3f}; full last row max {last_diff:.3f}; {len(scored)} scored positions"
-    )
-    np.testing.assert_array_equal(logits[scored].argmax(-1), top5_ids[scored, 0])
+    diff = prefill_against_llama_cpp(gemma_prefiller, gemma_vectors, prompt)
     # As for SmolLM2 (test_graphs.py), llama.cpp's int8 activations move logits by a few tenths; Gemma's
     # logits are larger (15-25 at most positions; -64 and -12 right after the chat template's
     # <start_of_turn>, where the largest difference, ~3.1, sits). A wrong norm or RoPE base gives 10s.

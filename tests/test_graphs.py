@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from graph_helpers import prefill_against_llama_cpp
 
 from edgedecode.model.reference import reference_forward
 from edgedecode.model.weights import load_tensors
@@ -18,19 +19,7 @@ def quantized_tensors(smollm2_reader, smollm2_model):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_prefill_graph_argmax_equals_llama_cpp_at_scored_positions(prompt, prefiller, logit_vectors):
-    ids = logit_vectors[f"{prompt}_ids"]
-    top5_ids, top5_logits = logit_vectors[f"{prompt}_top5_ids"], logit_vectors[f"{prompt}_top5_logits"]
-    scored = logit_vectors[f"{prompt}_scored_positions"]
-    prefiller.reset()
-    logits = prefiller.forward(ids, all_logits=True)
-    ours_at_theirs = np.take_along_axis(logits, top5_ids.astype(np.int64), axis=1)
-    diff = np.abs(ours_at_theirs - top5_logits)
-    last_diff = float(np.abs(logits[-1] - logit_vectors[f"{prompt}_last_logits"]).max())
-    print(
-        f"{prompt}: |logit diff| vs llama.cpp over its top-5 at all positions: max {diff.max():.3f}, "
-        f"mean {diff.mean():.3f}; full last row max {last_diff:.3f}; {len(scored)} scored positions"
-    )
-    np.testing.assert_array_equal(logits[scored].argmax(-1), top5_ids[scored, 0])
+    diff = prefill_against_llama_cpp(prefiller, logit_vectors, prompt)
     # llama.cpp multiplies with int8-quantized activations, so an fp32 forward differs from it by about
     # as much as llama.cpp's own kernels differ from each other (max ~1.0, mean 0.1-0.3; see
     # tests/vectors/README.md). A wrong layout, norm or RoPE gives differences of 10 and more.
