@@ -321,7 +321,7 @@ class ConversationStore:
         known = given[~np.isnan(given)]
         if given.shape != (n,) or not (np.isfinite(known) & (known >= 0)).all():
             raise ValueError(f"importance must be float [{n}], >= 0 or NaN, got shape {list(given.shape)}")
-        payload, chunk_nbytes = self._encoded(snapshot, given, tier_map)
+        payload, chunk_nbytes = self._encoded(snapshot, given if len(known) else None, tier_map)  # none: no field
         return StoredConversation(
             session_id,
             payload,
