@@ -29,7 +29,14 @@ llama.cpp comes from the optional extra: pip install -e '.[bench]' (llama-cpp-py
 
 from __future__ import annotations
 
-try:  # before numpy: on the CUDA test host, llama.cpp's model loading crashes if numpy came first (shared/GPU.md)
+# Import order matters on the CUDA test host (shared/GPU.md): llama.cpp's model loading crashes when numpy
+# was imported before llama_cpp, and onnxruntime's import crashes when llama_cpp came first; onnxruntime
+# (which imports numpy), then llama_cpp, works.
+import contextlib
+
+with contextlib.suppress(ImportError):
+    import onnxruntime  # noqa: F401
+try:
     import llama_cpp
 except ImportError:
     llama_cpp = None
