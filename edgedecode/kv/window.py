@@ -37,6 +37,15 @@ def window_start(kept: np.ndarray, count: int) -> int:
     return int(kept_index[-count]) if 0 < count <= len(kept_index) else 0
 
 
+def carried_from(kept: np.ndarray, contract: KVContract, valid_from: int = 0) -> int | None:
+    """Where the windowed layers' KV of a held conversation starts being kept (EDKV ``window_start``): at its
+    tail's first kept token, or at ``valid_from`` (the first token its windowed layers hold KV for) if later;
+    None for a model without windows."""
+    if not tail_tokens(contract):
+        return None
+    return max(window_start(kept, tail_tokens(contract)), valid_from)
+
+
 def tail_mask(n_tokens: int, contract: KVContract) -> np.ndarray:
     """bool [n]: the tokens of an ``n_tokens`` prompt that must not be dropped (its windowed tail)."""
     mask = np.zeros(n_tokens, bool)
@@ -46,16 +55,11 @@ def tail_mask(n_tokens: int, contract: KVContract) -> np.ndarray:
     return mask
 
 
-def undroppable_slots(n_slots: int, contract: KVContract) -> int:
-    """How many of a cache's last slots no memory rung may drop: the windowed tail (0: no windows)."""
-    return min(n_slots, tail_tokens(contract))
-
-
-def windowed_cost_scale(n_tokens: int, contract: KVContract) -> np.ndarray:
-    """float64 [n]: each token's wire cost relative to all layers when only the tail carries the
-    windowed layers: 1 for the tail, the global layers' share before it."""
+def windowed_cost_scale(n_tokens: int, contract: KVContract, start: int | None = None) -> np.ndarray:
+    """float64 [n]: each token's wire cost relative to all layers when the windowed layers carry the tokens
+    from ``start`` on only (None: the tail): 1 from there, the global layers' share before it."""
     scale = np.ones(n_tokens)
-    layers = len(contract.sliding_layers)
     if tail_tokens(contract):
-        scale[~tail_mask(n_tokens, contract)] = (contract.n_layers - layers) / contract.n_layers
+        before = ~tail_mask(n_tokens, contract) if start is None else np.arange(n_tokens) < start
+        scale[before] = (contract.n_layers - len(contract.sliding_layers)) / contract.n_layers
     return scale
