@@ -47,7 +47,7 @@ from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.model.registry import DEFAULT_MODEL
-from edgedecode.prefill.pipeline import prefill_and_score, through_wire
+from edgedecode.prefill.pipeline import BudgetTooSmallError, prefill_and_score, through_wire
 from edgedecode.runtime.engine import Engine
 
 BUDGETS = (1.0, 0.5, 0.3, 0.2, 0.15, 0.1)
@@ -100,7 +100,13 @@ def perplexity_study(args, model, prefiller, scorer, configs, profile) -> dict:
         reference = score_continuation(scorer, context, continuation, fp16_kv)
         rows.setdefault(FP16 + (0.5,), []).append(_row(reference, reference, fp16_encoded))
         for policy, budget, fraction in configs:
-            kv, encoded = through_wire(scored, budget, policy, contract, profile=profile, pdtrim_head_fraction=fraction)
+            try:
+                kv, encoded = through_wire(
+                    scored, budget, policy, contract, profile=profile, pdtrim_head_fraction=fraction
+                )
+            except BudgetTooSmallError as exc:  # e.g. a windowed model's tail alone costs more
+                rows.setdefault((policy, budget, fraction), []).append({"refused_below": exc.minimum})
+                continue
             rows.setdefault((policy, budget, fraction), []).append(
                 _row(reference, score_continuation(scorer, context, continuation, kv), encoded)
             )
@@ -121,9 +127,16 @@ def _row(reference, score, encoded) -> dict:
 
 
 def summarise_perplexity(rows: dict) -> dict:
-    """Per configuration: Δ% PPL with its interval, KL, top-1, b_raw/b_wire; PDTrim tuned per budget."""
-    summary = {}
+    """Per configuration: Δ% PPL with its interval, KL, top-1, b_raw/b_wire; PDTrim tuned per budget.
+    A configuration refused on some context (budget below the smallest payload) is listed apart."""
+    summary, refused = {}, []
     for (policy, budget, fraction), samples in rows.items():
+        minimums = [r["refused_below"] for r in samples if "refused_below" in r]
+        if minimums:
+            refused.append(
+                {"policy": policy, "budget": budget, "pdtrim_head_fraction": fraction, "minimum": max(minimums)}
+            )
+            continue
         dnll, low, high = mean_interval([r["dnll"] for r in samples])
         summary[(policy, budget, fraction)] = {
             "policy": policy,
@@ -148,6 +161,7 @@ def summarise_perplexity(rows: dict) -> dict:
     return {
         "rows": sorted(chosen, key=lambda e: (-e["budget"], e["policy"])),
         "pdtrim_grid": [e for e in summary.values() if e["policy"] == "pdtrim"],
+        "refused": [e for e in refused if e["policy"] != "pdtrim" or e["budget"] not in tuned],
     }
 
 
@@ -163,14 +177,17 @@ def needle_study(args, model, prefiller, decoder, configs, profile) -> list[dict
     for index, trial in enumerate(trials):
         scored = prefill_and_score(prefiller, trial.prompt_ids)
         for policy, budget, fraction in [FP16 + (0.5,), *configs]:
-            kv, _ = through_wire(
-                scored,
-                budget,
-                "ours" if policy == FP16[0] else policy,
-                contract,
-                profile=profile,
-                pdtrim_head_fraction=fraction,
-            )
+            try:
+                kv, _ = through_wire(
+                    scored,
+                    budget,
+                    "ours" if policy == FP16[0] else policy,
+                    contract,
+                    profile=profile,
+                    pdtrim_head_fraction=fraction,
+                )
+            except BudgetTooSmallError:
+                continue  # reported once, by the perplexity study
             hits.setdefault((policy, budget, fraction), []).append(answer(decoder, model.tokenizer, trial, kv))
         print(f"  needle {index + 1}/{len(trials)} done", file=sys.stderr)
     out = []
@@ -280,6 +297,15 @@ def report_section(result: dict, plot_link: str) -> list[str]:
             f"{e['worst_dppl_pct']:+.2f} | {e['kl']:.4f} | {100 * e['top1']:.1f} % | {e['b_raw']:.3f} | "
             f"{e['b_wire']:.3f} | {t['FP16']}/{t['INT8']}/{t['INT4']}/{t['INT2']}/{t['DROP']} |"
         )
+    refused = result["perplexity"].get("refused", [])
+    if refused:
+        lines += [
+            "",
+            "Not scored: the budget is below the smallest payload the policy can send for these contexts "
+            "(the tokens it may not drop, at its cheapest tier): "
+            + "; ".join(f"{e['policy']} at b {e['budget']:g} (needs b ≥ {e['minimum']:.3f})" for e in refused)
+            + ".",
+        ]
     if result["needle"]:
         title = (
             f"### Needle in a haystack ({result['niah_tokens']} haystack tokens, {result['niah_depths']} depths × "
@@ -362,8 +388,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     needle = []
     if args.niah_trials:
         tuned = {(e["budget"]): e["pdtrim_head_fraction"] for e in perplexity["rows"] if e["policy"] == "pdtrim"}
+        refused = {(e["policy"], e["budget"]) for e in perplexity["refused"]}
         niah_configs = [
-            (p, b, tuned.get(b, f) if p == "pdtrim" else f) for p, b, f in variants(policies, budgets, [0.5])
+            (p, b, tuned.get(b, f) if p == "pdtrim" else f)
+            for p, b, f in variants(policies, budgets, [0.5])
+            if (p, b) not in refused
         ]
         decoder = Engine(model, GraphOptions(), max_context=longest, threads=args.threads)
         needle = needle_study(args, model, prefiller, decoder, niah_configs, profile)
