@@ -70,6 +70,8 @@ def test_kv_quality_report_keeps_other_models_sections():
     assert report.startswith(kv_quality.TITLE + "\n")
     assert "old a" not in report and report.index("new a") < report.index("first b")  # replaced in place
     assert report == kv_quality.merged_report(report, "b", "## b\nfirst b")
+    noted = report.replace(kv_quality.TITLE, kv_quality.TITLE + "\n\nA note.", 1)
+    assert "A note." in kv_quality.merged_report(noted, "a", "## a\nnewer a")  # notes before the sections stay
 
 
 def _crossquant_part(cq, indices: list[int], targets: list[str], tokens: int = 128) -> dict:

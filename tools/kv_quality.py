@@ -255,10 +255,15 @@ def write_report(result: dict, markdown: Path, plot: Path) -> None:
 
 
 def merged_report(existing: str, model: str, section: str) -> str:
-    """The report ``existing`` with ``model``'s section replaced by ``section`` (or added after the others)."""
+    """The report ``existing`` with ``model``'s section replaced by ``section`` (or added after the others);
+    notes written between the title and the first section are kept."""
     sections = {match.group(1): match.group(0) for match in SECTION.finditer(existing)}
     sections[model] = f"<!-- kv-quality {model} -->\n{section}\n<!-- /kv-quality {model} -->\n"
-    return TITLE + "\n\n" + "\n".join(sections.values())
+    first = SECTION.search(existing)
+    notes = (
+        existing[len(TITLE) : first.start() if first else len(existing)].strip() if existing.startswith(TITLE) else ""
+    )
+    return TITLE + "\n\n" + (notes + "\n\n" if notes else "") + "\n".join(sections.values())
 
 
 def report_section(result: dict, plot_link: str) -> list[str]:
