@@ -301,10 +301,11 @@ def probe(
         typer.echo(f"saved {path}")
 
 
-def _load_config(config_path: Path | None, section: Literal["daemon", "prefill"], **flags):
+def _load_config(config_path: Path | None, section: Literal["daemon", "prefill"], model: str | None, **flags):
+    """The configuration of the ``section`` server, with ``--model`` (over [model] name) and its flags on top."""
     from edgedecode.config import load_config
 
-    return load_config(config_path, overrides={section: flags}, server=section)
+    return load_config(config_path, overrides={"model": {"name": model}, section: flags}, server=section)
 
 
 def _announce(server: str) -> Callable[[str], None]:
@@ -321,6 +322,9 @@ def _announce(server: str) -> Callable[[str], None]:
 
 @app.command("prefill-server")
 def prefill_server(
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="Model name (default: the config's model.name, else the catalog default)."
+    ),
     host: str | None = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Port (default 8089; 0: any free port)."),
     config: Path | None = typer.Option(
@@ -335,7 +339,7 @@ def prefill_server(
     from edgedecode.prefill.run import run_prefill_server
 
     try:
-        settings = _load_config(config, "prefill", host=host, port=port)
+        settings = _load_config(config, "prefill", model, host=host, port=port)
         loaded = _open_model(settings.model.name)
         _ensure_graph(loaded, GraphOptions.for_device("prefill", settings.model.device))
         if not ray:
@@ -354,6 +358,9 @@ def prefill_server(
 
 @app.command()
 def serve(
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="Model name (default: the config's model.name, else the catalog default)."
+    ),
     host: str | None = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Port (default 8088; 0: any free port)."),
     config: Path | None = typer.Option(
@@ -368,7 +375,7 @@ def serve(
     from edgedecode.model.graph import GraphOptions
 
     try:
-        settings = _load_config(config, "daemon", host=host, port=port, prefill_url=prefill_url)
+        settings = _load_config(config, "daemon", model, host=host, port=port, prefill_url=prefill_url)
         loaded = _open_model(settings.model.name)
         _ensure_graph(loaded, GraphOptions.for_device("decode", settings.model.device))
         run_daemon(loaded, settings, config, _announce("serve"))
@@ -389,6 +396,13 @@ def chat(
         help="PEM CA certificates that verify an https daemon (default: the system's).",
     ),
     config: Path | None = typer.Option(None, "--config", "-c", help="Config for the daemon started here."),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        "-m",
+        help="Model of the daemon started here (default: its config's); with --url, the model the daemon "
+        "must serve (it refuses another).",
+    ),
     system: str | None = typer.Option(None, help="System message."),
     max_tokens: int = typer.Option(256, "--max-tokens", "-n"),
     temperature: float = typer.Option(0.0, help="0 means greedy."),
@@ -403,6 +417,7 @@ def chat(
                 url=url,
                 token=token or "",
                 config_path=config,
+                model=model,
                 ca_file=ca_file,
                 system=system,
                 max_tokens=max_tokens,

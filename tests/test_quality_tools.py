@@ -58,6 +58,22 @@ def test_kv_quality_writes_tables_and_plot(smollm2_model, tmp_path):
     assert (tmp_path / "kv-quality.png").stat().st_size > 10_000
 
 
+def test_kv_quality_report_keeps_other_models_sections():
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import kv_quality
+    finally:
+        sys.path.remove(str(TOOLS))
+    report = kv_quality.merged_report("", "a", "## a\nold a")
+    report = kv_quality.merged_report(report, "b", "## b\nfirst b")
+    report = kv_quality.merged_report(report, "a", "## a\nnew a")
+    assert report.startswith(kv_quality.TITLE + "\n")
+    assert "old a" not in report and report.index("new a") < report.index("first b")  # replaced in place
+    assert report == kv_quality.merged_report(report, "b", "## b\nfirst b")
+    noted = report.replace(kv_quality.TITLE, kv_quality.TITLE + "\n\nA note.", 1)
+    assert "A note." in kv_quality.merged_report(noted, "a", "## a\nnewer a")  # notes before the sections stay
+
+
 def _crossquant_part(cq, indices: list[int], targets: list[str], tokens: int = 128) -> dict:
     """A crossquant.json of a run over some prompts and targets, with synthetic per-token numbers."""
     scale = {"target": 1.0, "handoff": 0.5, "wire-0.3": 0.6}

@@ -35,6 +35,7 @@ class ChatSettings:
     url: str | None
     token: str
     config_path: Path | None
+    model: str | None  # the daemon started here runs it; a daemon at url must serve it (None: whatever it serves)
     ca_file: Path | None  # PEM CA certificates that verify an https daemon (None: the system's)
     system: str | None
     max_tokens: int
@@ -64,8 +65,10 @@ class ChatClient:
         temperature: float = 0.0,
         timeout: float = 600,
         ca_file: Path | None = None,
+        model: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.model = model  # sent with each turn, so a daemon serving another model refuses it
         self.token = token
         try:
             self.tls = client_tls(str(ca_file or ""))
@@ -93,6 +96,8 @@ class ChatClient:
             "session_id": self.session_id,
             "stream_options": {"include_usage": True},
         }
+        if self.model is not None:
+            body["model"] = self.model
         started = time.perf_counter()
         pieces: list[str] = []
         report: dict[str, Any] = {}
@@ -167,9 +172,11 @@ def status_line(result: TurnResult) -> str:
     return "[" + "; ".join(parts) + "]"
 
 
-def start_daemon(config_path: Path | None) -> tuple[subprocess.Popen, str]:
-    """Start ``edgedecode serve`` on a free loopback port for this chat; returns it and its URL."""
+def start_daemon(config_path: Path | None, model: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Start ``edgedecode serve`` (of ``model``, None: its config's) on a free loopback port for this
+    chat; returns it and its URL."""
     args = ["serve", "--host", "127.0.0.1"] + (["--config", str(config_path)] if config_path is not None else [])
+    args += ["--model", model] if model is not None else []
     try:
         return start_server(args)
     except ServerStartError as exc:
@@ -184,7 +191,7 @@ def run_chat(
     url = settings.url
     if url is None:
         err.write("starting the decode daemon (and its prefill server)...\n")
-        process, url = start_daemon(settings.config_path)
+        process, url = start_daemon(settings.config_path, settings.model)
     client = ChatClient(
         url,
         settings.token,
@@ -192,6 +199,7 @@ def run_chat(
         max_tokens=settings.max_tokens,
         temperature=settings.temperature,
         ca_file=settings.ca_file,
+        model=settings.model,
     )
     interactive = stdin.isatty()
     try:

