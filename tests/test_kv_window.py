@@ -10,7 +10,13 @@ from test_kv_format import encode, read, rewrite_header, snapshot
 
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
-from edgedecode.kv.window import tail_mask, tail_tokens, window_start, windowed_cost_scale
+from edgedecode.kv.window import (
+    tail_budget,
+    tail_mask,
+    tail_tokens,
+    window_start,
+    windowed_cost_scale,
+)
 from edgedecode.kv.wire import KVMalformedError, decode_snapshot
 from edgedecode.kv.wire.frames import HEADER_PREFIX
 
@@ -102,3 +108,12 @@ def test_the_tail_rule_follows_the_contract() -> None:
     np.testing.assert_allclose(scale[:5], 1 / 3) and np.testing.assert_array_equal(scale[5:], 1.0)
     kept = np.array([1, 0, 1, 1, 0, 1, 1], bool)
     assert window_start(kept, 3) == 3 and window_start(kept, 5) == 0 and window_start(kept, 9) == 0
+
+
+def test_a_prompt_inside_its_tail_cannot_be_asked_below_int4_and_a_long_one_far_below() -> None:
+    contract = windowed().contract
+    tail = tail_tokens(contract)
+    int4 = 0.3125  # codes 4 bits + float16 scale and zero per 32 values, over 16 bits
+    short, long = tail_budget(tail, contract), tail_budget(400 * tail, contract)
+    assert int4 < short and int4 / 400 < long < short  # the header weighs on short prompts most
+    assert tail_budget(10, snapshot(4).contract) == 0.0

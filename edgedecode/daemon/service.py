@@ -35,6 +35,7 @@ from edgedecode.daemon.openai_api import CompletionRequest, StopText
 from edgedecode.daemon.slots import DecodeEngine, Slot, SlotPool
 from edgedecode.daemon.worker import DecodeWorker, Generation
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.kv.window import tail_budget
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import StreamedKV
@@ -310,10 +311,12 @@ class DecodeService:
     def budget_for(self, tokens: int, budget: float | None = None) -> float:
         """The budget asked for ``tokens`` tokens' KV: ``budget`` (default: the configured one), raised
         so the payload may use at least ``min_wire_bytes`` (a few KB saved are not worth dropping a
-        short prompt's tokens)."""
+        short prompt's tokens) and, for a model with sliding windows, so its never-dropped tail fits
+        (``kv.window.tail_budget``: a short Gemma prompt is all tail)."""
         d = self.config.daemon
         fp16_bytes = max(tokens, 1) * self.model.spec.kv_bytes_per_token_fp16
-        return min(1.0, max(d.budget if budget is None else budget, d.min_wire_bytes / fp16_bytes))
+        floor = max(d.min_wire_bytes / fp16_bytes, tail_budget(max(tokens, 1), self.model.spec.kv_contract))
+        return min(1.0, max(d.budget if budget is None else budget, floor))
 
     def plan(self, url: str, keep: int, prompt_tokens: int, target_s: float | None) -> KVPlan:
         """Where the KV of the prompt's positions after ``keep`` should come from to arrive within

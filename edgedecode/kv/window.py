@@ -19,9 +19,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgedecode.kv.quant import token_nbytes
+from edgedecode.kv.tiers import Tier
 from edgedecode.model.spec import KVContract
 
 WINDOW_SLACK = 64
+# a payload's header and framing beside its KV, generously: contract, meta and chunk table, then base64 token ids,
+# positions, tier map and importance (24 + 1.4 × layers bytes a token)
+HEADER_BYTES = 8 << 10
+HEADER_BYTES_PER_TOKEN = 64
 
 
 def tail_tokens(contract: KVContract) -> int:
@@ -29,6 +35,19 @@ def tail_tokens(contract: KVContract) -> int:
     if not contract.sliding_window or not contract.sliding_layers:
         return 0
     return contract.sliding_window + WINDOW_SLACK
+
+
+def tail_budget(tokens: int, contract: KVContract, floor_tier: Tier = Tier.INT4) -> float:
+    """The smallest budget the KV of a prompt's last ``tokens`` tokens can be asked at: the windowed tail they
+    hold is never dropped, so it travels at least at ``floor_tier`` (INT4: the cheapest tier a prefill server's
+    default profile keeps), plus the header; 0 for a model without windows. A budget below it is refused
+    (``budget_too_small``)."""
+    tail = min(tail_tokens(contract), tokens)
+    if not tail:
+        return 0.0
+    fp16 = token_nbytes(Tier.FP16, contract.n_kv_heads, contract.head_dim) * contract.n_layers
+    kv = tail * token_nbytes(floor_tier, contract.n_kv_heads, contract.head_dim) * contract.n_layers
+    return (kv + HEADER_BYTES + HEADER_BYTES_PER_TOKEN * tokens) / (tokens * fp16)
 
 
 def window_start(kept: np.ndarray, count: int) -> int:
