@@ -134,6 +134,15 @@ def test_the_store_keeps_a_windowed_conversations_tail_and_never_claims_cells_it
     reader = EDKVReader(contract, max_tokens=CONTEXT, target_factory=lambda h: np.zeros((6, 2, 1, n, 128), np.float32))
     reader.feed(entry.payload)
     assert reader.finish().window.start == 150  # later than the tail's start, n - 69
+    restored, whole = decoder(model), decoder(model)
+    store.put("whole", scored.snapshot)  # windowed from the tail's start (131) on
+    logits = []
+    for engine, session in ((restored, "a"), (whole, "whole")):
+        keep = engine.restore(PROMPT, store.peek(session).payload)
+        assert keep == len(PROMPT) - 1
+        logits.append(engine.prefill(PROMPT, keep=keep).copy())
+    assert restored.windowed_from == 150 and whole.windowed_from == n - tail_tokens(contract)
+    np.testing.assert_array_equal(logits[0], logits[1])  # INT8 rows are per token: the tail is the same
     retiered = np.where(store_pins(scored.snapshot.positions), Tier.INT8, Tier.INT4).astype(np.uint8)
     store.put("b", scored.snapshot, tiers=retiered)  # what the ladder's first rung leaves
     entry = store.peek("b")
