@@ -374,6 +374,9 @@ def test_a_failed_pull_falls_back_to_local_prefill_with_its_reason(prefill, mode
     assert fallbacks(service) == {reason: 1.0}
     assert len(prefill.bodies) == (mode != "refused")
     assert not engine.generated_while_ingesting  # the fallback waited for the ingest thread
+    # a pull that got its answer's headers teaches the link model what it measured, failed or not
+    answered = mode in ("corrupt", "truncated", "other-prompt")
+    assert (service.links.get(service.prefill_url()).estimate().rtt_s is not None) == answered
 
 
 def test_no_prefill_server_falls_back_as_unreachable(prefill):
@@ -612,9 +615,14 @@ def test_a_split_turn_computes_its_head_while_the_tail_is_pulled(prefill):
     # here: 1 ms a token, so the whole prompt takes 40 ms; the link: 40 ms for b 0.5 of the whole prompt
     service.local_speed = LocalPrefillModel([(1, 0.001), (16, 0.016), (128, 0.128)])
     teach_link(service, prefill.url, 0.5 * fp16 / 0.04, rtt_s=0.0)
+    taught = service.links.get(prefill.url).estimate()
     turn = drive(service, lambda: targeted_turn(service, 35.0))  # only both at once make 35 ms
     report = turn.report
     assert report.decision == "split" and report.head_tokens > 0, report
+    # the split's pull taught the round trip (more than the 0 taught) and the server's time, not the goodput
+    learned = service.links.get(prefill.url).estimate()
+    assert learned.goodput_bps == taught.goodput_bps and learned.rtt_s > taught.rtt_s == 0.0
+    assert learned.server_s_per_token != taught.server_s_per_token
     assert [head for head, _ in engine.heads] == [report.head_tokens]  # computed once, on the worker
     assert prefill.bodies[0]["held_tokens"] == report.head_tokens  # only the tail is asked for
     assert report.kv_source == "prefill_server"

@@ -1,4 +1,4 @@
-"""What the daemon knows of the link to each prefill server, learned from every pull.
+"""What the daemon knows of the link to each prefill server, learned from every pull that got an answer.
 
 For one endpoint a ``LinkModel`` keeps three moving averages across pulls:
 
@@ -12,6 +12,10 @@ For one endpoint a ``LinkModel`` keeps three moving averages across pulls:
   compute time as it reports it (``X-Prefill-Seconds``), floored at 0. A server that does not
   report its time has it folded into the round trip (and its compute time per token stays unknown);
 * the server's compute time per prompt token it was asked for.
+
+A pull cut short (by the daemon's watch, or broken off) teaches all three from what it measured
+before the cut; a split's pull (``observe(..., goodput=False)``) teaches the round trip and the
+server's time only, so a box that splits its turns still learns a tier's queueing.
 
 Each average is an exponentially weighted mean: a new pull weighs ``alpha`` of it once a few pulls
 are in. Its confidence (the weight of what it has seen) halves every ``half_life_s`` of idleness.
@@ -147,11 +151,14 @@ class LinkModel:
         self._rtt = DecayingMean(alpha, half_life_s, min_weight)
         self._server_per_token = DecayingMean(alpha, half_life_s, min_weight)
 
-    def observe(self, result: PullResult, tokens: int) -> None:
-        """Learn from a successful pull of ``tokens`` prompt tokens' KV (those asked for: the prompt
-        less the held tokens)."""
+    def observe(self, result: PullResult, tokens: int, *, goodput: bool = True) -> None:
+        """Learn from a pull of ``tokens`` prompt tokens' KV (those the server computed for it: the
+        prompt less the held tokens) that got its response headers, whole or cut short (by the
+        watch, or a failure): a cut pull's bytes and time teach the goodput as a whole pull's do.
+        ``goodput`` False: its transfer is not the link's (a split's pull shares the cores with the
+        head's compute, which slows its ingest); only the round trip and the server's time are learned."""
         now = self.clock()
-        if result.transfer_bytes >= max(self.min_transfer_bytes, 1) and result.transfer_seconds > 0:
+        if goodput and result.transfer_bytes >= max(self.min_transfer_bytes, 1) and result.transfer_seconds > 0:
             self._seconds_per_byte.add(result.transfer_seconds / result.transfer_bytes, now)
         server = result.server_seconds
         if server is not None and not (math.isfinite(server) and server >= 0):

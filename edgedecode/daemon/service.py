@@ -241,11 +241,11 @@ class DecodeService:
         report.budget = self.budget_for(tokens - plan.head, plan.budget)
         deadline = None if target_s is None else time.perf_counter() + target_s
         if plan.head:
-            fetching = self._fetch(self._fetcher(url, teach_link=False), stream, report, deadline, plan.pull_s)
+            fetching = self._fetch(self._fetcher(url, teach_goodput=False), stream, report, deadline, plan.pull_s)
             return stream, asyncio.create_task(fetching)
         return (stream if await self._fetch(self._fetcher(url), stream, report, deadline) else None), None
 
-    def _fetcher(self, url: str, teach_link: bool = True) -> KVFetch:
+    def _fetcher(self, url: str, teach_goodput: bool = True) -> KVFetch:
         d = self.config.daemon
         assert self._http is not None
         settings = PullSettings(
@@ -267,7 +267,7 @@ class DecodeService:
             quality=self.quality,
             fp16_bytes_per_token=self.model.spec.kv_bytes_per_token_fp16,
             wire_budget=self.budget_for,
-            teach_link=teach_link,
+            teach_goodput=teach_goodput,
         )
 
     async def _fetch(
