@@ -22,7 +22,7 @@ from edgedecode.daemon.kv_pull import KVPullError, PullResult
 from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest
-from edgedecode.daemon.service import DecodeService, Turn
+from edgedecode.daemon.service import DecodeService, Turn, TurnReport
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, decode_snapshot, encode_payload
@@ -531,6 +531,26 @@ def test_a_link_too_slow_for_any_budget_goes_local_without_a_pull(prefill):
     assert registry.get_sample_value("edgedecode_kv_decisions_total", {"decision": "local"}) == 1
     assert registry.get_sample_value("edgedecode_ttft_target_total", {"met": "true"}) == 1
     assert report.to_json()["ttft_target_met"] is True
+
+
+def test_a_link_that_keeps_every_turn_local_is_pulled_from_again_once_its_measure_is_old(prefill):
+    reprobe_s = 0.2
+    service = make_service(prefill.url, min_wire_bytes=0, ttft_target_ms=200.0, link_reprobe_s=reprobe_s)
+    service.local_speed = LocalPrefillModel([(16, 0.01), (128, 0.02)])
+    teach_link(service, prefill.url, 1000.0)  # 1 kB/s: every turn is planned here
+
+    async def scenario() -> list[TurnReport]:
+        first = await run_turn(service)  # the link was measured just now: no re-probe
+        await asyncio.sleep(reprobe_s * 1.5)
+        probe = await run_turn(service)  # measured too long ago: this turn pulls
+        after = await run_turn(service)  # re-probed just now (and still slow on average): here again
+        return [first.report, probe.report, after.report]
+
+    first, probe, after = drive(service, scenario)
+    assert [r.decision for r in (first, probe, after)] == ["local", "remote", "local"]
+    assert probe.kv_source == "prefill_server" and len(prefill.bodies) == 1
+    assert service.metrics.registry.get_sample_value("edgedecode_link_reprobes_total") == 1
+    assert service.links.get(prefill.url).since_observed() < reprobe_s  # the probe's pull taught the link
 
 
 def test_an_unknown_link_asks_for_the_configured_budget_and_learns_from_the_pull(prefill):

@@ -17,7 +17,7 @@ from serving_helpers import ThreadedApp
 
 from edgedecode.daemon.adaptive import KVPlan, PlanInputs, QualityCosts, plan_kv
 from edgedecode.daemon.kv_pull import PullResult, PullSettings, first_segment, pull_segment
-from edgedecode.daemon.link import STALE_MARGIN, LinkEstimate, LinkModel, LinkModels
+from edgedecode.daemon.link import STALE_MARGIN, LinkEstimate, LinkModel, LinkModels, Reprobes
 from edgedecode.daemon.link_store import LinkStore
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
@@ -121,6 +121,25 @@ def test_a_steady_history_stays_fresh_longer_than_a_lone_pull(clock):
     assert lone.estimate().stale and not steady.estimate().stale
     clock.now += 100
     assert steady.estimate().stale
+
+
+def test_a_reprobe_is_due_once_neither_a_pull_nor_a_reprobe_was_made_for_its_period(clock):
+    link, reprobes = LinkModel("http://p", clock=clock), Reprobes(600.0, clock=clock)
+    other = LinkModel("http://q", clock=clock)
+    assert not reprobes.due("http://p", link)  # made (or restored at a restart) just now
+    clock.now += 600
+    assert reprobes.due("http://p", link)  # nothing measured it for 600 s
+    assert not reprobes.due("http://p", link)  # just re-probed (its pull may fail before teaching anything)
+    link.observe(pull(10 * MB, 0.02), tokens=100)
+    clock.now += 599
+    assert not reprobes.due("http://p", link)  # re-probed and measured 599 s ago
+    clock.now += 1
+    assert reprobes.due("http://p", link) and not reprobes.due("http://p", link)
+    assert reprobes.due("http://q", other)  # per endpoint
+    never = Reprobes(0.0, clock=clock)
+    assert not never.due("http://q", other)
+    with pytest.raises(ValueError, match="every_s"):
+        Reprobes(-1.0)
 
 
 def test_a_stale_margin_below_one_is_refused():

@@ -150,6 +150,7 @@ class LinkModel:
         self._seconds_per_byte = DecayingMean(alpha, half_life_s, min_weight)
         self._rtt = DecayingMean(alpha, half_life_s, min_weight)
         self._server_per_token = DecayingMean(alpha, half_life_s, min_weight)
+        self._observed_at = clock()  # the clock at the last observation, or when this model was made
 
     def observe(self, result: PullResult, tokens: int, *, goodput: bool = True) -> None:
         """Learn from a pull of ``tokens`` prompt tokens' KV (those the server computed for it: the
@@ -157,7 +158,7 @@ class LinkModel:
         watch, or a failure): a cut pull's bytes and time teach the goodput as a whole pull's do.
         ``goodput`` False: its transfer is not the link's (a split's pull shares the cores with the
         head's compute, which slows its ingest); only the round trip and the server's time are learned."""
-        now = self.clock()
+        now = self._observed_at = self.clock()
         if goodput and result.transfer_bytes >= max(self.min_transfer_bytes, 1) and result.transfer_seconds > 0:
             self._seconds_per_byte.add(result.transfer_seconds / result.transfer_bytes, now)
         server = result.server_seconds
@@ -168,6 +169,11 @@ class LinkModel:
             self._server_per_token.add(server / tokens, now)
         if self.on_update is not None:
             self.on_update(self.estimate())
+
+    def since_observed(self) -> float:
+        """Seconds since a pull last taught this model, or since it was made (e.g. restored at a
+        restart) if none has."""
+        return self.clock() - self._observed_at
 
     def estimate(self) -> LinkEstimate:
         """The estimates now: fresh ones as learned, stale ones worsened by ``stale_margin``."""
@@ -268,3 +274,31 @@ class LinkModels:
             self.goodput.labels(endpoint).set(estimate.goodput_bps)
         if estimate.rtt_s is not None:
             self.rtt.labels(endpoint).set(estimate.rtt_s)
+
+
+class Reprobes:
+    """When a turn planned local should pull instead, to measure its link again (``daemon.link_reprobe_s``).
+
+    A box whose remembered link keeps every turn local never pulls, so it never sees the link get
+    faster. A re-probe is due for an endpoint once neither a pull has taught its model nor a
+    re-probe has been made for ``every_s`` seconds (0: never); ``due`` answering True counts as the
+    re-probe. Its cost is bounded by the pull's watch, which cuts a pull running late and computes
+    the rest here, and by the breaker for an endpoint that fails.
+    """
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if every_s < 0:
+            raise ValueError(f"every_s must be >= 0 (0: never), not {every_s}")
+        self.every_s = every_s
+        self.clock = clock
+        self._last: dict[str, float] = {}  # endpoint -> when it was last re-probed
+
+    def due(self, endpoint: str, model: LinkModel) -> bool:
+        """Whether a turn to ``endpoint`` (its link ``model``) re-probes now (then counted as done)."""
+        if not self.every_s or model.since_observed() < self.every_s:
+            return False
+        now = self.clock()
+        if now - self._last.get(endpoint, -math.inf) < self.every_s:
+            return False
+        self._last[endpoint] = now
+        return True
