@@ -69,7 +69,7 @@ class DaemonConfig:
     local_dppl_pct: float = 0.0  # quality cost of prefilling here vs the server's FP16 KV (SmolLM2: -0.01 %, none)
     split_slowdown: float = 1.3  # a split's pull vs alone, until measured here (2 cores of the H100 host: 1.27-1.28)
     link_stale_margin: float = 1.5  # a link estimate idle past its lapse plans this many times slower than it was
-    link_reprobe_s: float = 600.0  # a link planned local whose last measure is this old is pulled from once; 0: never
+    link_reprobe_s: float = 3600.0  # a link planned local whose last measure is this old is pulled from once; 0: never
     state_dir: str = ""  # directory kept across restarts (the link estimates); empty: nothing is kept
     min_wire_bytes: int = 64 << 10  # a payload this small is never squeezed below it (short prompts keep their tokens)
     policy: str = "ours"
