@@ -9,10 +9,12 @@ which installs it, where its absence fails them.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 import urllib.error
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,12 +27,13 @@ if os.environ.get("CI"):
     import ray  # CI installs the [scale] extra: a missing Ray fails here instead of skipping
 else:
     ray = pytest.importorskip("ray", reason="the [scale] extra (Ray Serve) is not installed")
+from ray import serve
 
 from edgedecode.config import load_config
 from edgedecode.evaluation.link_shaper import LinkShaper
 from edgedecode.kv.policy import TierProfile, profile_path
 from edgedecode.model.graph import GraphOptions
-from edgedecode.prefill.fleet.app import replica_actor, replica_names, start_fleet, stop_fleet
+from edgedecode.prefill.fleet.app import APP_NAME, build_app, replica_actor, replica_names, start_fleet, stop_fleet
 from edgedecode.prefill.pipeline import prefill_and_score, through_wire
 from edgedecode.runtime.sampler import SamplingParams
 
@@ -53,7 +56,7 @@ max_prompt_tokens = 2048
 replicas = 2
 replica_cpus = 1
 health_check_period_s = 2
-graceful_shutdown_s = 5
+graceful_shutdown_s = 60
 """
 
 
@@ -71,6 +74,12 @@ def fleet(smollm2_model, workdir):
     url = start_fleet(load_config(path, env={}), num_cpus=2, object_store_memory=128 << 20)
     yield url
     stop_fleet()
+
+
+@pytest.fixture(scope="module")
+def fleet_config(fleet, workdir):
+    """The configuration the tier was started with."""
+    return load_config(workdir / "fleet.toml", env={})
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +259,51 @@ def test_losing_the_replica_whose_payload_the_daemon_is_receiving_still_answers_
     assert completion.choices[0].message.content and report["kv"]["source"] == "prefill_server"
     assert len(_changed(before_next, _replica_tokens(fleet))) == 1
     _wait_replaced(fleet, victim)
+
+
+def test_a_redeploy_drains_each_replica_after_its_request_in_flight(fleet, fleet_config):
+    """A redeploy replaces every replica, stopping each gracefully: with both replicas prefilling a
+    request (and the 2 CPUs of this Ray instance taken, so Serve must stop an old replica before it
+    can start a new one), each request is answered in full by the replica it was on — none was
+    retried on another — and the tier then runs two new replicas. The last test of the module."""
+    old = replica_names()
+    assert len(old) == 2
+    rng = np.random.default_rng(7)
+    results: list[tuple[int, str, int, int]] = []
+    threads = []
+    for i in range(2):  # a long prompt each, the second sent once the first is being prefilled
+        token_ids = rng.integers(100, 40000, 1500).tolist()
+        threads.append(threading.Thread(target=lambda t=token_ids: results.append(_prefill(fleet, t))))
+        threads[-1].start()
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        while _busy(fleet, old) < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert _busy(fleet, old) == 2, "both replicas should be prefilling"
+    serve.run(build_app(fleet_config), name=APP_NAME, route_prefix="/")  # a new version: a rolling update
+    for thread in threads:
+        thread.join(ANSWER_WAIT_S)
+        assert not thread.is_alive(), "a request in flight did not end"
+    assert sorted(replica for _, replica, _, _ in results) == sorted(old)  # each answered by its own replica
+    for status, _, received, announced in results:
+        assert status == 200 and received == announced  # the whole payload
+    _wait_replaced(fleet, old[0])
+    assert not set(old) & set(replica_names())
+
+
+def _prefill(fleet: str, token_ids: list[int]) -> tuple[int, str, int, int]:
+    """A prefill request to the tier: (status, the replica that answered, body bytes received, bytes announced)."""
+    body = json.dumps({"token_ids": token_ids, "budget": BUDGET}).encode()
+    headers = {"Authorization": f"Bearer {PREFILL_TOKEN}", "Content-Type": "application/json"}
+    request = urllib.request.Request(fleet + "/v1/prefill", body, headers)
+    with urllib.request.urlopen(request, timeout=ANSWER_WAIT_S) as response:
+        received = len(response.read())
+        replica, announced = response.headers["X-Prefill-Replica"], int(response.headers["X-EDKV-Wire-Bytes"])
+        return response.status, replica, received, announced
+
+
+def _busy(fleet: str, names: list[str]) -> int:
+    """How many of the replicas ``names`` have a prefill request in hand."""
+    return sum(_replica_metric(fleet, name, "edgedecode_prefill_queue_depth{}") > 0 for name in names)
 
 
 def _replica_metric(fleet: str, name: str, sample: str) -> float:
