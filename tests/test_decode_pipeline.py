@@ -125,6 +125,9 @@ class FakeEngine:
     def given_importance(self) -> np.ndarray:
         return np.full(len(self.history), np.nan, np.float32)  # this fake keeps none
 
+    windowed_from = 0  # CONTRACT has no sliding windows
+    windowed_tail = 0
+
     def restore(self, prompt_ids: np.ndarray, payload: bytes) -> int:
         kept = decode_snapshot(payload, CONTRACT)
         n = min(len(kept.token_ids), len(prompt_ids))

@@ -364,10 +364,10 @@ def test_a_windowed_contract_round_trips_and_an_older_header_reads_as_unwindowed
 
 def test_an_unknown_major_version_is_refused() -> None:
     snap = snapshot(8)
-    payload = rewrite_header(encode(snap, np.full(8, Tier.INT8, np.uint8)), lambda doc: None, major=2)
+    payload = rewrite_header(encode(snap, np.full(8, Tier.INT8, np.uint8)), lambda doc: None, major=3)
     with pytest.raises(KVVersionError) as err:
         read(payload, snap.contract, 8)
-    assert err.value.field == "version" and "2.0" in str(err.value)
+    assert err.value.field == "version" and "3.0" in str(err.value)
 
 
 def test_a_minor_bump_with_an_unknown_header_field_is_accepted() -> None:

@@ -1,4 +1,5 @@
-"""The CUDA-only figures of tools/bench_decode.py: first-token latency and the ingest of a 4k-token KV."""
+"""The CUDA-only figures of tools/bench_decode.py: first-token latency, the ingest of a 4k-token KV, the card's
+memory in use and its read bandwidth."""
 
 from __future__ import annotations
 
@@ -101,6 +102,38 @@ def cuda_extras(runners, model, runs: int) -> dict:
     if payload is not None:
         extras["edkv_int4_payload_bytes"] = len(payload)
     return extras
+
+
+# A read-bound kernel over 4 GiB of float16 (a sum reads every byte once), best of 5 after a warm-up.
+_BANDWIDTH_PROBE = """
+import time, torch
+x = torch.ones(1 << 31, dtype=torch.float16, device="cuda")
+x.sum(); torch.cuda.synchronize()
+best = float("inf")
+for _ in range(5):
+    started = time.perf_counter(); x.sum(); torch.cuda.synchronize(); best = min(best, time.perf_counter() - started)
+print(x.numel() * x.element_size() / best / 1e9)
+"""
+
+
+def gpu_read_bandwidth_gb_s() -> float | None:
+    """The card's read bandwidth in GB/s, measured by PyTorch in a process of its own (so its CUDA
+    libraries never meet the engines'); None where PyTorch with CUDA is not installed."""
+    result = subprocess.run([sys.executable, "-c", _BANDWIDTH_PROBE], capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"GPU bandwidth not measured: {result.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def gpu_memory_used_mib() -> float | None:
+    """Device memory in use on GPU 0, all processes together (nvidia-smi); None without nvidia-smi.
+    The benchmark takes one engine's share as the difference while only its process changes."""
+    query = ["nvidia-smi", "--id=0", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+    try:
+        return float(subprocess.run(query, capture_output=True, text=True, check=True).stdout.strip())
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return None
 
 
 def cuda_machine() -> dict:

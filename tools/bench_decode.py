@@ -6,12 +6,15 @@ same greedy decoding (EOS ignored). Runs alternate between the engines so that h
 alike; the tables show medians over the runs and the ratio edgedecode / llama.cpp. Peak RSS is
 measured in a fresh subprocess per engine (prompt of the largest past length, then decoding).
 
-With --device cuda the two engines are edgedecode's decode step replayed as a CUDA graph and the
-same graph run step by step without one ("edgedecode-no-graph"), so their ratio is measured on the
-same card; each also reports first-token latency (short chat prompt, 2k-token prompt) and the
-ingest of a 4k-token KV (upload alone; upload plus the first token; and, where the EDKV wire format
-is installed, decoding an all-INT4 payload of it alone, and streaming that payload into the engine
-then resuming).
+With --device cuda the engines are edgedecode's float16 decode step replayed as a CUDA graph, llama.cpp
+with every layer on the same card (where llama-cpp-python was built with GPU offload: CMAKE_ARGS=
+"-DGGML_CUDA=on"), and edgedecode's graph run step by step without a CUDA graph ("edgedecode-no-graph"),
+so every ratio is measured on one card in one run; edgedecode's engines also report first-token latency
+(short chat prompt, 2k-token prompt) and the ingest of a 4k-token KV (upload alone; upload plus the
+first token; and, where the EDKV wire format is installed, decoding an all-INT4 payload of it alone, and
+streaming that payload into the engine then resuming). --no-extras leaves out the no-graph engine and
+those figures. Each engine's GPU memory is measured like its RSS, in a fresh process, and the card's
+read bandwidth (PyTorch, in a process of its own) gives each engine's fraction of the bound.
 
 On the CPU it also reports bytes read per token (tools/bench_bytes.py), this machine's read bandwidth
 with the same threads (tools/membw.py, measured in the same invocation), each engine's fraction of
@@ -19,12 +22,24 @@ that bound, RSS / (weights + KV), and the load average before and after (a loade
 
     python tools/bench_decode.py [--model NAME | --gguf PATH | --shape NAME --type T] [--runs 5]
         [--threads 2] [--past 16 512 2048] [--json] [--json-out FILE] [--plot PNG]
-    python tools/bench_decode.py --device cuda [--runs 7] [--no-rss] [--q4-1 zero_point] [--json]
+    python tools/bench_decode.py --device cuda [--runs 7] [--no-rss] [--no-extras] [--q4-1 zero_point] [--json]
 
 llama.cpp comes from the optional extra: pip install -e '.[bench]' (llama-cpp-python, built from source).
 """
 
 from __future__ import annotations
+
+# Import order matters on the CUDA test host (shared/GPU.md): llama.cpp's model loading crashes when numpy
+# was imported before llama_cpp, and onnxruntime's import crashes when llama_cpp came first; onnxruntime
+# (which imports numpy), then llama_cpp, works.
+import contextlib
+
+with contextlib.suppress(ImportError):
+    import onnxruntime  # noqa: F401
+try:
+    import llama_cpp
+except ImportError:
+    llama_cpp = None
 
 import argparse
 import json
@@ -39,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_bytes import gguf_weight_bytes, graph_weight_bytes, kv_bytes_per_token
-from bench_cuda import INGEST_TOKENS, cuda_extras, cuda_machine
+from bench_cuda import INGEST_TOKENS, cuda_extras, cuda_machine, gpu_memory_used_mib, gpu_read_bandwidth_gb_s
 from bench_models import gguf_model, synthetic_model
 from bench_plots import plot_decode
 from bench_prompts import prompt_tokens
@@ -89,17 +104,23 @@ class EdgeDecodeRunner:
 
 
 class LlamaCppRunner:
-    """llama.cpp through llama-cpp-python's C API (the high-level eval() keeps only n_batch logit rows)."""
+    """llama.cpp through llama-cpp-python's C API (the high-level eval() keeps only n_batch logit rows).
+
+    ``gpu``: every layer and the KV on the GPU, with flash attention, which llama.cpp's default "auto"
+    turns on for a model whose layers all sit on a CUDA card (llama-cpp-python's Llama only takes on or
+    off); logits still come back to the host for the greedy pick, as edgedecode's do.
+    """
 
     name = "llama.cpp"
 
-    def __init__(self, gguf_path, threads: int, context: int) -> None:
-        import llama_cpp
+    def __init__(self, gguf_path, threads: int, context: int, gpu: bool = False) -> None:
         from llama_cpp import Llama
 
         self.api = llama_cpp
         self.llm = Llama(
             str(gguf_path),
+            n_gpu_layers=-1 if gpu else 0,
+            flash_attn=gpu,
             n_ctx=context,
             n_threads=threads,
             n_threads_batch=threads,
@@ -134,12 +155,17 @@ class LlamaCppRunner:
         return len(ids) / (first - started), DECODE_STEPS / (done - first)
 
 
-def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def llama_cpp_available(device: str) -> bool:
+    """Whether llama-cpp-python is installed and, for ``device`` "cuda", built with GPU offload."""
+    return llama_cpp is not None and (device == "cpu" or llama_cpp.llama_supports_gpu_offload())
+
+
+def engine_names(args) -> list[str]:
+    """The engines to run: edgedecode, llama.cpp where it can run on ``args.device`` (unless --no-llama),
+    and on CUDA edgedecode without CUDA graphs (unless --no-extras)."""
+    with_llama = not args.no_llama and llama_cpp_available(args.device)
+    with_no_graph = args.device == "cuda" and not args.no_extras
+    return ["edgedecode"] + (["llama.cpp"] if with_llama else []) + (["edgedecode-no-graph"] if with_no_graph else [])
 
 
 def bench_context(args) -> int:
@@ -150,7 +176,7 @@ def bench_context(args) -> int:
 def make_runner(name: str, args, model):
     context = bench_context(args)
     if name == "llama.cpp":
-        return LlamaCppRunner(model.record.gguf_path, args.threads, context)
+        return LlamaCppRunner(model.record.gguf_path, args.threads, context, gpu=args.device == "cuda")
     return EdgeDecodeRunner(
         model,
         args.threads,
@@ -162,12 +188,14 @@ def make_runner(name: str, args, model):
     )
 
 
-def peak_rss_mib(engine: str, args) -> float | None:
-    """Peak RSS of a fresh process that runs one engine at the largest past length."""
+def engine_memory(engine: str, args) -> dict[str, float | None]:
+    """Peak RSS of a fresh process that runs one engine at the largest past length and, on CUDA, the
+    card's memory in use while that process holds it less before it started (the benchmark's own
+    process sits idle meanwhile, so the difference is the child's: CUDA context, weights, KV, scratch)."""
     cmd = [
         sys.executable,
         __file__,
-        "--rss-child",
+        "--memory-child",
         engine,
         "--threads",
         str(args.threads),
@@ -182,18 +210,23 @@ def peak_rss_mib(engine: str, args) -> float | None:
     ]
     if args.model:
         cmd += ["--model", args.model]
+    before = gpu_memory_used_mib() if args.device == "cuda" else None
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
-        print(f"RSS run for {engine} failed: {result.stderr.strip()[-500:]}", file=sys.stderr)
-        return None
-    return float(result.stdout.strip().splitlines()[-1])
+        print(f"memory run for {engine} failed: {result.stderr.strip()[-500:]}", file=sys.stderr)
+        return {"peak_rss_mib": None, "gpu_memory_mib": None}
+    child = json.loads(result.stdout.strip().splitlines()[-1])
+    held = child["gpu_memory_used_mib"]
+    return {"peak_rss_mib": child["peak_rss_mib"], "gpu_memory_mib": None if None in (before, held) else held - before}
 
 
-def rss_child(args) -> None:
+def memory_child(args) -> None:
+    """Run one engine at the largest past length; print its peak RSS and, on CUDA, the card's memory in use."""
     model = load_model(args.model)
-    runner = make_runner(args.rss_child, args, model)
+    runner = make_runner(args.memory_child, args, model)
     runner.run(prompt_tokens(model.tokenizer, max(args.past)))
-    print(own_peak_rss_mib())
+    held = gpu_memory_used_mib() if args.device == "cuda" else None
+    print(json.dumps({"peak_rss_mib": own_peak_rss_mib(), "gpu_memory_used_mib": held}))
 
 
 def own_peak_rss_mib() -> float:
@@ -219,26 +252,34 @@ def choose_model(args) -> str | None:
 
 
 def accounting(results: dict, model, options: GraphOptions, args) -> None:
-    """Add bytes read per token, the bandwidth bound's fraction and RSS / (weights + KV) to ``results``.
+    """Add bytes read per token, the bandwidth bound's fraction and memory / (weights + KV) to ``results``.
 
-    Per engine: weights (edgedecode: the built graph's initializers; llama.cpp: the GGUF's tensors)
-    plus its KV (float32 / float16 per past token) at the mean past of the decode steps.
+    Per engine: weights (edgedecode's: the built graph's initializers; llama.cpp: the GGUF's tensors)
+    plus its KV (the graph's dtype / llama.cpp's default f16, per past token) at the mean past of the
+    decode steps. The memory is the peak RSS on the CPU and the GPU memory on CUDA.
     """
     spec, gguf_path = model.spec, model.record.gguf_path
-    weights = {"edgedecode": graph_weight_bytes(model.graph_path(options)), "llama.cpp": gguf_weight_bytes(gguf_path)}
-    kv_itemsize = {"edgedecode": np.dtype(options.dtype).itemsize, "llama.cpp": 2}  # llama.cpp's default f16 KV
-    bandwidth = results["memory_bandwidth_gb_s"] * 1e9
-    results["gguf_weight_bytes"] = gguf_weight_bytes(gguf_path)
+    gguf_bytes, graph_bytes = gguf_weight_bytes(gguf_path), graph_weight_bytes(model.graph_path(options))
+    bandwidth = results["memory_bandwidth_gb_s"]
+    memory_key, share_key = (
+        ("gpu_memory_mib", "gpu_memory_over_weights_and_kv")
+        if args.device == "cuda"
+        else ("peak_rss_mib", "rss_over_weights_and_kv")
+    )
+    results["gguf_weight_bytes"] = gguf_bytes
     for name, engine in results["engines"].items():
-        kv_per_token = kv_bytes_per_token(spec, kv_itemsize[name])
-        engine.update(weight_bytes_per_token=weights[name], kv_bytes_per_past_token=kv_per_token)
+        llama = name == "llama.cpp"
+        kv_per_token = kv_bytes_per_token(spec, 2 if llama else np.dtype(options.dtype).itemsize)
+        weights = gguf_bytes if llama else graph_bytes
+        engine.update(weight_bytes_per_token=weights, kv_bytes_per_past_token=kv_per_token)
         for past, row in engine["past"].items():
-            read = weights[name] + kv_per_token * (int(past) + DECODE_STEPS // 2)
+            read = weights + kv_per_token * (int(past) + DECODE_STEPS // 2)
             row["bytes_per_token"] = read
-            row["bandwidth_fraction"] = row["decode_tok_s"] * read / bandwidth
-        if engine["peak_rss_mib"] is not None:
-            held = results["gguf_weight_bytes"] + kv_per_token * bench_context(args)
-            engine["rss_over_weights_and_kv"] = engine["peak_rss_mib"] * (1 << 20) / held
+            if bandwidth:
+                row["bandwidth_fraction"] = row["decode_tok_s"] * read / (bandwidth * 1e9)
+        if engine.get(memory_key) is not None:
+            held = gguf_bytes + kv_per_token * bench_context(args)
+            engine[share_key] = engine[memory_key] * (1 << 20) / held
 
 
 def main() -> None:
@@ -265,28 +306,28 @@ def main() -> None:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="cuda runs the float16 graphs on onnxruntime-gpu (llama.cpp is then skipped: "
-        "the [bench] extra builds it for the CPU)",
+        help="cuda runs the float16 graphs on onnxruntime-gpu, and llama.cpp with every layer on the GPU "
+        "where llama-cpp-python was built with GPU offload (else llama.cpp is skipped)",
     )
     parser.add_argument("--no-llama", action="store_true", help="Skip llama.cpp even if it is installed.")
-    parser.add_argument("--no-rss", action="store_true", help="Skip the peak-RSS subprocess runs.")
+    parser.add_argument("--no-rss", action="store_true", help="Skip the per-engine memory subprocess runs.")
+    parser.add_argument(
+        "--no-extras",
+        action="store_true",
+        help="On cuda, skip the no-CUDA-graph engine and the first-token and KV-ingest figures.",
+    )
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--rss-child", help=argparse.SUPPRESS)
+    parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.q4_1 = args.q4_1 or DEVICE_Q4_1[args.device]
-    if args.rss_child:
-        return rss_child(args)
+    if args.memory_child:
+        return memory_child(args)
 
     args.model = choose_model(args)
     model = load_model(args.model)
-    with_llama = not args.no_llama and args.device == "cpu" and llama_cpp_available()
-    names = (
-        ["edgedecode"]
-        + (["llama.cpp"] if with_llama else [])
-        + (["edgedecode-no-graph"] if args.device == "cuda" else [])
-    )
+    names = engine_names(args)
     load_before = os.getloadavg()
-    bandwidth = read_bandwidth_gb_s(args.threads)
+    bandwidth = gpu_read_bandwidth_gb_s() if args.device == "cuda" else read_bandwidth_gb_s(args.threads)
     runners = [make_runner(name, args, model) for name in names]
     prompts = {p: prompt_tokens(model.tokenizer, p) for p in args.past}
     samples = {(r.name, p): [] for r in runners for p in args.past}
@@ -310,13 +351,14 @@ def main() -> None:
         "load_average_before_after": [load_before[0], os.getloadavg()[0]],
         "memory_bandwidth_gb_s": bandwidth,
         "context": bench_context(args),
+        "llama_cpp_python": llama_cpp.__version__ if "llama.cpp" in names else None,
         "engines": {},
     }
     if args.device == "cuda":
         results.update(cuda_machine())
     for runner in runners:
         results["engines"][runner.name] = {
-            "peak_rss_mib": None if args.no_rss else peak_rss_mib(runner.name, args),
+            **({"peak_rss_mib": None, "gpu_memory_mib": None} if args.no_rss else engine_memory(runner.name, args)),
             "past": {
                 str(p): {
                     "prefill_tok_s": statistics.median(s[0] for s in samples[(runner.name, p)]),
@@ -325,14 +367,14 @@ def main() -> None:
                 for p in args.past
             },
         }
-    if args.device == "cuda":
-        results["cuda"] = cuda_extras(runners, model, args.runs)
+    if "edgedecode-no-graph" in names:
+        edgedecode_runners = [r for r in runners if r.name != "llama.cpp"]
+        results["cuda"] = cuda_extras(edgedecode_runners, model, args.runs)
         graph, plain = (results["engines"][name]["past"] for name in ("edgedecode", "edgedecode-no-graph"))
         results["ratio_graph_over_no_graph"] = {
             past: graph[past]["decode_tok_s"] / plain[past]["decode_tok_s"] for past in graph
         }
-    else:
-        accounting(results, model, runners[0].engine.options, args)
+    accounting(results, model, runners[0].engine.options, args)
     if "llama.cpp" in results["engines"]:
         ours, theirs = (results["engines"][name]["past"] for name in ("edgedecode", "llama.cpp"))
         results["ratio_edgedecode_over_llama_cpp"] = {
@@ -351,14 +393,15 @@ def main() -> None:
 
 def print_table(results: dict) -> None:
     """The results as a plain-text table."""
+    bandwidth = results["memory_bandwidth_gb_s"]
     print(
         f"{results['model']}, {results['device']}: median of {results['runs']} alternating runs, "
         f"{results['threads']} threads, {DECODE_STEPS} greedy decode steps; load average "
         f"{results['load_average_before_after'][0]:.1f} -> {results['load_average_before_after'][1]:.1f}; "
-        f"read bandwidth {results['memory_bandwidth_gb_s']:.1f} GB/s"
+        f"read bandwidth {'not measured' if bandwidth is None else f'{bandwidth:.1f} GB/s'}"
     )
     print(
-        f"{'engine':<12}{'past':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ratio':>14}"
+        f"{'engine':<20}{'past':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'decode ratio':>14}"
         f"{'MB/token':>10}{'of bound':>10}"
     )
     engines = results["engines"]
@@ -368,23 +411,23 @@ def print_table(results: dict) -> None:
             ratio = ""
             if name == "edgedecode" and "llama.cpp" in engines:
                 ratio = f"{row['decode_tok_s'] / engines['llama.cpp']['past'][past]['decode_tok_s']:.2f}x"
-            read = (
-                f"{row['bytes_per_token'] / 1e6:10.1f}{row['bandwidth_fraction']:10.0%}"
-                if "bytes_per_token" in row
-                else ""
-            )
-            print(f"{name:<12}{past:>6}{row['prefill_tok_s']:>15.1f}{row['decode_tok_s']:>14.1f}{ratio:>14}{read}")
+            read = f"{row['bytes_per_token'] / 1e6:10.1f}" if "bytes_per_token" in row else ""
+            read += f"{row['bandwidth_fraction']:10.0%}" if "bandwidth_fraction" in row else ""
+            print(f"{name:<20}{past:>6}{row['prefill_tok_s']:>15.1f}{row['decode_tok_s']:>14.1f}{ratio:>14}{read}")
     for name, result in engines.items():
-        rss = result["peak_rss_mib"]
-        share = (
-            f" ({result['rss_over_weights_and_kv']:.2f}x weights + KV)" if "rss_over_weights_and_kv" in result else ""
-        )
-        print(f"peak RSS {name}: {'n/a' if rss is None else f'{rss:.0f} MiB'}{share}")
+        for label, key, share_key in (
+            ("peak RSS", "peak_rss_mib", "rss_over_weights_and_kv"),
+            ("GPU memory", "gpu_memory_mib", "gpu_memory_over_weights_and_kv"),
+        ):
+            if key in result and (key != "gpu_memory_mib" or results["device"] == "cuda"):
+                value, share = result[key], result.get(share_key)
+                shown = "n/a" if value is None else f"{value:.0f} MiB"
+                print(f"{label} {name}: {shown}{'' if share is None else f' ({share:.2f}x weights + KV)'}")
     if results["device"] == "cuda":
         print(f"{results['gpu']}, onnxruntime {results['onnxruntime']}, context {results['context']}")
-        for past, ratio in results["ratio_graph_over_no_graph"].items():
+        for past, ratio in results.get("ratio_graph_over_no_graph", {}).items():
             print(f"past {past}: CUDA graph / no graph decode {ratio:.2f}x")
-        for name, extra in results["cuda"].items():
+        for name, extra in results.get("cuda", {}).items():
             print(f"{name}: {json.dumps(extra)}")
 
 

@@ -61,7 +61,7 @@ def plot_shapes(results: list[dict], path) -> None:
             label=f"{name} {weight_type}",
         )
     first = results[0]
-    where = f"{first['machine']}, {first['threads']} threads"
+    where = first.get("gpu") or f"{first['machine']}, {first['threads']} threads"
     by_size.set(
         xscale="log", yscale="log", xlabel="GGUF weights (GB)", ylabel="decode tokens/s", title=f"Decode, {where}"
     )

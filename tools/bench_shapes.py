@@ -5,7 +5,10 @@ For each --shapes × --types pair it runs bench_decode.py on the synthetic GGUF 
 (tools/synth_gguf.py: random weights, so speed and memory only, never quality; written once into
 $EDGEDECODE_HOME/synth/), in its own process, edgedecode and llama.cpp alternating on the same file.
 It writes every raw result and the whole table into --json-out, prints the table as Markdown, draws
---plot (decode tok/s against model size, and against past length), and says how long it took.
+--plot (decode tok/s against model size, and against past length), and says how long it took. A file
+whose run fails is recorded with its exit status and the table goes on. Options it does not know go
+to bench_decode.py: --device cuda (both engines on one card; the memory column is then GPU memory),
+--no-extras, --no-rss, --q4-1.
 
     python tools/bench_shapes.py [--shapes smollm2-135m qwen2.5-0.5b llama3.2-1b llama3.2-3b]
         [--types Q4_0 Q4_1 Q4_K_M] [--past 16 512] [--runs 3] [--threads 2]
@@ -29,27 +32,53 @@ BENCH = Path(__file__).resolve().parent / "bench_decode.py"
 
 
 def run_one(shape: str, weight_type: str, args, extra: list[str]) -> dict:
-    """bench_decode.py's results for one synthetic file, from a process of its own."""
+    """bench_decode.py's results for one synthetic file, from a process of its own; {"exit_status": N}
+    where that process failed (its stderr is left on this one's)."""
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
         cmd = [sys.executable, str(BENCH), "--shape", shape, "--type", weight_type, "--runs", str(args.runs)]
         cmd += ["--threads", str(args.threads), "--past", *map(str, args.past), "--json-out", str(out), *extra]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())
+        status = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
+        return json.loads(out.read_text()) if status == 0 else {"exit_status": status}
+
+
+def memory_cell(engine: dict, device: str) -> str:
+    """An engine's peak RSS (CPU) or GPU memory (CUDA) in MiB and its multiple of weights + KV."""
+    key, share_key = (
+        ("gpu_memory_mib", "gpu_memory_over_weights_and_kv")
+        if device == "cuda"
+        else ("peak_rss_mib", "rss_over_weights_and_kv")
+    )
+    if engine.get(key) is None:
+        return "n/a"
+    return f"{engine[key]:.0f} ({engine[share_key]:.2f}×)"
+
+
+def read_cell(row: dict | None) -> str:
+    """MB a decode step reads and, where the bandwidth was measured, the fraction of the bound it reaches."""
+    if row is None:
+        return "–"
+    share = f" ({row['bandwidth_fraction']:.0%})" if "bandwidth_fraction" in row else ""
+    return f"{row['bytes_per_token'] / 1e6:.0f}{share}"
 
 
 def table_rows(results: list[dict]) -> list[str]:
-    """One Markdown row per file and past length: both engines' tok/s, the ratio, bytes and the bound."""
+    """One Markdown row per file and past length: both engines' tok/s, the ratio, bytes and the bound,
+    and each engine's memory (peak RSS on the CPU, GPU memory on CUDA)."""
+    memory = "GPU memory" if any(r.get("device") == "cuda" for r in results) else "peak RSS"
     rows = [
         "| model | type | past | edgedecode decode tok/s | llama.cpp decode tok/s | ratio | edgedecode MB/token "
-        "(of bound) | llama.cpp MB/token (of bound) | prefill ratio | peak RSS MiB ed / llama (× weights+KV) |",
+        f"(of bound) | llama.cpp MB/token (of bound) | prefill ratio | {memory} MiB ed / llama (× weights+KV) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for result in results:
+        if "exit_status" in result:
+            rows.append(f"| {result['shape']} | {result['type']} | – | failed (exit {result['exit_status']}) |")
+            continue
         ours, theirs = result["engines"]["edgedecode"], result["engines"].get("llama.cpp")
-        rss = f"{ours['peak_rss_mib'] or 0:.0f} ({ours.get('rss_over_weights_and_kv', 0):.2f}×)"
+        held = memory_cell(ours, result["device"])
         if theirs:
-            rss += f" / {theirs['peak_rss_mib'] or 0:.0f} ({theirs.get('rss_over_weights_and_kv', 0):.2f}×)"
+            held += f" / {memory_cell(theirs, result['device'])}"
         for past, row in ours["past"].items():
             other = theirs["past"][past] if theirs else None
             cells = [result["shape"], result["type"], past, f"{row['decode_tok_s']:.1f}"]
@@ -57,14 +86,9 @@ def table_rows(results: list[dict]) -> list[str]:
                 cells += [f"{other['decode_tok_s']:.1f}", f"**{row['decode_tok_s'] / other['decode_tok_s']:.2f}×**"]
             else:
                 cells += ["–", "–"]
-            for engine_row in (row, other):
-                cells.append(
-                    f"{engine_row['bytes_per_token'] / 1e6:.0f} ({engine_row['bandwidth_fraction']:.0%})"
-                    if engine_row
-                    else "–"
-                )
+            cells += [read_cell(row), read_cell(other)]
             cells.append(f"{row['prefill_tok_s'] / other['prefill_tok_s']:.2f}×" if other else "–")
-            cells.append(rss)
+            cells.append(held)
             rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -92,8 +116,8 @@ def main() -> None:
                 args.json_out.write_text(json.dumps({**summary, "table": table_rows(results)}, indent=2) + "\n")
     rows = table_rows(results)
     elapsed = time.perf_counter() - started
-    if args.plot:
-        plot_shapes(results, args.plot)
+    if args.plot and any("engines" in r for r in results):
+        plot_shapes([r for r in results if "engines" in r], args.plot)
     print("\n".join(rows))
     print(f"\n{command}: {elapsed / 60:.1f} min")
 

@@ -46,6 +46,7 @@ from edgedecode.kv.policy import RECENT_TOKENS, pinned_mask
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
+from edgedecode.kv.window import carried_from, tail_tokens, window_start
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, encode_payload
 from edgedecode.model.spec import KVContract
 
@@ -89,6 +90,7 @@ class StoredConversation:
     tiers: np.ndarray  # uint8 [n]: each token's tier in the payload, the same in every layer
     importance: np.ndarray  # float32 [n]: what the drop rung keeps (given with the KV, or position importance)
     pinned: np.ndarray  # bool [n]: attention sinks and the recent window, never re-tiered or dropped
+    window_from: int = 0  # first token whose KV the windowed layers hold (kv.window); 0: every token's
 
     @property
     def n_tokens(self) -> int:
@@ -186,6 +188,7 @@ class ConversationStore:
         snapshot: KVSnapshot,
         importance: np.ndarray | None = None,
         tiers: Tier | np.ndarray = DEFAULT_TIER,
+        window_from: int = 0,
     ) -> list[LadderStep]:
         """Keep ``snapshot`` as the conversation's KV (replacing what the store held for it), compressed.
 
@@ -196,6 +199,8 @@ class ConversationStore:
                 NaN where none did), kept in the payload; None: none at all. The drop rung ranks by
                 ``kv.importance.drop_ranking`` of it.
             tiers: the starting tier of every token, or uint8 [n] Tier codes.
+            window_from: the first token whose KV the windowed layers hold (``Engine.windowed_from``): the
+                payload's window starts there or later (kv.window), and the windowed tail is never dropped.
 
         Returns:
             What the store did to keep ``max_sessions`` and the budget, in order. The conversation
@@ -205,7 +210,7 @@ class ConversationStore:
             ValueError: tiers or importance not shaped [n], importance negative or infinite, no tokens, or KV
                 that ``encode_payload`` refuses.
         """
-        return self.add(self.compress(session_id, snapshot, importance, tiers))
+        return self.add(self.compress(session_id, snapshot, importance, tiers, window_from))
 
     def compress(
         self,
@@ -213,10 +218,11 @@ class ConversationStore:
         snapshot: KVSnapshot,
         importance: np.ndarray | None = None,
         tiers: Tier | np.ndarray = DEFAULT_TIER,
+        window_from: int = 0,
     ) -> StoredConversation:
         """``put``'s first half: the conversation compressed, not yet kept (the store is unchanged);
         ``add`` keeps it. Lets the caller make room for ``nbytes`` its own way in between."""
-        return self._compressed(session_id, snapshot, importance, tiers)
+        return self._compressed(session_id, snapshot, importance, tiers, window_from)
 
     def add(self, entry: StoredConversation, max_sessions: int | None = None) -> list[LadderStep]:
         """``put``'s second half: keep ``entry`` (from ``compress``), with at most ``max_sessions``
@@ -308,7 +314,12 @@ class ConversationStore:
         return self._relieve(nbytes)
 
     def _compressed(
-        self, session_id: str, snapshot: KVSnapshot, importance: np.ndarray | None, tiers: Tier | np.ndarray
+        self,
+        session_id: str,
+        snapshot: KVSnapshot,
+        importance: np.ndarray | None,
+        tiers: Tier | np.ndarray,
+        window_from: int,
     ) -> StoredConversation:
         n = snapshot.n_tokens
         if n == 0:
@@ -321,7 +332,8 @@ class ConversationStore:
         known = given[~np.isnan(given)]
         if given.shape != (n,) or not (np.isfinite(known) & (known >= 0)).all():
             raise ValueError(f"importance must be float [{n}], >= 0 or NaN, got shape {list(given.shape)}")
-        payload, chunk_nbytes = self._encoded(snapshot, given if len(known) else None, tier_map)  # none: no field
+        given_or_none = given if len(known) else None  # none known: no importance field at all
+        payload, chunk_nbytes = self._encoded(snapshot, given_or_none, tier_map, window_from)
         return StoredConversation(
             session_id,
             payload,
@@ -330,11 +342,16 @@ class ConversationStore:
             tier_map.astype(np.uint8),
             drop_ranking(given, positions),
             store_pins(positions),
+            window_from,
         )
 
-    def _encoded(self, snapshot: KVSnapshot, importance: np.ndarray | None, tiers: np.ndarray) -> tuple[bytes, int]:
-        """The EDKV payload of ``snapshot`` at ``tiers`` carrying ``importance``, and its bytes in chunk frames."""
-        frames = list(encode_payload(snapshot, tiers, workers=self.workers, importance=importance))
+    def _encoded(
+        self, snapshot: KVSnapshot, importance: np.ndarray | None, tiers: np.ndarray, window_from: int
+    ) -> tuple[bytes, int]:
+        """The EDKV payload of ``snapshot`` at ``tiers`` carrying ``importance`` (the windowed layers from
+        ``window_from`` or their tail on, kv.window), and its bytes in chunk frames."""
+        start = carried_from(tiers != Tier.DROP, snapshot.contract, window_from)
+        frames = list(encode_payload(snapshot, tiers, workers=self.workers, importance=importance, window_start=start))
         return b"".join(frames), sum(len(frame) for frame in frames[1:-1])  # less the header and the trailer
 
     def _relieve(self, nbytes: int) -> list[LadderStep]:
@@ -380,7 +397,7 @@ class ConversationStore:
 
     def _reencoded(self, entry: StoredConversation, tiers: np.ndarray, action: str) -> LadderStep | None:
         """Replace ``entry`` (in its LRU place) by its KV encoded at ``tiers``; None when that frees nothing."""
-        payload, chunk_nbytes = self._encoded(*_decoded(entry), tiers)
+        payload, chunk_nbytes = self._encoded(*_decoded(entry), tiers, entry.window_from)
         smaller = replace(entry, payload=payload, chunk_nbytes=chunk_nbytes, tiers=tiers)
         freed = entry.nbytes - smaller.nbytes
         if freed <= 0:
@@ -442,7 +459,13 @@ def drop_order(tiers: np.ndarray, pinned: np.ndarray, importance: np.ndarray, ro
 def _drop_order(entry: StoredConversation, min_kept_fraction: float) -> np.ndarray:
     """The entry's ``drop_order`` down to ``min_kept_fraction`` of its tokens."""
     room = entry.n_kept - math.ceil(min_kept_fraction * entry.n_tokens)
-    return drop_order(entry.tiers, entry.pinned, entry.importance, room)
+    kept = entry.tiers != Tier.DROP
+    tail = (
+        np.arange(entry.n_tokens) >= window_start(kept, tail_tokens(entry.contract))
+        if tail_tokens(entry.contract)
+        else False
+    )
+    return drop_order(entry.tiers, entry.pinned | tail, entry.importance, room)
 
 
 def _token_shares(entry: StoredConversation) -> np.ndarray:
@@ -454,8 +477,8 @@ def _token_shares(entry: StoredConversation) -> np.ndarray:
 
 
 def _decoded(entry: StoredConversation) -> tuple[KVSnapshot, np.ndarray | None]:
-    """The entry's KV as a float32 snapshot of all its tokens (dropped ones hold zeros), and the
-    importance its payload carries."""
+    """The entry's KV as a float32 snapshot of all its tokens (dropped ones, and windowed cells before the
+    payload's window, hold zeros), and the importance its payload carries."""
     buffers: list[np.ndarray] = []
 
     def full_size(header: EDKVHeader) -> np.ndarray:

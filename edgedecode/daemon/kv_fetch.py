@@ -129,7 +129,7 @@ class KVFetch:
         request: SegmentRequest | None = first_segment(prompt_ids, stream.covered, budget, self.settings.policy)
         computed = n - stream.keep  # what the server prefills for the first segment (a split's head too)
         while request is not None:
-            watch = self._watch(deadline, stream.covered, n) if deadline is not None else None
+            watch = self._watch(deadline, stream, n) if deadline is not None else None
             settings = self.settings if give_up is None else self._until(give_up)
             result = await pull_segment(
                 self.http, settings, request, stream, self.ingest, self.fp16_bytes_per_token, watch
@@ -159,18 +159,22 @@ class KVFetch:
         )
         return dataclasses.replace(self.settings, timeout=left)
 
-    def _watch(self, deadline: float, start: int, end: int) -> SegmentWatch:
-        """The watch of a segment of positions [start, end) that should end by ``deadline``."""
+    def _watch(self, deadline: float, stream: StreamedKV, end: int) -> SegmentWatch:
+        """The watch of the segment of ``stream``'s positions [covered, end) that should end by ``deadline``."""
 
         def rest_s(goodput: float, tokens_left: int) -> float:
             """Seconds to get the segment's last ``tokens_left`` tokens another way: resumed at the
-            floor budget at this goodput, or computed here."""
+            floor budget at this goodput, or computed here (all the segment's positions, where its EDKV window
+            leaves the windowed layers of the part before the cut out: kv.window)."""
             rtt = self.link.estimate().rtt_s or 0.0
             wire = self.wire_budget(tokens_left, self.min_budget) * tokens_left * self.fp16_bytes_per_token
             remote = rtt + wire / goodput if goodput > 0 else float("inf")
-            return min(remote, self.local.predict_between(end - tokens_left, end))
+            header = stream.header
+            windowed = header is not None and header.window is not None and header.window.start > 0
+            local_start = stream.keep + stream.head if windowed else end - tokens_left
+            return min(remote, self.local.predict_between(local_start, end))
 
-        return SegmentWatch(deadline - time.perf_counter(), end - start, rest_s)
+        return SegmentWatch(deadline - time.perf_counter(), end - stream.covered, rest_s)
 
     def _next(
         self,
@@ -191,7 +195,7 @@ class KVFetch:
         transfer = next((s.header.transfer for s in reversed(stream.segments) if s.header and s.header.transfer), None)
         if transfer is None:
             return None  # the server keeps no transfer to resume
-        plan = self._plan_rest(stream.covered, n, last.budget, deadline, watch)
+        plan = self._plan_rest(stream, n, last.budget, deadline, watch)
         logger.info("the KV of positions %d..%d: %s (%s)", stream.covered, n, plan.decision, plan.why)
         if plan.decision != "remote" or plan.budget is None:
             return None
@@ -199,11 +203,12 @@ class KVFetch:
         return resume_segment(transfer.id, stream.covered, plan.budget, self.settings.policy)
 
     def _plan_rest(
-        self, covered: int, n: int, budget: float, deadline: float | None, watch: SegmentWatch | None
+        self, stream: StreamedKV, n: int, budget: float, deadline: float | None, watch: SegmentWatch | None
     ) -> KVPlan:
-        """Where positions [covered, n) should come from, the link judged by the last segment's
-        recent goodput (the link model's estimate when it had none)."""
-        tokens = n - covered
+        """Where ``stream``'s positions [covered, n) should come from, the link judged by the last segment's
+        recent goodput (the link model's estimate when it had none); computed here, they start from
+        ``stream.local_from``."""
+        tokens = n - stream.covered
         estimate = self.link.estimate()
         goodput = watch.goodput_bps if watch is not None and watch.goodput_bps is not None else estimate.goodput_bps
         rtt = estimate.rtt_s or 0.0
@@ -217,7 +222,7 @@ class KVFetch:
                 fixed_budget=budget,
                 wire_bytes=lambda b: int(self.wire_budget(tokens, b) * tokens * self.fp16_bytes_per_token),
                 predict_remote_s=predict,
-                local_s=self.local.predict_between(covered, n),
+                local_s=self.local.predict_between(stream.local_from, n),
                 min_budget=min(self.min_budget, budget),
                 quality=self.quality,
                 context_tokens=n,

@@ -139,7 +139,8 @@ class KVMemory:
         and nothing evicted, when even all its droppable tokens would not do)."""
         shortfall = self.store.reserved_nbytes + need - self.store.budget_bytes
         positions = np.array(slot.engine.held_positions[:kept_slots])
-        droppable = np.flatnonzero(~pinned_mask(positions))
+        tail = np.arange(kept_slots) >= kept_slots - slot.engine.windowed_tail
+        droppable = np.flatnonzero(~pinned_mask(positions) & ~tail)  # the windowed tail stays (kv.window)
         count = -(-shortfall // self.bytes_per_slot_token)
         if not 0 < count <= len(droppable):
             return 0
@@ -222,7 +223,7 @@ class KVMemory:
             if self._room_in_store() > 0:
                 loop = asyncio.get_running_loop()
                 snapshot, held = await loop.run_in_executor(self.ingest, engine.export_positions)
-                importance = engine.given_importance()
+                importance, window_from = engine.given_importance(), engine.windowed_from
             else:
                 self.store.record_eviction(session, "max_sessions")
         engine.reset()
@@ -231,7 +232,7 @@ class KVMemory:
             return
         tiers = np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8)
         loop = asyncio.get_running_loop()
-        entry = await loop.run_in_executor(None, self.store.compress, session, snapshot, importance, tiers)
+        entry = await loop.run_in_executor(None, self.store.compress, session, snapshot, importance, tiers, window_from)
         await self._compress_idle_until_fits(entry.nbytes)  # idle residents go before any kept one is evicted
         self._log(self.store.add(entry, max(self._room_in_store(), 1)))
 

@@ -33,6 +33,7 @@ import numpy as np
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import KVFormatError, KVTooLargeError, KVTruncatedError
+from edgedecode.kv.wire.frames import READABLE_MAJORS
 from edgedecode.runtime.handoff import StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError
 
@@ -119,14 +120,20 @@ class SegmentRequest:
 
 def first_segment(prompt_ids: np.ndarray, held_tokens: int, budget: float, policy: str) -> SegmentRequest:
     """The prefill request: the KV of ``prompt_ids`` after the ``held_tokens`` positions held."""
-    body = {"token_ids": prompt_ids.tolist(), "held_tokens": held_tokens, "budget": budget, "policy": policy}
+    body = {"token_ids": prompt_ids.tolist(), "held_tokens": held_tokens, **_terms(budget, policy)}
     return SegmentRequest("/v1/prefill", body, budget)
 
 
 def resume_segment(transfer_id: str, covered: int, budget: float, policy: str) -> SegmentRequest:
     """A resume of the prefill kept under ``transfer_id``: the KV of its positions from ``covered`` on."""
-    body = {"held_tokens": covered, "budget": budget, "policy": policy}
+    body = {"held_tokens": covered, **_terms(budget, policy)}
     return SegmentRequest(f"/v1/prefill/transfers/{transfer_id}", body, budget)
+
+
+def _terms(budget: float, policy: str) -> dict:
+    """What every segment request asks of the payload: its budget and policy, and EDKV up to the newest
+    major this daemon reads (2: windowed layers send only the tail they attend to)."""
+    return {"budget": budget, "policy": policy, "edkv_major": max(READABLE_MAJORS)}
 
 
 @dataclass

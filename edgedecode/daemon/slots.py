@@ -82,6 +82,16 @@ class DecodeEngine(Protocol):
         """The importance that came with each position's KV, NaN where none came."""
         ...
 
+    @property
+    def windowed_from(self) -> int:
+        """The first position whose KV the windowed layers hold too (0: all)."""
+        ...
+
+    @property
+    def windowed_tail(self) -> int:
+        """Tokens at the end of a held context that nothing may drop (the windowed tail; 0: no windows)."""
+        ...
+
     def open_kv_stream(self, prompt_ids: np.ndarray, keep: int = 0, head: int = 0) -> StreamedKV: ...
 
     def compute_head(self, stream: StreamedKV) -> None:

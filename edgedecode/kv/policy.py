@@ -144,15 +144,23 @@ def allocate(
     costs: Mapping[Tier, float],
     profile: TierProfile,
     pinned: np.ndarray | None = None,
+    *,
+    cost_scale: np.ndarray | None = None,
+    undroppable: np.ndarray | None = None,
 ) -> np.ndarray:
     """Tiers uint8 [n] maximising importance-weighted fidelity within ``budget`` × FP16 bytes.
 
     ``pinned``: a mask, or a priority in [0, 1] per token (``pin_priority``; 0: not pinned).
+    ``cost_scale``: float [n], each token's share of ``costs`` (1: every layer; less where some
+    layers do not carry it, ``kv.window``); the budget stays relative to every layer at FP16.
+    ``undroppable``: bool [n], tokens kept at least at the cheapest tier even beyond the budget (the
+    windowed tail, ``kv.window``).
 
     Two phases. Keep: every token at the cheapest kept tier, or, when that does not fit, as many as
-    fit, the least important (never a pinned one while another can go) dropped. Dropping is the
-    costliest lever per byte (research/kv_calibration.md), so it buys nothing else. Upgrade: the
-    spare bytes buy tier steps in order of importance-weighted fidelity gained per byte.
+    fit, the least important (never a pinned one while another can go, never an undroppable one)
+    dropped. Dropping is the costliest lever per byte (research/kv_calibration.md), so it buys
+    nothing else. Upgrade: the spare bytes buy tier steps in order of importance-weighted fidelity
+    gained per byte.
     """
     n = len(importance)
     weight = np.asarray(importance, np.float64)
@@ -160,12 +168,15 @@ def allocate(
     if pinned is not None and n:
         priority = np.asarray(pinned, np.float64)
         weight = np.where(priority > 0, _PIN_FACTOR * weight.max() * (1.0 + priority), weight)
+    scale = np.ones(n) if cost_scale is None else np.asarray(cost_scale, np.float64)
+    must = np.zeros(n, bool) if undroppable is None else np.asarray(undroppable, bool)
     ladder = _ladder(costs, profile)
     floor, cheapest, _ = ladder[0]
     available = budget * n * costs[Tier.FP16]
     tiers = np.full(n, floor, np.uint8)
-    kept = np.argsort(-weight, kind="stable")  # most important first
-    affordable = min(int(available // cheapest), n) if cheapest > 0 else n
+    kept = np.lexsort((-weight, ~must))  # undroppable first, then the most important
+    spent = np.cumsum(cheapest * scale[kept])
+    affordable = max(int(np.searchsorted(spent, available, side="right")), int(must.sum()))
     if affordable < n:
         if Tier.DROP not in profile.allowed:
             raise BudgetError(
@@ -173,15 +184,15 @@ def allocate(
             )
         tiers[kept[affordable:]] = Tier.DROP
         kept = kept[:affordable]
-    spare = available - len(kept) * cheapest
+    spare = available - (spent[len(kept) - 1] if len(kept) else 0.0)
     steps = list(pairwise(ladder))
-    if not steps or len(kept) == 0:
+    if not steps or len(kept) == 0 or spare <= 0:
         return tiers
-    gains = weight[kept][:, None] * np.array([_slope(a, b) for a, b in steps])[None, :]  # decreasing per row
+    gains = (weight / scale)[kept][:, None] * np.array([_slope(a, b) for a, b in steps])[None, :]  # falls per row
     step_costs = np.array([b[1] - a[1] for a, b in steps])
     ranked = np.argsort(-gains, axis=None, kind="stable")
     token_idx, step_idx = np.unravel_index(ranked, gains.shape)
-    fits = np.cumsum(step_costs[step_idx]) <= spare
+    fits = np.cumsum(step_costs[step_idx] * scale[kept][token_idx]) <= spare
     taken = len(fits) if fits.all() else int(np.argmin(fits))
     reached = np.full(len(kept), -1)
     np.maximum.at(reached, token_idx[:taken], step_idx[:taken])
@@ -211,8 +222,11 @@ def policy_tiers(
     attention: np.ndarray | None = None,
     profile: TierProfile | None = None,
     pdtrim_head_fraction: float = 0.5,
+    cost_scale: np.ndarray | None = None,
+    undroppable: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Tiers uint8 [n] that ``policy`` assigns to tokens at ``positions`` under ``budget``.
+    """Tiers uint8 [n] that ``policy`` assigns to tokens at ``positions`` under ``budget``
+    (``cost_scale``, ``undroppable``: as for ``allocate``; pdtrim ignores them).
 
     * ours: attention importance (``attention`` [n]) through the allocator with the model's tier
       profile; sinks and the recent window pinned.
@@ -222,16 +236,17 @@ def policy_tiers(
     * pdtrim: head+tail FP16, the middle dropped (``pdtrim_head_fraction`` of the kept tokens first).
     """
     profile = profile or TierProfile()
+    shape = {"cost_scale": cost_scale, "undroppable": undroppable}
     if policy == "ours":
         if attention is None:
             raise BudgetError("policy 'ours' needs attention importance")
-        return allocate(attention, budget, costs, profile, pin_priority(positions))
+        return allocate(attention, budget, costs, profile, pin_priority(positions), **shape)
     if policy == "position":
-        return allocate(position_importance(positions), budget, costs, profile, pin_priority(positions))
+        return allocate(position_importance(positions), budget, costs, profile, pin_priority(positions), **shape)
     if policy in ("uniform-int8", "uniform-int4"):
         tier = Tier.INT8 if policy == "uniform-int8" else Tier.INT4
         uniform = TierProfile((tier, Tier.DROP), profile.distortion, f"uniform {tier.name}")
-        return allocate(position_importance(positions), budget, costs, uniform)
+        return allocate(position_importance(positions), budget, costs, uniform, **shape)
     if policy == "pdtrim":
         return pdtrim_tiers(len(positions), budget, pdtrim_head_fraction)
     raise BudgetError(f"unknown KV policy {policy!r}; known: {', '.join(POLICIES)}")

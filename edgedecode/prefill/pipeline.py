@@ -18,6 +18,7 @@ from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
+from edgedecode.kv.window import tail_mask, tail_tokens, window_start, windowed_cost_scale
 from edgedecode.kv.wire import TransferRef, decode_snapshot, encode_payload
 from edgedecode.model.spec import KVContract
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_free
@@ -137,15 +138,15 @@ def tier_costs(snapshot: KVSnapshot) -> dict[Tier, float]:
 
 
 class BudgetTooSmallError(BudgetError):
-    """A budget below the smallest payload possible for the tokens asked (all dropped: header and
-    framing alone); ``minimum`` is that payload's b."""
+    """A budget below the smallest payload possible for the tokens asked (every droppable token dropped:
+    header and framing, and a sliding-window model's tail, ``kv.window``); ``minimum`` is that payload's b."""
 
     http_code = "budget_too_small"
 
     def __init__(self, budget: float, minimum: float, n_tokens: int) -> None:
         super().__init__(
             f"budget {budget:.3g} is below the smallest EDKV payload for these {n_tokens} tokens "
-            f"(b {minimum:.4f}: header and framing with every token dropped); ask for at least "
+            f"(b {minimum:.4f}: header and framing, every token that may be dropped dropped); ask for at least "
             f"{math.ceil(minimum * 1e4) / 1e4:.4f}"
         )
         self.minimum = minimum
@@ -166,13 +167,22 @@ def encode_within_budget(
     meta: dict | None = None,
     workers: int = 1,
     transfer: TransferRef | None = None,
+    windowed: bool = False,
 ) -> EncodedKV:
     """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``
-    (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference)."""
+    (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference).
+
+    For a model with sliding-window layers the prompt's tail (``kv.window``) is never dropped; with
+    ``windowed`` (the receiver reads EDKV 2.0) the windowed layers carry only that tail, and the
+    tokens before it cost the allocator only their global layers' bytes."""
     snapshot = scored.snapshot
+    contract, n = snapshot.contract, snapshot.n_tokens
     costs = tier_costs(snapshot)
-    fp16_bytes = int(costs[Tier.FP16] * snapshot.n_tokens)
+    fp16_bytes = int(costs[Tier.FP16] * n)
     meta = payload_meta(policy, budget, meta)
+    windowed = windowed and tail_tokens(contract) > 0
+    undroppable = tail_mask(n, contract) if tail_tokens(contract) else None
+    cost_scale = windowed_cost_scale(n, contract) if windowed else None
 
     def tiers_at(target: float) -> np.ndarray:
         return policy_tiers(
@@ -183,14 +193,18 @@ def encode_within_budget(
             attention=scored.importance,
             profile=profile,
             pdtrim_head_fraction=pdtrim_head_fraction,
+            cost_scale=cost_scale,
+            undroppable=undroppable,
         )
 
     importance = relative_importance(scored.importance)
 
     def encode(tiers: np.ndarray) -> EncodedKV:
-        counts = np.bincount(tiers, minlength=len(Tier))
-        raw = int(sum(costs[tier] * counts[tier] for tier in Tier))
-        return EncodedKV(payload_frames(snapshot, tiers, meta, importance, transfer, workers), tiers, fp16_bytes, raw)
+        start = window_start(tiers != Tier.DROP, tail_tokens(contract)) if windowed else None
+        scale = np.ones(n) if start is None else windowed_cost_scale(n, contract, start)
+        raw = int(np.sum(np.array([costs[tier] for tier in Tier])[tiers] * scale))
+        frames = payload_frames(snapshot, tiers, meta, importance, transfer, workers, start)
+        return EncodedKV(frames, tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
     target = budget
@@ -241,9 +255,11 @@ def payload_frames(
     importance: np.ndarray,
     transfer: TransferRef | None = None,
     workers: int = 1,
+    window_start: int | None = None,
 ) -> list[bytes]:
     """The frames of a served payload: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with
-    each token's ``importance`` (``relative_importance``) for the receiver's memory ladder."""
+    each token's ``importance`` (``relative_importance``) for the receiver's memory ladder (and the
+    windowed layers from ``window_start`` on only, where given)."""
     return list(
         encode_payload(
             snapshot,
@@ -253,6 +269,7 @@ def payload_frames(
             workers=workers,
             transfer=transfer,
             importance=importance,
+            window_start=window_start,
         )
     )
 

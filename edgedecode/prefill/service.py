@@ -21,6 +21,7 @@ from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier, parse_tiers
 from edgedecode.kv.wire import TransferRef
+from edgedecode.kv.wire.frames import WINDOW_MAJOR
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.prefill.pipeline import (
@@ -55,6 +56,7 @@ class PrefillRequest:
     budget: float
     policy: str
     allowed: tuple[Tier, ...]
+    edkv_major: int = 1  # the newest EDKV major the receiver reads: 2 takes windowed streams
 
     @property
     def meta(self) -> dict:
@@ -66,11 +68,10 @@ class PrefillRequest:
         cls, body: dict, model: LoadedModel, max_prompt_tokens: int, allow_special_tokens: bool = False
     ) -> PrefillRequest:
         """Validate a JSON body: exactly one of ``token_ids``, ``text`` or ``messages``; optional
-        ``held_tokens`` (0), ``budget`` (1.0), ``policy`` ("ours"), ``allowed_tiers`` (all) and
-        ``model`` (must be this server's). Text spells control tokens only with ``allow_special_tokens``."""
-        _check_known(
-            body, {"model", "token_ids", "text", "messages", "held_tokens", "budget", "policy", "allowed_tiers"}
-        )
+        ``held_tokens`` (0), ``budget`` (1.0), ``policy`` ("ours"), ``allowed_tiers`` (all),
+        ``edkv_major`` (1) and ``model`` (must be this server's). Text spells control tokens only with
+        ``allow_special_tokens``."""
+        _check_known(body, {"model", "token_ids", "text", "messages", "held_tokens", *PAYLOAD_TERMS})
         if body.get("model") not in (None, model.record.name):
             raise PrefillRequestError(f"this server prefills {model.record.name!r}, not {body['model']!r}", "model")
         token_ids = _prompt(body, model, allow_special_tokens)
@@ -80,9 +81,7 @@ class PrefillRequest:
             raise PrefillRequestError(
                 f"the prompt has {len(token_ids)} tokens; this server takes at most {max_prompt_tokens}", "token_ids"
             )
-        held = _held_tokens(body, len(token_ids))
-        budget, policy, allowed = _payload_terms(body)
-        return cls(token_ids, held, budget, policy, allowed)
+        return cls(token_ids, _held_tokens(body, len(token_ids)), *_payload_terms(body))
 
 
 @dataclass(frozen=True)
@@ -94,13 +93,14 @@ class ResumeRequest:
     budget: float
     policy: str
     allowed: tuple[Tier, ...]
+    edkv_major: int = 1
 
     @classmethod
     def parse(cls, transfer_id: str, body: dict) -> ResumeRequest:
         """Validate a JSON body: ``held_tokens`` (required), optional ``budget`` (1.0), ``policy``
-        ("ours") and ``allowed_tiers`` (all); ``held_tokens`` is checked against the prompt once the
-        transfer is found."""
-        _check_known(body, {"held_tokens", "budget", "policy", "allowed_tiers"})
+        ("ours"), ``allowed_tiers`` (all) and ``edkv_major`` (1); ``held_tokens`` is checked against
+        the prompt once the transfer is found."""
+        _check_known(body, {"held_tokens", *PAYLOAD_TERMS})
         if "held_tokens" not in body:
             raise PrefillRequestError("held_tokens is required: the positions the receiver holds", "held_tokens")
         held = body["held_tokens"]
@@ -111,7 +111,10 @@ class ResumeRequest:
     def for_prompt(self, token_ids: np.ndarray) -> PrefillRequest:
         """The equivalent request for the transfer's prompt (PrefillRequestError if held_tokens is past it)."""
         held = _held_tokens({"held_tokens": self.held_tokens}, len(token_ids))
-        return PrefillRequest(token_ids, held, self.budget, self.policy, self.allowed)
+        return PrefillRequest(token_ids, held, self.budget, self.policy, self.allowed, self.edkv_major)
+
+
+PAYLOAD_TERMS = ("budget", "policy", "allowed_tiers", "edkv_major")
 
 
 def _check_known(body: dict, known: set[str]) -> None:
@@ -129,8 +132,8 @@ def _held_tokens(body: dict, n_tokens: int) -> int:
     return held
 
 
-def _payload_terms(body: dict) -> tuple[float, str, tuple[Tier, ...]]:
-    """The body's budget (1.0), policy ("ours") and allowed tiers (all), validated."""
+def _payload_terms(body: dict) -> tuple[float, str, tuple[Tier, ...], int]:
+    """The body's budget (1.0), policy ("ours"), allowed tiers (all) and EDKV major (1), validated."""
     budget = body.get("budget", 1.0)
     if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:  # NaN too
         raise PrefillRequestError("budget must be a number in (0, 1]: wire bytes / FP16 bytes", "budget")
@@ -143,7 +146,10 @@ def _payload_terms(body: dict) -> tuple[float, str, tuple[Tier, ...]]:
         raise PrefillRequestError(f"allowed_tiers: {exc}", "allowed_tiers") from None
     if Tier.FP16 not in allowed:
         raise PrefillRequestError("allowed_tiers must include fp16", "allowed_tiers")
-    return float(budget), policy, allowed
+    major = body.get("edkv_major", 1)
+    if not isinstance(major, int) or isinstance(major, bool) or major < 1:
+        raise PrefillRequestError("edkv_major must be a positive integer: the newest EDKV major read", "edkv_major")
+    return float(budget), policy, allowed, major
 
 
 def _prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.ndarray:
@@ -309,6 +315,7 @@ class PrefillService:
             meta=request.meta,
             workers=self.encode_threads,
             transfer=transfer,
+            windowed=request.edkv_major >= WINDOW_MAJOR,
         )
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.window import tail_tokens
 from edgedecode.kv.wire import EDKVHeader, EDKVReader
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
@@ -147,6 +148,9 @@ class Engine:
         self._history = np.zeros(self.spec.context_length, np.int64)  # token id at every position before next_position
         # the importance that came with each position's KV (EDKV 1.2), NaN where none came: the memory ladder's ranking
         self._importance = np.full(self.spec.context_length, np.nan, np.float32)
+        # first cache slot whose windowed (sliding-window) layers hold KV: pulls and restores with an EDKV window
+        # bring those layers only for their tail (kv.window); a token runs only where its window lies after it
+        self._window_from = 0
         self._ramp = np.arange(self.max_context, dtype=np.int64)
         self._mask = np.ones((1, self.max_context), np.int64)
         self._last_position = np.array([-1], np.int64)
@@ -208,6 +212,12 @@ class Engine:
     def reset(self) -> None:
         """Forget the cached context (the buffers are overwritten, not freed)."""
         self.cache.length = 0
+        self._window_from = 0
+
+    def _window_covers(self, slot: int) -> bool:
+        """Whether a token run at cache ``slot`` finds KV in its windowed layers for every slot its window spans."""
+        window = self.spec.sliding_window if self.spec.sliding_layers else None
+        return self._window_from == 0 or window is None or self._window_from <= slot - window + 1
 
     @property
     def kv_preallocated(self) -> bool:
@@ -231,6 +241,7 @@ class Engine:
         n = int(np.count_nonzero(kept))
         self._tokens[:n] = self._tokens[: self.length][kept]
         self._positions[0, :n] = held[kept]
+        self._window_from = int(np.count_nonzero(kept[: self._window_from]))
         self.cache.compact(kept)
 
     def release_unused(self) -> None:
@@ -252,6 +263,8 @@ class Engine:
         differ = np.flatnonzero(self._history[:common] != prompt_ids[:common])
         common = int(differ[0]) if len(differ) else common
         slots = int(np.searchsorted(self._positions[0, : self.length], common))
+        if not self._window_covers(slots):  # its windowed layers hold too little of the prefix's tail to go on from
+            return 0
         return int(self._positions[0, slots - 1]) + 1 if slots else 0
 
     def _keep(self, prompt_ids: np.ndarray, keep: int) -> int:
@@ -492,6 +505,7 @@ class Engine:
         self._history[:common] = prompt_ids[:common]
         self._importance[:common] = np.nan if header.importance is None else header.importance[:common]
         self.cache.length = slots
+        self._window_from = int(header.slots_before[min(header.window.start, common)]) if header.window else 0
         return self.reusable_prefix(prompt_ids)
 
     def _restore_target(self, header: EDKVHeader) -> np.ndarray:
@@ -515,8 +529,17 @@ class Engine:
         token_ids, positions, importance = stream.adopted()
         injected = self._injectable_count(positions, prompt_ids)
         after_head = stream.kept_slots + stream.head
+        if stream.local_from < stream.covered:
+            logger.warning(
+                "the KV pulled for positions %d..%d ends before its window does: computing them here instead",
+                stream.keep + stream.head,
+                stream.covered,
+            )
+            injected = 0
+        elif stream.window_from:
+            self._window_from = stream.window_from
         self.cache.commit_ingest(
-            [(segment.first_slot, segment.slots) for segment in stream.segments], after_head + injected
+            [(segment.first_slot, segment.slots) for segment in stream.segments if injected], after_head + injected
         )
         logits = self._process_prompt(
             prompt_ids,
@@ -576,6 +599,11 @@ class Engine:
         self._history[: len(prompt_ids)] = prompt_ids
         self._importance[positions] = np.nan if importance is None else importance
         self.cache.length = end
+        if not self._window_covers(end):
+            raise KVInjectionError(
+                f"the windowed layers hold KV from slot {self._window_from} on; the token at slot {end} attends to "
+                f"the last {self.spec.sliding_window} slots (the KV's window left out too much of the prompt's tail)"
+            )
         resume = int(positions[-1]) + 1 if injected else keep
         self.stats = GenerationStats(
             prompt_tokens=len(prompt_ids),
@@ -611,6 +639,18 @@ class Engine:
             held_kv.contract, self._history[:n].copy(), np.arange(n, dtype=np.int64), keys, values, held_kv.producer
         )
         return snapshot, held
+
+    @property
+    def windowed_from(self) -> int:
+        """The first position whose KV this engine holds in its windowed (sliding-window) layers too: 0, or the
+        start of a pulled or restored KV's window (the positions before it hold KV in the global layers only)."""
+        return int(self._positions[0, self._window_from]) if 0 < self._window_from < self.length else 0
+
+    @property
+    def windowed_tail(self) -> int:
+        """Tokens at the end of a held context that no memory rung may drop: the windowed layers' tail
+        (``kv.window``); 0 for a model without sliding windows."""
+        return tail_tokens(self.spec.kv_contract)
 
     def given_importance(self) -> np.ndarray:
         """float32 [next_position]: the importance that came with each position's KV (a pull's or a

@@ -163,6 +163,34 @@ class StreamedKV:
         """The current segment's reader's progress."""
         return self.reader.progress
 
+    @property
+    def window_from(self) -> int:
+        """The first cache slot from which the ended segments' windowed (sliding-window) layers hold KV: where the
+        last segment with an EDKV window starts it (0: no segment left any windowed cell out)."""
+        first = 0
+        for segment in self.segments:
+            if segment.header is not None and segment.header.window is not None:
+                start = min(segment.header.window.start, segment.tokens)
+                if start:
+                    first = segment.first_slot + int(segment.header.slots_before[start])
+        return first
+
+    @property
+    def local_from(self) -> int:
+        """The first position this box could compute the rest of the prompt from: ``covered``, unless a segment
+        cut before its window leaves the windowed layers without the KV the next token attends to — then the
+        segments cannot be continued here, and everything after the kept and head positions is computed."""
+        first = self.window_from
+        contract = next((s.header.contract for s in self.segments if s.header is not None), None)
+        if (
+            not first
+            or contract is None
+            or not contract.sliding_window
+            or first <= self.slots - contract.sliding_window + 1
+        ):
+            return self.covered
+        return self.keep + self.head
+
     def adopted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(token ids, positions, importance) of the kept tokens of every ended segment, in slot order."""
         if not self.segments:

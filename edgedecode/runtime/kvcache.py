@@ -140,7 +140,8 @@ class KVCache:
         if self.device == "cpu":
             return self.host[:, :, 0, :, start:]
         s = self.spec
-        staged = np.empty((s.n_layers, 2, s.n_kv_heads, n_slots, s.head_dim), np.float32)
+        # zeros: a windowed layer's cells an EDKV window leaves out stay finite (never attended, but multiplied by 0)
+        staged = np.zeros((s.n_layers, 2, s.n_kv_heads, n_slots, s.head_dim), np.float32)
         self._staging[start] = staged  # a later segment bound for the same slots replaces an empty one
         return staged
 

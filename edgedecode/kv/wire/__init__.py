@@ -1,4 +1,4 @@
-"""EDKV 1.x, the KV-cache wire format (docs/kv-format.md): per-token tiers, zstd chunks, checksums, streaming."""
+"""EDKV 1.x and 2.0, the KV-cache wire format (docs/kv-format.md): per-token tiers, zstd chunks, checksums."""
 
 from edgedecode.kv.wire.errors import (
     KVChecksumError,
@@ -10,7 +10,7 @@ from edgedecode.kv.wire.errors import (
     KVValueError,
     KVVersionError,
 )
-from edgedecode.kv.wire.header import ChunkSpec, EDKVHeader, TransferRef
+from edgedecode.kv.wire.header import ChunkSpec, EDKVHeader, TransferRef, WindowCut
 from edgedecode.kv.wire.reader import EDKVReader, ReadProgress, decode_snapshot
 from edgedecode.kv.wire.writer import encode_payload
 
@@ -28,6 +28,7 @@ __all__ = [
     "KVVersionError",
     "ReadProgress",
     "TransferRef",
+    "WindowCut",
     "decode_snapshot",
     "encode_payload",
 ]

@@ -6,6 +6,11 @@ import struct
 
 MAJOR = 1
 MINOR = 2  # 1.1: the optional header field `transfer`, and cut streams keep their verified prefix; 1.2: `importance`
+# 2.0: 1.2 plus the header field `window`: the windowed layers' cells before window.start are not sent. Only a
+# stream with a window is written as 2.0 (and only to a receiver that asked for it); every other stream stays 1.2.
+WINDOW_MAJOR = 2
+WINDOW_MINOR = 0
+READABLE_MAJORS = (MAJOR, WINDOW_MAJOR)
 
 HEADER_MAGIC = b"EDKV"
 CHUNK_MAGIC = b"EDKC"

@@ -19,12 +19,14 @@ from edgedecode.kv.tiers import QUANTIZED_TIERS, TIER_BITS, Tier
 from edgedecode.kv.wire.chunks import chunk_sizes
 from edgedecode.kv.wire.errors import KVMalformedError, KVTooLargeError
 from edgedecode.kv.wire.frames import (
+    MAJOR,
     MAX_META_CHARS,
     MAX_META_DEPTH,
     MAX_META_VALUES,
     MAX_NAME_CHARS,
     MAX_TRANSFER_TTL_S,
     MINOR,
+    WINDOW_MAJOR,
     max_chunks,
     max_sections,
 )
@@ -71,6 +73,22 @@ class TransferRef:
             raise KVMalformedError("transfer.ttl_s", "beyond the float range") from None
 
 
+@dataclass(frozen=True)
+class WindowCut:
+    """EDKV 2.0: the windowed (sliding-window) ``layers`` carry the KV of tokens ``start`` and after only; their
+    cells before it are not sent, and a receiver's windowed layers never attend to those slots."""
+
+    layers: tuple[int, ...]  # increasing, each one of the contract's sliding_layers
+    start: int  # first token index whose windowed cells are carried
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], n_layers: int) -> WindowCut:
+        layers = doc_field(doc, "layers", list, "window.")
+        if len(layers) > n_layers or not all(type(layer) is int for layer in layers):
+            raise KVMalformedError("window.layers", f"must be a list of at most {n_layers} layer indices")
+        return cls(tuple(layers), doc_field(doc, "start", int, "window."))
+
+
 @dataclass(frozen=True, eq=False)
 class EDKVHeader:
     """The parsed (or to-be-written) header; construction validates that its parts agree with each other."""
@@ -87,9 +105,12 @@ class EDKVHeader:
     minor: int = MINOR  # of the stream it came from; the writer writes the current one
     transfer: TransferRef | None = None  # 1.1: where the rest of this prefill can be asked for
     importance: np.ndarray | None = None  # 1.2: float16 [n], each token's relative importance; NaN: none known
+    window: WindowCut | None = None  # 2.0: the windowed layers carry tokens from window.start on only
+    major: int = MAJOR  # of the stream it came from; the writer writes WINDOW_MAJOR where there is a window
 
     def __post_init__(self) -> None:
         self._check_arrays()
+        self._check_window()
         self._check_chunks()
         self._check_sizes()
 
@@ -101,6 +122,12 @@ class EDKVHeader:
     def kept(self) -> np.ndarray:
         """bool [n]: tokens that are not dropped (a token's DROP is shared by all layers)."""
         return self.tiers[0] != Tier.DROP
+
+    @cached_property
+    def cells(self) -> np.ndarray:
+        """uint8 [layers, n]: the tier of each (layer, token) cell as the chunks carry it: the tier map, with the
+        windowed layers' cells before ``window.start`` DROP (not sent). Chunk content and sizes follow it."""
+        return carried_cells(self.tiers, self.window)
 
     @cached_property
     def slots_before(self) -> np.ndarray:
@@ -145,11 +172,14 @@ class EDKVHeader:
             doc["transfer"] = dataclasses.asdict(self.transfer)
         if self.importance is not None:
             doc["importance"] = _b64(self.importance.astype("<f2"))
+        if self.window is not None:
+            doc["window"] = {"layers": list(self.window.layers), "start": self.window.start}
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
-    def from_doc(cls, doc: dict[str, Any], minor: int) -> EDKVHeader:
-        """Parse a header JSON object; unknown fields are ignored (a later minor version may add them)."""
+    def from_doc(cls, doc: dict[str, Any], minor: int, major: int = MAJOR) -> EDKVHeader:
+        """Parse a header JSON object; unknown fields are ignored (a later minor version may add them), and so
+        is ``window`` in a 1.x stream, whose chunks carry every cell."""
         contract = contract_from_doc(doc)
         n = doc_field(doc, "n_tokens", int)
         if n < 0:
@@ -183,6 +213,10 @@ class EDKVHeader:
             minor=minor,
             transfer=TransferRef.from_doc(doc_field(doc, "transfer", dict)) if "transfer" in doc else None,
             importance=_array(doc, "importance", "<f2", n) if "importance" in doc else None,
+            window=WindowCut.from_doc(doc_field(doc, "window", dict), contract.n_layers)
+            if major >= WINDOW_MAJOR and "window" in doc
+            else None,
+            major=major,
         )
 
     def _check_arrays(self) -> None:
@@ -195,6 +229,30 @@ class EDKVHeader:
         check_layouts(self.tiers, self.layouts, self.contract.head_dim)
         if self.importance is not None:
             check_importance(self.importance, n)
+
+    def _check_window(self) -> None:
+        """A window names windowed layers of the contract and leaves them at least the last ``sliding_window - 1``
+        kept tokens (all of them, when fewer are kept): what the next token's query sees in those layers."""
+        if self.window is None:
+            return
+        c, window = self.contract, self.window
+        if not window.layers or list(window.layers) != sorted(set(window.layers)):
+            raise KVMalformedError("window.layers", "must be increasing layer indices, at least one")
+        if not set(window.layers) <= set(c.sliding_layers) or not c.sliding_window:
+            raise KVMalformedError(
+                "window.layers",
+                f"{list(window.layers)} are not all windowed layers of the contract {list(c.sliding_layers)}",
+            )
+        if not 0 <= window.start <= self.n_tokens:
+            raise KVMalformedError("window.start", f"must be in [0, {self.n_tokens}], got {window.start}")
+        needed = min(c.sliding_window - 1, self.n_kept)
+        carried = self.n_kept - int(self.slots_before[window.start])
+        if carried < needed:
+            raise KVMalformedError(
+                "window.start",
+                f"the windowed layers carry {carried} kept tokens from token {window.start} on; the next query "
+                f"needs the last {needed} (window {c.sliding_window})",
+            )
 
     def _check_chunks(self) -> None:
         """The chunk table tiles layers × tokens exactly: vectorised, no Python work per chunk or per cell."""
@@ -238,7 +296,7 @@ class EDKVHeader:
     def _check_sizes(self) -> None:
         """Each chunk's raw_nbytes is what its tier map needs, and all chunks' sections stay within the limit."""
         c = self.contract
-        raw, sections = chunk_sizes(self.tiers, self.layouts, c.n_kv_heads, c.head_dim, self.chunk_table[:, :4])
+        raw, sections = chunk_sizes(self.cells, self.layouts, c.n_kv_heads, c.head_dim, self.chunk_table[:, :4])
         wrong = np.flatnonzero(raw != self.chunk_table[:, 4])
         if wrong.size:
             k = int(wrong[0])
@@ -252,6 +310,16 @@ class EDKVHeader:
                 f"the chunks hold {int(sections.sum())} sections (runs of layers × K/V "
                 f"× tiers), at most {limit} for {self.n_tokens} tokens × {c.n_layers} layers",
             )
+
+
+def carried_cells(tiers: np.ndarray, window: WindowCut | None) -> np.ndarray:
+    """The tier map ``uint8 [layers, n]`` as the chunks carry it: the windowed layers' cells before the window's
+    start are DROP (not sent); without a window (or one from token 0), the tier map itself."""
+    if window is None or window.start == 0:
+        return tiers
+    cells = tiers.copy()
+    cells[list(window.layers), : window.start] = Tier.DROP
+    return cells
 
 
 def check_tier_map(tiers: np.ndarray, n_layers: int, n_tokens: int) -> None:

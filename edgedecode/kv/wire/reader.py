@@ -38,8 +38,8 @@ from edgedecode.kv.wire.frames import (
     HEADER_MAGIC,
     HEADER_PREFIX,
     MAGIC_NBYTES,
-    MAJOR,
     MIN_ZSTD_WINDOW,
+    READABLE_MAJORS,
     TRAILER,
     TRAILER_MAGIC,
     max_header_containers,
@@ -82,7 +82,7 @@ class ReadProgress:
 
 
 class EDKVReader:
-    """Incremental EDKV 1.x parser; feed it any slices of the stream, then call `finish`.
+    """Incremental EDKV parser (1.x, and 2.0 with its window); feed it any slices of the stream, then call `finish`.
 
     Args:
         expected: the receiver's KVContract; any mismatching field is a KVContractError.
@@ -126,7 +126,7 @@ class EDKVReader:
         self._dctx = zstandard.ZstdDecompressor(max_window_size=MIN_ZSTD_WINDOW)  # the header's replaces it
         self._failure: str | None = None  # why the stream failed (see _failed)
         self._bytes_in = 0
-        self._minor = 0
+        self._major, self._minor = 0, 0
         self._chunk_crc = 0
         self._chunks_done = 0
         self._tokens_ingested = 0
@@ -241,11 +241,12 @@ class EDKVReader:
         magic, major, minor, length = HEADER_PREFIX.unpack(item)
         if magic != HEADER_MAGIC:
             raise KVMalformedError("magic", f"expected {HEADER_MAGIC!r}, got {magic!r}: not an EDKV stream")
-        if major != MAJOR:
-            raise KVVersionError("version", f"EDKV {major}.{minor} is not readable here (this reader: {MAJOR}.x)")
+        if major not in READABLE_MAJORS:
+            readable = " and ".join(f"{m}.x" for m in READABLE_MAJORS)
+            raise KVVersionError("version", f"EDKV {major}.{minor} is not readable here (this reader: {readable})")
         if length > self.max_header_bytes:
             raise KVTooLargeError("header", f"{length} bytes of header JSON, limit {self.max_header_bytes}")
-        self._minor = minor
+        self._major, self._minor = major, minor
         self._expect(_Stage.HEADER_BODY, length + HEADER_CRC.size)
 
     def _header_body(self, item: memoryview) -> None:
@@ -259,7 +260,7 @@ class EDKVReader:
         n = doc_field(doc, "n_tokens", int)
         if n > self.max_tokens:
             raise KVTooLargeError("n_tokens", f"{n} tokens, the receiver's context holds {self.max_tokens}")
-        header = EDKVHeader.from_doc(doc, self._minor)  # checks counts, coverage and each chunk's raw_nbytes
+        header = EDKVHeader.from_doc(doc, self._minor, self._major)  # counts, coverage, raw_nbytes
         c, table = header.contract, header.chunk_table
         over = np.flatnonzero(table[:, 4] > self.max_chunk_bytes)
         if over.size:
@@ -308,7 +309,7 @@ class EDKVReader:
         raw = self._decompress(item, spec)
         c = header.contract
         plan = plan_chunk(
-            header.tiers,
+            header.cells,
             header.layouts,
             c.n_kv_heads,
             c.head_dim,
@@ -438,12 +439,13 @@ class EDKVReader:
 def decode_snapshot(
     payload: bytes, expected: KVContract, *, max_tokens: int = DECODE_SNAPSHOT_MAX_TOKENS
 ) -> KVSnapshot:
-    """Decode a whole EDKV payload into a KVSnapshot of its kept tokens (float32, true positions)."""
+    """Decode a whole EDKV payload into a KVSnapshot of its kept tokens (float32, true positions); cells a
+    window left out (EDKV 2.0) read as zeros."""
     buffers: list[np.ndarray] = []
 
     def compact(header: EDKVHeader) -> np.ndarray:
         c = header.contract
-        buffers.append(np.empty((c.n_layers, 2, c.n_kv_heads, header.n_kept, c.head_dim), np.float32))
+        buffers.append(np.zeros((c.n_layers, 2, c.n_kv_heads, header.n_kept, c.head_dim), np.float32))
         return buffers[0]
 
     reader = EDKVReader(expected, max_tokens=max_tokens, target_factory=compact)

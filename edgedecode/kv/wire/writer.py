@@ -29,6 +29,8 @@ from edgedecode.kv.wire.frames import (
     MINOR,
     TRAILER,
     TRAILER_MAGIC,
+    WINDOW_MAJOR,
+    WINDOW_MINOR,
     max_chunks,
     max_sections,
 )
@@ -36,6 +38,8 @@ from edgedecode.kv.wire.header import (
     ChunkSpec,
     EDKVHeader,
     TransferRef,
+    WindowCut,
+    carried_cells,
     check_layouts,
     check_meta,
     check_tier_map,
@@ -57,8 +61,9 @@ def encode_payload(
     workers: int = 1,
     transfer: TransferRef | None = None,
     importance: np.ndarray | None = None,
+    window_start: int | None = None,
 ) -> Iterator[bytes]:
-    """Encode `snapshot` as an EDKV 1.x stream.
+    """Encode `snapshot` as an EDKV stream: 1.2, or 2.0 where `window_start` cuts the windowed layers.
 
     Args:
         snapshot: the KV to send; keys/values ``[layers, kv_heads, n, head_dim]`` (float16 or float32).
@@ -74,13 +79,16 @@ def encode_payload(
         transfer: where the sender keeps this prefill for a resume (EDKV 1.1 header field).
         importance: float [n], each token's relative importance to the sender (>= 0; NaN where none is known),
             written as float16 (EDKV 1.2 header field): what a receiver ranks tokens by when it must drop some later.
+        window_start: the contract's windowed (sliding-window) layers carry the tokens from this index on only
+            (EDKV 2.0 ``window``; ``kv.window`` says which tokens a receiver needs); None: every cell is sent.
 
     Returns:
         An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
         validated here (KVMalformedError on a bad tier map or snapshot); chunks are encoded as they are pulled
         (ValueError on values a quantizer cannot represent).
     """
-    header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta)
+    window = None if window_start is None else WindowCut(snapshot.contract.sliding_layers, window_start)
+    header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window)
     if transfer is not None or importance is not None:
         given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
         header = dataclasses.replace(header, transfer=transfer, importance=given)
@@ -90,7 +98,8 @@ def encode_payload(
         raise KVMalformedError("meta", f"meta must be JSON-serialisable: {e}") from None
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    return _frames(snapshot, body, plans, level, workers)
+    version = (WINDOW_MAJOR, WINDOW_MINOR) if window is not None else (MAJOR, MINOR)
+    return _frames(snapshot, body, plans, level, workers, version)
 
 
 def _build_header(
@@ -101,6 +110,7 @@ def _build_header(
     chunk_layers: int | None,
     level: int,
     meta: dict[str, Any] | None,
+    window: WindowCut | None,
 ) -> tuple[EDKVHeader, list[ChunkPlan]]:
     c, n = snapshot.contract, snapshot.n_tokens
     shape = (c.n_layers, c.n_kv_heads, n, c.head_dim)
@@ -131,7 +141,7 @@ def _build_header(
             f"({max_chunks(n, c.n_layers)}); use larger chunks"
         )
     rects = chunk_rects(c.n_layers, n, chunk_layers, chunk_tokens)
-    plans = [plan_chunk(tiers, used, c.n_kv_heads, c.head_dim, rect) for rect in rects]
+    plans = [plan_chunk(carried_cells(tiers, window), used, c.n_kv_heads, c.head_dim, rect) for rect in rects]
     sections = sum(len(plan.sections) for plan in plans)
     if sections > max_sections(n, c.n_layers):
         raise ValueError(
@@ -149,13 +159,18 @@ def _build_header(
         chunks=tuple(ChunkSpec(i, *rect, plan.raw_nbytes) for i, (rect, plan) in enumerate(zip(rects, plans))),
         zstd_level=level,
         meta={} if meta is None else meta,
+        window=window,
+        major=MAJOR if window is None else WINDOW_MAJOR,
+        minor=MINOR if window is None else WINDOW_MINOR,
     )
     return header, plans
 
 
-def _frames(snapshot: KVSnapshot, body: bytes, plans: list[ChunkPlan], level: int, workers: int) -> Iterator[bytes]:
+def _frames(
+    snapshot: KVSnapshot, body: bytes, plans: list[ChunkPlan], level: int, workers: int, version: tuple[int, int]
+) -> Iterator[bytes]:
     digest = hashlib.sha256()
-    frame = HEADER_PREFIX.pack(HEADER_MAGIC, MAJOR, MINOR, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
+    frame = HEADER_PREFIX.pack(HEADER_MAGIC, *version, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
     digest.update(frame)
     yield frame
     compressors = threading.local()  # a ZstdCompressor is not shared between threads
