@@ -44,7 +44,7 @@ RESTART_WAIT_S = 300  # a bound on waiting for Serve to replace a lost replica (
 ANSWER_WAIT_S = 120  # a bound on a chat answer, however its pull went: nothing may hang (not a timing claim)
 FAST_LINK_BPS = 200e6  # the shaped link between the daemon and the tier, as good as loopback for these payloads
 SENT_BYTES = "edgedecode_prefill_sent_bytes_total{}"  # EDKV bytes a replica's server sent (to its relay)
-SLOW_LINK_BPS = 1e6  # a payload of ~3 MB takes seconds to cross it: the daemon is still receiving when its replica dies
+SLOW_LINK_BPS = 1e6  # a ~2 MB payload takes seconds to cross it: the daemon is still receiving when its replica dies
 FLEET_CONFIG = f"""
 [model]
 threads = 2
@@ -56,7 +56,7 @@ max_prompt_tokens = 2048
 replicas = 2
 replica_cpus = 1
 health_check_period_s = 2
-graceful_shutdown_s = 60
+graceful_shutdown_s = 60  # a draining replica has time to finish its prefill (the redeploy test)
 """
 
 
