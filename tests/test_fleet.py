@@ -262,32 +262,46 @@ def test_losing_the_replica_whose_payload_the_daemon_is_receiving_still_answers_
 
 
 def test_a_redeploy_drains_each_replica_after_its_request_in_flight(fleet, fleet_config):
-    """A redeploy replaces every replica, stopping each gracefully: with both replicas prefilling a
-    request (and the 2 CPUs of this Ray instance taken, so Serve must stop an old replica before it
-    can start a new one), each request is answered in full by the replica it was on — none was
-    retried on another — and the tier then runs two new replicas. The last test of the module."""
+    """A redeploy replaces every replica, stopping each gracefully: with both replicas prefilling
+    (and the 2 CPUs of this Ray instance taken, so Serve must stop an old replica at once, before it
+    can start a new one), every request is answered in full, both old replicas answer requests
+    after the redeploy began (a replica killed instead of drained would have its requests retried
+    on another), and the tier then runs two new replicas. The last test of the module."""
     old = replica_names()
     assert len(old) == 2
     rng = np.random.default_rng(7)
-    results: list[tuple[int, str, int, int]] = []
-    threads = []
-    for i in range(2):  # a long prompt each, the second sent once the first is being prefilled
-        token_ids = rng.integers(100, 40000, 1500).tolist()
-        threads.append(threading.Thread(target=lambda t=token_ids: results.append(_prefill(fleet, t))))
+    results: list[tuple[float, tuple[int, str, int, int]]] = []  # (when it ended, the answer)
+    threads: list[threading.Thread] = []
+
+    def send() -> None:
+        token_ids = rng.integers(100, 40000, 1500).tolist()  # a few seconds of prefill on one thread
+        threads.append(threading.Thread(target=_prefill_into, args=(fleet, token_ids, results)))
         threads[-1].start()
-        deadline = time.monotonic() + ANSWER_WAIT_S
-        while _busy(fleet, old) < i + 1 and time.monotonic() < deadline:
+
+    for _ in range(4):  # long prompts, one at a time, until both replicas have one in hand
+        send()
+        deadline = time.monotonic() + 2.0
+        while _busy(fleet, old) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
+        if _busy(fleet, old) == 2:
+            break
     assert _busy(fleet, old) == 2, "both replicas should be prefilling"
+    redeployed = time.monotonic()
     serve.run(build_app(fleet_config), name=APP_NAME, route_prefix="/")  # a new version: a rolling update
     for thread in threads:
         thread.join(ANSWER_WAIT_S)
         assert not thread.is_alive(), "a request in flight did not end"
-    assert sorted(replica for _, replica, _, _ in results) == sorted(old)  # each answered by its own replica
-    for status, _, received, announced in results:
+    for _, (status, _, received, announced) in results:
         assert status == 200 and received == announced  # the whole payload
+    assert {replica for ended, (_, replica, _, _) in results if ended > redeployed} == set(old)
     _wait_replaced(fleet, old[0])
     assert not set(old) & set(replica_names())
+
+
+def _prefill_into(fleet: str, token_ids: list[int], results: list) -> None:
+    """``_prefill``, its answer appended to ``results`` with when it ended (time.monotonic)."""
+    answer = _prefill(fleet, token_ids)
+    results.append((time.monotonic(), answer))
 
 
 def _prefill(fleet: str, token_ids: list[int]) -> tuple[int, str, int, int]:
