@@ -69,6 +69,7 @@ class DaemonConfig:
     local_dppl_pct: float = 0.0  # quality cost of prefilling here vs the server's FP16 KV (SmolLM2: -0.01 %, none)
     split_slowdown: float = 1.3  # a split's pull vs alone, until measured here (2 cores of the H100 host: 1.27-1.28)
     link_stale_margin: float = 1.5  # a link estimate idle past its lapse plans this many times slower than it was
+    link_reprobe_s: float = 3600.0  # a link planned local whose last measure is this old is pulled from once; 0: never
     state_dir: str = ""  # directory kept across restarts (the link estimates); empty: nothing is kept
     min_wire_bytes: int = 64 << 10  # a payload this small is never squeezed below it (short prompts keep their tokens)
     policy: str = "ours"
@@ -300,6 +301,8 @@ def _validate(config: Config, server: Literal["daemon", "prefill"] | None) -> No
         problems.append(
             f"daemon.link_stale_margin must be in [1, 100] (a stale link is no faster), not {d.link_stale_margin}"
         )
+    if d.link_reprobe_s < 0:
+        problems.append(f"daemon.link_reprobe_s must be >= 0 (0: never re-probe), not {d.link_reprobe_s}")
     if d.state_dir and server in (None, "daemon") and not _writable_dir(d.state_dir):
         problems.append(f"daemon.state_dir ({d.state_dir}) must be a directory this process can write to")
     if not 0 <= d.local_dppl_pct < 1000:

@@ -22,7 +22,7 @@ from edgedecode.daemon.kv_pull import KVPullError, PullResult
 from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest
-from edgedecode.daemon.service import DecodeService, Turn
+from edgedecode.daemon.service import DecodeService, Turn, TurnReport
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, decode_snapshot, encode_payload
@@ -377,6 +377,9 @@ def test_a_failed_pull_falls_back_to_local_prefill_with_its_reason(prefill, mode
     assert fallbacks(service) == {reason: 1.0}
     assert len(prefill.bodies) == (mode != "refused")
     assert not engine.generated_while_ingesting  # the fallback waited for the ingest thread
+    # a pull that got its answer's headers teaches the link model what it measured, failed or not
+    answered = mode in ("corrupt", "truncated", "other-prompt")
+    assert (service.links.get(service.prefill_url()).estimate().rtt_s is not None) == answered
 
 
 def test_no_prefill_server_falls_back_as_unreachable(prefill):
@@ -533,6 +536,26 @@ def test_a_link_too_slow_for_any_budget_goes_local_without_a_pull(prefill):
     assert report.to_json()["ttft_target_met"] is True
 
 
+def test_a_link_that_keeps_every_turn_local_is_pulled_from_again_once_its_measure_is_old(prefill):
+    reprobe_s = 0.2
+    service = make_service(prefill.url, min_wire_bytes=0, ttft_target_ms=200.0, link_reprobe_s=reprobe_s)
+    service.local_speed = LocalPrefillModel([(16, 0.01), (128, 0.02)])
+    teach_link(service, prefill.url, 1000.0)  # 1 kB/s: every turn is planned here
+
+    async def scenario() -> list[TurnReport]:
+        first = await run_turn(service)  # the link was measured just now: no re-probe
+        await asyncio.sleep(reprobe_s * 1.5)
+        probe = await run_turn(service)  # measured too long ago: this turn pulls
+        after = await run_turn(service)  # re-probed just now (and still slow on average): here again
+        return [first.report, probe.report, after.report]
+
+    first, probe, after = drive(service, scenario)
+    assert [r.decision for r in (first, probe, after)] == ["local", "remote", "local"]
+    assert probe.kv_source == "prefill_server" and len(prefill.bodies) == 1
+    assert service.metrics.registry.get_sample_value("edgedecode_link_reprobes_total") == 1
+    assert service.links.get(prefill.url).since_observed() < reprobe_s  # the probe's pull taught the link
+
+
 def test_an_unknown_link_asks_for_the_configured_budget_and_learns_from_the_pull(prefill):
     service = make_service(prefill.url, min_wire_bytes=0, ttft_target_ms=300.0)
     assert service.links.get(prefill.url).predict_fetch_s(1000, 10) is None
@@ -615,9 +638,14 @@ def test_a_split_turn_computes_its_head_while_the_tail_is_pulled(prefill):
     # here: 1 ms a token, so the whole prompt takes 40 ms; the link: 40 ms for b 0.5 of the whole prompt
     service.local_speed = LocalPrefillModel([(1, 0.001), (16, 0.016), (128, 0.128)])
     teach_link(service, prefill.url, 0.5 * fp16 / 0.04, rtt_s=0.0)
+    taught = service.links.get(prefill.url).estimate()
     turn = drive(service, lambda: targeted_turn(service, 35.0))  # only both at once make 35 ms
     report = turn.report
     assert report.decision == "split" and report.head_tokens > 0, report
+    # the split's pull taught the round trip (more than the 0 taught) and the server's time, not the goodput
+    learned = service.links.get(prefill.url).estimate()
+    assert learned.goodput_bps == taught.goodput_bps and learned.rtt_s > taught.rtt_s == 0.0
+    assert learned.server_s_per_token != taught.server_s_per_token
     assert [head for head, _ in engine.heads] == [report.head_tokens]  # computed once, on the worker
     assert prefill.bodies[0]["held_tokens"] == report.head_tokens  # only the tail is asked for
     assert report.kv_source == "prefill_server"

@@ -1,6 +1,7 @@
 """The prefill tier on Ray Serve (edgedecode.prefill.fleet): two replicas of the real prefill server
-behind Serve's HTTP proxy on 127.0.0.1, serving a real decode daemon. One deployment for the
-module: the daemon's answers, where a conversation's turns land, and losing a replica mid-request.
+behind Serve's HTTP proxy on 127.0.0.1, serving a real decode daemon through the project's link
+shaper. One deployment for the module: the daemon's answers, where a conversation's turns land, and
+losing a replica while it prefills a request and while the daemon is still receiving its payload.
 
 Ray is the optional [scale] extra: without it these tests are skipped, except in CI (CI set),
 which installs it, where its absence fails them.
@@ -8,11 +9,14 @@ which installs it, where its absence fails them.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
 import urllib.error
+import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -23,11 +27,13 @@ if os.environ.get("CI"):
     import ray  # CI installs the [scale] extra: a missing Ray fails here instead of skipping
 else:
     ray = pytest.importorskip("ray", reason="the [scale] extra (Ray Serve) is not installed")
+from ray import serve
 
 from edgedecode.config import load_config
+from edgedecode.evaluation.link_shaper import LinkShaper
 from edgedecode.kv.policy import TierProfile, profile_path
 from edgedecode.model.graph import GraphOptions
-from edgedecode.prefill.fleet.app import replica_actor, replica_names, start_fleet, stop_fleet
+from edgedecode.prefill.fleet.app import APP_NAME, build_app, replica_actor, replica_names, start_fleet, stop_fleet
 from edgedecode.prefill.pipeline import prefill_and_score, through_wire
 from edgedecode.runtime.sampler import SamplingParams
 
@@ -35,6 +41,10 @@ TOKEN, PREFILL_TOKEN = "daemon-secret", "fleet-secret"
 BUDGET = 0.3
 MAX_TOKENS = 24
 RESTART_WAIT_S = 300  # a bound on waiting for Serve to replace a lost replica (loading the model), not a timing claim
+ANSWER_WAIT_S = 120  # a bound on a chat answer, however its pull went: nothing may hang (not a timing claim)
+FAST_LINK_BPS = 200e6  # the shaped link between the daemon and the tier, as good as loopback for these payloads
+SENT_BYTES = "edgedecode_prefill_sent_bytes_total{}"  # EDKV bytes a replica's server sent (to its relay)
+SLOW_LINK_BPS = 1e6  # a ~2 MB payload takes seconds to cross it: the daemon is still receiving when its replica dies
 FLEET_CONFIG = f"""
 [model]
 threads = 2
@@ -46,7 +56,7 @@ max_prompt_tokens = 2048
 replicas = 2
 replica_cpus = 1
 health_check_period_s = 2
-graceful_shutdown_s = 5
+graceful_shutdown_s = 60  # a draining replica has time to finish its prefill (the redeploy test)
 """
 
 
@@ -67,10 +77,25 @@ def fleet(smollm2_model, workdir):
 
 
 @pytest.fixture(scope="module")
-def daemon(fleet, workdir):
+def fleet_config(fleet, workdir):
+    """The configuration the tier was started with."""
+    return load_config(workdir / "fleet.toml", env={})
+
+
+@pytest.fixture(scope="module")
+def link(fleet):
+    """The daemon's link to the tier: the loopback shaper in front of Serve's proxy."""
+    address = urlsplit(fleet)
+    shaper = LinkShaper(address.hostname, address.port, rate_bytes_per_s=FAST_LINK_BPS)
+    yield shaper
+    shaper.stop()
+
+
+@pytest.fixture(scope="module")
+def daemon(link, workdir):
     config = server_config(workdir, "daemon", prefill_token=PREFILL_TOKEN, budget=BUDGET)
     server = ServerProcess(
-        ["serve", "--config", config, "--prefill-url", fleet],
+        ["serve", "--config", config, "--prefill-url", link.url],
         workdir / "daemon.log",
         env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
     )
@@ -91,10 +116,16 @@ def _chat(daemon, messages, session: str):
 
 
 def _replica_tokens(fleet: str) -> dict[str, dict[str, float]]:
-    """Each live replica's prompt tokens by source (its prefix cache, or computed), from its own metrics."""
+    """Each serving replica's prompt tokens by source (its prefix cache, or computed), from its own
+    metrics (a replica starting, or one lost whose actor is not gone yet, answers 404: left out)."""
     tokens = {}
     for name in replica_names():
-        samples = metric_samples(fleet, PREFILL_TOKEN, f"/metrics?replica={name}")
+        try:
+            samples = metric_samples(fleet, PREFILL_TOKEN, f"/metrics?replica={name}")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise
+            continue
         tokens[name] = {
             source: samples.get(f"edgedecode_prefill_tokens_total{{source={source}}}", 0.0)
             for source in ("prefix_cache", "computed")
@@ -103,11 +134,24 @@ def _replica_tokens(fleet: str) -> dict[str, dict[str, float]]:
 
 
 def _changed(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """The replicas whose counts changed, by how much (one serving since ``before`` from 0)."""
+    unseen = dict.fromkeys(("prefix_cache", "computed"), 0.0)
     return {
-        name: {source: after[name][source] - before[name][source] for source in after[name]}
+        name: {source: after[name][source] - before.get(name, unseen)[source] for source in after[name]}
         for name in after
-        if after[name] != before[name]
+        if after[name] != before.get(name, unseen)
     }
+
+
+def _single_server_answer(model, prefiller, decoder, messages) -> tuple[str, dict[str, int]]:
+    """The single-server path, in process: prefill, score and encode at the budget, decode greedily.
+    Returns the answer and the payload's tokens per tier."""
+    prompt = model.tokenizer.encode_chat(messages)
+    scored = prefill_and_score(prefiller, np.asarray(prompt, np.int64))
+    profile = TierProfile.load(profile_path(model))
+    kv, encoded = through_wire(scored, BUDGET, "ours", model.spec.kv_contract, profile=profile)
+    tokens = list(decoder.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), kv=kv))
+    return model.tokenizer.decode(tokens), {name: n for name, n in encoded.tier_counts().items() if n}
 
 
 def test_the_daemon_gets_the_single_server_greedy_answer_through_two_replicas(
@@ -116,14 +160,9 @@ def test_the_daemon_gets_the_single_server_greedy_answer_through_two_replicas(
     messages = [{"role": "user", "content": "Name three rivers in Europe."}]
     completion, report = _chat(daemon, messages, "rivers")
     assert report["kv"]["source"] == "prefill_server"
-    # the single-server path, in process: prefill, score and encode at the budget, decode greedily
-    prompt = smollm2_model.tokenizer.encode_chat(messages)
-    scored = prefill_and_score(prefiller, np.asarray(prompt, np.int64))
-    profile = TierProfile.load(profile_path(smollm2_model))
-    kv, encoded = through_wire(scored, BUDGET, "ours", smollm2_model.spec.kv_contract, profile=profile)
-    tokens = list(decoder.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), kv=kv))
-    assert completion.choices[0].message.content == smollm2_model.tokenizer.decode(tokens)
-    assert report["kv"]["tiers"] == {name: n for name, n in encoded.tier_counts().items() if n}
+    answer, tiers = _single_server_answer(smollm2_model, prefiller, decoder, messages)
+    assert completion.choices[0].message.content == answer
+    assert report["kv"]["tiers"] == tiers
 
 
 def test_a_conversations_second_turn_lands_on_the_replica_holding_its_prefix(daemon, fleet):
@@ -169,21 +208,131 @@ def test_losing_the_replica_serving_a_request_still_answers_and_the_tier_recover
     # the next request is served, by a live replica
     completion, report = _chat(daemon, [{"role": "user", "content": "Say hello."}], "next")
     assert completion.choices[0].message.content and report["kv"]["source"] == "prefill_server"
-    # Serve replaces the lost replica: two replicas again, each serving (answering its own metrics)
+    _wait_replaced(fleet, victim)
+
+
+def test_losing_the_replica_whose_payload_the_daemon_is_receiving_still_answers_in_full(
+    daemon, fleet, link, smollm2_model, prefiller, decoder
+):
+    """The replica dies while its payload is still crossing the daemon's (slow) link: Serve holds
+    what the replica handed over, so the daemon gets the whole payload and the undisturbed answer."""
+    messages = lighthouse_chat(24)  # ~320 tokens: ~2.2 MB at b 0.3, over 2 s on the slow link
+    before = _replica_tokens(fleet)
+    sent_before = {name: _replica_metric(fleet, name, SENT_BYTES) for name in before}
+    link.set_rate(SLOW_LINK_BPS)
+    down_before = link.bytes_down
+    result: dict = {}
+    request = threading.Thread(target=lambda: result.update(answer=_chat(daemon, messages, "received")))
+    try:
+        request.start()
+        # the serving replica is the one whose server counted the prompt; by the time half its
+        # payload has crossed the link (a second or more), it has handed all of it to Serve
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        serving: dict = {}
+        while not serving and time.monotonic() < deadline:
+            serving = _changed(before, _replica_tokens(fleet))
+            time.sleep(0.05)
+        assert len(serving) == 1, f"no single replica was seen serving the request: {serving}"
+        (victim,) = serving
+        while _replica_metric(fleet, victim, "edgedecode_prefill_queue_depth{}") and time.monotonic() < deadline:
+            time.sleep(0.02)  # its server is done writing the payload (to the replica's relay)
+        payload = _replica_metric(fleet, victim, SENT_BYTES) - sent_before[victim]
+        while link.bytes_down - down_before < payload // 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        crossed = link.bytes_down - down_before
+        ray.kill(replica_actor(victim), no_restart=True)
+        assert payload // 2 <= crossed < payload  # killed while the daemon was still receiving its payload
+        request.join(ANSWER_WAIT_S)
+        assert not request.is_alive(), "the daemon did not answer in time"
+    finally:
+        link.set_rate(FAST_LINK_BPS)
+        request.join(ANSWER_WAIT_S)
+    completion, report = result["answer"]
+    kv = report["kv"]
+    assert kv["source"] == "prefill_server" and [s["ended"] for s in kv["segments"]] == ["complete"]
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == MAX_TOKENS
+    answer, tiers = _single_server_answer(smollm2_model, prefiller, decoder, messages)
+    assert completion.choices[0].message.content == answer and kv["tiers"] == tiers
+    # the next request is served, by a live replica (not the lost one)
+    before_next = _replica_tokens(fleet)
+    completion, report = _chat(daemon, [{"role": "user", "content": "Say goodbye."}], "after")
+    assert completion.choices[0].message.content and report["kv"]["source"] == "prefill_server"
+    assert len(_changed(before_next, _replica_tokens(fleet))) == 1
+    _wait_replaced(fleet, victim)
+
+
+def test_a_redeploy_drains_each_replica_after_its_request_in_flight(fleet, fleet_config):
+    """A redeploy replaces every replica, stopping each gracefully: with both replicas prefilling
+    (and the 2 CPUs of this Ray instance taken, so Serve must stop an old replica at once, before it
+    can start a new one), every request is answered in full, both old replicas answer requests
+    after the redeploy began (a replica killed instead of drained would have its requests retried
+    on another), and the tier then runs two new replicas. The last test of the module."""
+    old = replica_names()
+    assert len(old) == 2
+    rng = np.random.default_rng(7)
+    results: list[tuple[float, tuple[int, str, int, int]]] = []  # (when it ended, the answer)
+    threads: list[threading.Thread] = []
+
+    def send() -> None:
+        token_ids = rng.integers(100, 40000, 1500).tolist()  # a few seconds of prefill on one thread
+        threads.append(threading.Thread(target=_prefill_into, args=(fleet, token_ids, results)))
+        threads[-1].start()
+
+    for _ in range(4):  # long prompts, one at a time, until both replicas have one in hand
+        send()
+        deadline = time.monotonic() + 2.0
+        while _busy(fleet, old) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _busy(fleet, old) == 2:
+            break
+    assert _busy(fleet, old) == 2, "both replicas should be prefilling"
+    redeployed = time.monotonic()
+    serve.run(build_app(fleet_config), name=APP_NAME, route_prefix="/")  # a new version: a rolling update
+    for thread in threads:
+        thread.join(ANSWER_WAIT_S)
+        assert not thread.is_alive(), "a request in flight did not end"
+    for _, (status, _, received, announced) in results:
+        assert status == 200 and received == announced  # the whole payload
+    assert {replica for ended, (_, replica, _, _) in results if ended > redeployed} == set(old)
+    _wait_replaced(fleet, old[0])
+    assert not set(old) & set(replica_names())
+
+
+def _prefill_into(fleet: str, token_ids: list[int], results: list) -> None:
+    """``_prefill``, its answer appended to ``results`` with when it ended (time.monotonic)."""
+    answer = _prefill(fleet, token_ids)
+    results.append((time.monotonic(), answer))
+
+
+def _prefill(fleet: str, token_ids: list[int]) -> tuple[int, str, int, int]:
+    """A prefill request to the tier: (status, the replica that answered, body bytes received, bytes announced)."""
+    body = json.dumps({"token_ids": token_ids, "budget": BUDGET}).encode()
+    headers = {"Authorization": f"Bearer {PREFILL_TOKEN}", "Content-Type": "application/json"}
+    request = urllib.request.Request(fleet + "/v1/prefill", body, headers)
+    with urllib.request.urlopen(request, timeout=ANSWER_WAIT_S) as response:
+        received = len(response.read())
+        replica, announced = response.headers["X-Prefill-Replica"], int(response.headers["X-EDKV-Wire-Bytes"])
+        return response.status, replica, received, announced
+
+
+def _busy(fleet: str, names: list[str]) -> int:
+    """How many of the replicas ``names`` have a prefill request in hand."""
+    return sum(_replica_metric(fleet, name, "edgedecode_prefill_queue_depth{}") > 0 for name in names)
+
+
+def _replica_metric(fleet: str, name: str, sample: str) -> float:
+    """One sample of the replica's own metrics."""
+    return metric_samples(fleet, PREFILL_TOKEN, f"/metrics?replica={name}")[sample]
+
+
+def _wait_replaced(fleet: str, lost: str) -> None:
+    """Serve replaces the lost replica: two replicas again, each serving (answering its own metrics)."""
     deadline = time.monotonic() + RESTART_WAIT_S
-    while not _replaced(fleet, victim) and time.monotonic() < deadline:
+    while not _replaced(fleet, lost) and time.monotonic() < deadline:
         time.sleep(1)
-    assert _replaced(fleet, victim)
+    assert _replaced(fleet, lost)
 
 
 def _replaced(fleet: str, lost: str) -> bool:
     names = replica_names()
-    return len(names) == 2 and lost not in names and all(_serving(fleet, name) for name in names)
-
-
-def _serving(fleet: str, name: str) -> bool:
-    try:
-        metric_samples(fleet, PREFILL_TOKEN, f"/metrics?replica={name}")
-    except urllib.error.HTTPError:
-        return False  # 404: it is not serving yet (Serve routes to running replicas only)
-    return True
+    return len(names) == 2 and lost not in names and set(_replica_tokens(fleet)) == set(names)

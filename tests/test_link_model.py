@@ -17,7 +17,7 @@ from serving_helpers import ThreadedApp
 
 from edgedecode.daemon.adaptive import KVPlan, PlanInputs, QualityCosts, plan_kv
 from edgedecode.daemon.kv_pull import PullResult, PullSettings, first_segment, pull_segment
-from edgedecode.daemon.link import STALE_MARGIN, LinkEstimate, LinkModel, LinkModels
+from edgedecode.daemon.link import STALE_MARGIN, LinkEstimate, LinkModel, LinkModels, Reprobes
 from edgedecode.daemon.link_store import LinkStore
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
@@ -123,6 +123,25 @@ def test_a_steady_history_stays_fresh_longer_than_a_lone_pull(clock):
     assert steady.estimate().stale
 
 
+def test_a_reprobe_is_due_once_neither_a_pull_nor_a_reprobe_was_made_for_its_period(clock):
+    link, reprobes = LinkModel("http://p", clock=clock), Reprobes(600.0, clock=clock)
+    other = LinkModel("http://q", clock=clock)
+    assert not reprobes.due("http://p", link)  # made (or restored at a restart) just now
+    clock.now += 600
+    assert reprobes.due("http://p", link)  # nothing measured it for 600 s
+    assert not reprobes.due("http://p", link)  # just re-probed (its pull may fail before teaching anything)
+    link.observe(pull(10 * MB, 0.02), tokens=100)
+    clock.now += 599
+    assert not reprobes.due("http://p", link)  # re-probed and measured 599 s ago
+    clock.now += 1
+    assert reprobes.due("http://p", link) and not reprobes.due("http://p", link)
+    assert reprobes.due("http://q", other)  # per endpoint
+    never = Reprobes(0.0, clock=clock)
+    assert not never.due("http://q", other)
+    with pytest.raises(ValueError, match="every_s"):
+        Reprobes(-1.0)
+
+
 def test_a_stale_margin_below_one_is_refused():
     with pytest.raises(ValueError, match="stale_margin"):
         LinkModel("http://p", stale_margin=0.9)
@@ -137,6 +156,17 @@ def test_short_pulls_teach_the_round_trip_but_not_the_goodput(clock):
     assert link.predict_fetch_s(MB, 10) is None
     link.observe(pull(1 * MB, 0.02, transfer_bytes=70_000), tokens=10)
     assert link.estimate().goodput_bps == pytest.approx(1 * MB)
+
+
+def test_a_split_pull_teaches_the_round_trip_and_server_time_but_not_the_goodput(clock):
+    link = LinkModel("http://p", clock=clock)
+    link.observe(pull(10 * MB, 0.02, server=0.1), tokens=1000)
+    # a saturated tier: the split's pull waited 2 s for a replica; its ingest shared the cores with the head
+    link.observe(pull(1 * MB, 2.0, server=0.2), tokens=1000, goodput=False)
+    estimate = link.estimate()
+    assert estimate.goodput_bps == pytest.approx(10 * MB)  # the slowed ingest is not the link's
+    assert estimate.rtt_s == pytest.approx((0.02 + 2.0) / 2)  # the queueing is learned
+    assert estimate.server_s_per_token == pytest.approx((1e-4 + 2e-4) / 2)
 
 
 def test_the_round_trip_excludes_the_servers_reported_time_and_is_floored_at_zero(clock):
@@ -307,6 +337,7 @@ def test_a_link_estimate_that_cannot_be_stored_is_logged_and_the_pull_still_teac
 LAYERS, HEADS, HEAD_DIM, N_TOKENS = 4, 4, 64, 128  # 4 KiB per token at FP16: a 512 KiB payload
 CONTRACT = KVContract("llama", LAYERS, HEADS, HEAD_DIM, 10000.0, DECODER_KV_LAYOUT, "tok")
 PIECES, PIECE_GAP_S, SERVER_S = 8, 0.02, 0.05
+STALL_S, READ_TIMEOUT_S = 2.0, 0.3  # a body going silent for longer than the pull's read timeout
 
 
 def edkv_payload(token_ids: np.ndarray) -> bytes:
@@ -323,9 +354,9 @@ def edkv_payload(token_ids: np.ndarray) -> bytes:
     return b"".join(encode_payload(snapshot, np.full(n, Tier.FP16, np.uint8)))
 
 
-def test_a_pull_times_its_round_trip_and_transfer_and_teaches_the_link(clock):
-    prompt = np.arange(1, N_TOKENS + 1, dtype=np.int64)
-    payload = edkv_payload(prompt)
+def piecewise(payload: bytes, stall_after: int | None = None):
+    """A prefill handler: ``SERVER_S`` of compute, then ``payload`` in ``PIECES`` pieces ``PIECE_GAP_S``
+    apart; with ``stall_after``, silent after that many pieces (until the client gives up)."""
     bounds = np.linspace(0, len(payload), PIECES + 1).astype(int)
 
     async def prefill(request: web.Request) -> web.StreamResponse:
@@ -337,11 +368,16 @@ def test_a_pull_times_its_round_trip_and_transfer_and_teaches_the_link(clock):
         await response.prepare(request)
         for i in range(PIECES):
             if i:
-                await asyncio.sleep(PIECE_GAP_S)
+                await asyncio.sleep(STALL_S if i == stall_after else PIECE_GAP_S)
             await response.write(payload[bounds[i] : bounds[i + 1]])
         await response.write_eof()
         return response
 
+    return prefill, bounds
+
+
+def pull_from(prefill, prompt: np.ndarray, timeout: aiohttp.ClientTimeout) -> tuple[PullResult, StreamedKV, str]:
+    """One segment pulled from ``prefill`` served on 127.0.0.1: (its result, the stream, the server's URL)."""
     server = ThreadedApp.posting("/v1/prefill", prefill)
     buffer = np.zeros((LAYERS, 2, HEADS, N_TOKENS, HEAD_DIM), np.float32)
     stream = StreamedKV(
@@ -350,7 +386,7 @@ def test_a_pull_times_its_round_trip_and_transfer_and_teaches_the_link(clock):
         0,
         0,
     )
-    settings = PullSettings(server.url + "/", "", "importance", 1 << 24, aiohttp.ClientTimeout(total=10))
+    settings = PullSettings(server.url + "/", "", "importance", 1 << 24, timeout)
 
     async def run() -> PullResult:
         async with aiohttp.ClientSession() as http:
@@ -362,6 +398,14 @@ def test_a_pull_times_its_round_trip_and_transfer_and_teaches_the_link(clock):
             result = asyncio.run(run())
     finally:
         server.stop()
+    return result, stream, server.url
+
+
+def test_a_pull_times_its_round_trip_and_transfer_and_teaches_the_link(clock):
+    prompt = np.arange(1, N_TOKENS + 1, dtype=np.int64)
+    payload = edkv_payload(prompt)
+    prefill, bounds = piecewise(payload)
+    result, stream, url = pull_from(prefill, prompt, aiohttp.ClientTimeout(total=10))
 
     assert stream.finished and result.wire_bytes == len(payload)
     assert result.tier_counts["FP16"] == N_TOKENS and result.server_seconds == pytest.approx(SERVER_S)
@@ -370,9 +414,24 @@ def test_a_pull_times_its_round_trip_and_transfer_and_teaches_the_link(clock):
     assert (PIECES - 1) * PIECE_GAP_S * 0.9 <= result.transfer_seconds <= result.seconds
     assert bounds[1] > 0 and 0 < result.transfer_bytes <= len(payload) - 1
     links = LinkModels(CollectorRegistry(), clock=clock)
-    link = links.get(server.url)
+    link = links.get(url)
     link.observe(result, tokens=N_TOKENS)
     estimate = link.estimate()
     assert estimate.goodput_bps is not None and true_rate / 2 <= estimate.goodput_bps <= 2 * true_rate
     assert estimate.rtt_s is not None and 0 <= estimate.rtt_s < 0.1
     assert estimate.server_s_per_token == pytest.approx(SERVER_S / N_TOKENS)
+
+
+def test_a_pull_broken_off_by_a_silent_link_counts_the_silence_in_its_transfer_time(clock):
+    prompt = np.arange(1, N_TOKENS + 1, dtype=np.int64)
+    payload = edkv_payload(prompt)
+    prefill, bounds = piecewise(payload, stall_after=PIECES // 2)
+    result, _, _ = pull_from(prefill, prompt, aiohttp.ClientTimeout(total=10, sock_read=READ_TIMEOUT_S))
+    assert result.failure is not None and result.failure.reason == "timeout" and not result.complete
+    assert result.wire_bytes == bounds[PIECES // 2] and result.transfer_bytes == bounds[PIECES // 2] - bounds[1]
+    assert result.transfer_seconds >= READ_TIMEOUT_S + (PIECES // 2 - 1) * PIECE_GAP_S * 0.9
+    link = LinkModel("http://p", clock=clock)
+    link.observe(result, tokens=N_TOKENS)  # what the fetch does with a segment that got its headers
+    # the goodput taught is the bytes over the time to the failure, not over the reads that came
+    assert link.estimate().goodput_bps == pytest.approx(result.transfer_bytes / result.transfer_seconds)
+    assert link.estimate().goodput_bps < result.transfer_bytes / READ_TIMEOUT_S

@@ -49,6 +49,7 @@ def test_config_layers_file_env_and_flags(tmp_path):
         ("[daemon]\nprefill_url = 'ftp://x'\n", {}, "daemon.prefill_url must be an http(s) URL"),
         ("[daemon\n", {}, "is not valid TOML"),
         ("", {"EDGEDECODE_DAEMON_LINK_STALE_MARGIN": "0.5"}, "daemon.link_stale_margin must be in [1, 100]"),
+        ("[daemon]\nlink_reprobe_s = -1\n", {}, "daemon.link_reprobe_s must be >= 0"),
         (
             "[daemon]\nstate_dir = '/nonexistent/state'\n",
             {},

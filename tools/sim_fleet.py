@@ -20,11 +20,18 @@ a TTFT target; ``fixed-1.0``), or ``adaptive``: every box runs the daemon's own 
 the response headers' wait less the server's own time, so queueing at the tier counts; goodput;
 server time per token), and a ``LocalPrefillModel`` from measured local prefill times. Local
 prefill loads no replica; a split pulls the tail's bytes only. Every box has pulled before the
-simulation starts (one typical pull, a 256-token prompt at b 0.3, an hour earlier: the daemon keeps
+simulation starts (one typical pull, a 256-token prompt at b 0.3, between ``HISTORY_MIN_S`` and an
+hour earlier, uniformly, as in a steady state where a box re-probes once an hour: the daemon keeps
 its link estimate in ``daemon.state_dir`` across restarts), so its estimate starts stale; an
 estimate idle past its lapse (the model's 60 s half-life) plans with the remembered link worsened
 by the daemon's default ``link_stale_margin``, as the daemon does, and the next pull refreshes it
-(a split's pull teaches nothing, as in the daemon).
+(a split's pull teaches its round trip and server time, not its goodput, as in the daemon). A turn
+planned local re-probes the link once nothing measured it for ``daemon.link_reprobe_s`` (an hour;
+``Reprobes``): it pulls instead. The pull's watch is modelled coarsely: a whole pull (not a split)
+whose body would end past the target is cut ``WATCH_S`` into its body when computing the whole
+turn here from then on ends sooner than ``WATCH_MARGIN`` of the pull (the daemon computes only the
+part not yet verified, and may resume instead: this overstates the cut turn's time), and the cut
+pull teaches what it measured.
 
 **The tier**: R replicas, each one worker in FIFO order (the prefill service runs one request at
 a time). Routing as ``prefill.fleet.router`` does: a conversation stays on the replica that
@@ -45,19 +52,22 @@ turns and p95 per link class, the p95 of the wait for a replica, mean replica ut
 share of turns prefilled locally.
 
     python tools/sim_fleet.py [--boxes 10000] [--replicas 4 6 8 10 12 16] [--device gpu|cpu]
-                              [--policies fixed-0.3 fixed-1.0 adaptive] [--write-docs] [--json]
+                              [--policies fixed-0.3 fixed-1.0 adaptive] [--seeds 0 1 2] [--jobs 2]
+                              [--write-docs] [--json]
                               [--json-out docs/bench/sim-fleet-....json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import math
 import re
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +76,7 @@ import sim_fleet_report as report
 
 from edgedecode.daemon.adaptive import PlanInputs, plan_kv
 from edgedecode.daemon.kv_pull import PullResult
-from edgedecode.daemon.link import LinkModel
+from edgedecode.daemon.link import LinkModel, Reprobes
 from edgedecode.daemon.local_speed import LocalPrefillModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +88,9 @@ BENCH = {
 LOCAL_BENCH = ROOT / "docs/bench/serve-cpu-vm-2026-11-26.json"  # the 2-core edge box's own prefill
 MIN_WIRE_BYTES = 64 << 10  # daemon.min_wire_bytes
 MIN_BUDGET, SPLIT_SLOWDOWN = 0.2, 1.3  # daemon.min_budget, daemon.split_slowdown
-HISTORY_S = 3600.0  # each box's one pull before the simulation was this long before it starts
+HISTORY_MIN_S = 300.0  # each box's one pull before the simulation was at least this long before it starts
+REPROBE_S = 3600.0  # daemon.link_reprobe_s
+WATCH_S, WATCH_MARGIN = 0.2, 0.8  # the watch's min_observe_s and margin (daemon.adaptive.SegmentWatch)
 USER_SIGMA, ANSWER_SIGMA, THINK_SIGMA = 0.8, 0.6, 0.8  # lognormal spreads (log space) of the workload
 
 
@@ -208,6 +220,7 @@ class Tier:
 class Box:
     link: Link
     model: LinkModel
+    reprobes: Reprobes
     turns_left: int = 0
     held: int = 0  # tokens of the conversation whose KV the box keeps
     last_answer: int = 0
@@ -233,10 +246,13 @@ def simulate(
     now = [0.0]
     shares = np.array([link.share for link in workload.links])
     picks = rng.choice(len(workload.links), workload.boxes, p=shares / shares.sum())
-    boxes = [Box(workload.links[i], LinkModel("tier", clock=lambda: now[0])) for i in picks]
+    boxes = [
+        Box(workload.links[i], LinkModel("tier", clock=lambda: now[0]), Reprobes(REPROBE_S, lambda: now[0]))
+        for i in picks
+    ]
     if policy == "adaptive":
-        now[0] = -HISTORY_S
         for box in boxes:
+            now[0] = -float(rng.uniform(HISTORY_MIN_S, REPROBE_S))
             _teach_history(box, service)
         now[0] = 0.0
     tier = Tier(replicas, routing)
@@ -265,8 +281,9 @@ def simulate(
         fp16 = new * FP16_BYTES_PER_TOKEN
         decision, budget, head = _plan(box, policy, new, prompt, fp16, local, target_s - workload.first_step_s)
         counted = t >= warmup_s
+        local_s = local.predict_seconds(new)
         if decision == "local":
-            ttft = local.predict_seconds(new)
+            ttft = local_s
             local_turns += counted
         else:
             sent = new - head
@@ -283,10 +300,15 @@ def simulate(
             ttft = headers_s + transfer_s
             if head:
                 ttft = max(ttft, local.predict_between(box.held, box.held + head))
-            else:  # as the daemon, which learns nothing from a split's pull (the head's compute shares its cores)
-                box.model.observe(
-                    PullResult(wire, sent * FP16_BYTES_PER_TOKEN, {}, ttft, seconds, headers_s, transfer_s, wire), new
-                )
+            elif policy == "adaptive" and ttft > target_s and headers_s + WATCH_S + local_s < WATCH_MARGIN * ttft:
+                ttft, transfer_s = headers_s + WATCH_S + local_s, WATCH_S  # cut by the watch; computed here
+                wire = int(WATCH_S * box.link.mbit_s * 1e6 / 8)
+            # as the daemon: a split's pull teaches no goodput (the head's compute shares its cores)
+            box.model.observe(
+                PullResult(wire, sent * FP16_BYTES_PER_TOKEN, {}, ttft, seconds, headers_s, transfer_s, wire),
+                new,
+                goodput=not head,
+            )
             if counted:
                 egress_bytes += wire
                 requests += 1
@@ -312,6 +334,7 @@ def simulate(
         "replicas": replicas,
         "policy": policy,
         "routing": routing,
+        "seed": seed,
         "turns_per_s": turns / sim_s,
         "requests_per_s": requests / sim_s,
         "egress_gbit_s": egress_bytes * 8 / sim_s / 1e9,
@@ -343,20 +366,26 @@ def _plan(
     if policy.startswith("fixed-"):
         return "remote", float(policy.removeprefix("fixed-")), 0
     held = box.held
-    plan = plan_kv(
-        PlanInputs(
-            target_s=target_s,
-            fixed_budget=0.3,
-            wire_bytes=lambda b: int(min(1.0, max(b, MIN_WIRE_BYTES / max(fp16, 1))) * fp16),
-            predict_remote_s=lambda wire: box.model.predict_fetch_s(wire, new),
-            local_s=local.predict_seconds(new),
-            min_budget=MIN_BUDGET,
-            tokens=new,
-            context_tokens=prompt,
-            local_head_s=lambda h: local.predict_between(held, held + h),
-            split_slowdown=SPLIT_SLOWDOWN,
+
+    def planned(reprobe: bool):
+        return plan_kv(
+            PlanInputs(
+                target_s=target_s,
+                fixed_budget=0.3,
+                wire_bytes=lambda b: int(min(1.0, max(b, MIN_WIRE_BYTES / max(fp16, 1))) * fp16),
+                predict_remote_s=lambda wire: box.model.predict_fetch_s(wire, new),
+                local_s=math.inf if reprobe else local.predict_seconds(new),
+                min_budget=MIN_BUDGET,
+                tokens=new,
+                context_tokens=prompt,
+                local_head_s=None if reprobe else lambda h: local.predict_between(held, held + h),
+                split_slowdown=SPLIT_SLOWDOWN,
+            )
         )
-    )
+
+    plan = planned(reprobe=False)
+    if plan.decision == "local" and box.reprobes.due("tier", box.model):
+        plan = planned(reprobe=True)  # as the daemon: the best pull, local prefill left out
     if plan.decision == "local":
         return "local", 0.0, 0
     return plan.decision, float(plan.budget or 0.3), plan.head
@@ -372,29 +401,27 @@ def main() -> None:
     parser.add_argument("--target-s", type=float, default=1.0, help="the adaptive policy's TTFT target")
     parser.add_argument("--sim-s", type=float, default=600.0)
     parser.add_argument("--warmup-s", type=float, default=300.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed and cell")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (processes)")
     parser.add_argument("--write-docs", action="store_true", help="rewrite docs/scale.md's simulation section")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     parser.add_argument("--json-out", type=Path, help="also write the rows as JSON to this file")
     args = parser.parse_args()
     workload = Workload(boxes=args.boxes)
-    service, local = ServiceModel.from_bench(BENCH[args.device]), local_model()
-    rows = [
-        simulate(
-            workload,
-            service,
-            r,
-            policy,
-            sim_s=args.sim_s,
-            warmup_s=args.warmup_s,
-            target_s=args.target_s,
-            routing=args.routing,
-            seed=args.seed,
-            local=local,
-        )
-        for policy in args.policies
-        for r in args.replicas
-    ]
+    service = ServiceModel.from_bench(BENCH[args.device])
+    cells = [(policy, r) for policy in args.policies for r in args.replicas]
+    run = functools.partial(
+        simulate,
+        workload,
+        service,
+        sim_s=args.sim_s,
+        warmup_s=args.warmup_s,
+        target_s=args.target_s,
+        routing=args.routing,
+    )  # each process makes its own local prefill model (it holds a lock)
+    with ProcessPoolExecutor(args.jobs) as pool:
+        runs = {(policy, r, seed): pool.submit(run, r, policy, seed=seed) for policy, r in cells for seed in args.seeds}
+        rows = [report.combine([runs[policy, r, seed].result() for seed in args.seeds]) for policy, r in cells]
     document = json.dumps(
         {
             "args": {**vars(args), "json_out": args.json_out and str(args.json_out)},

@@ -4,8 +4,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_BEGIN, DOCS_END = "<!-- sim_fleet: begin -->", "<!-- sim_fleet: end -->"
+
+
+SPREAD_KEYS = ("ttft_p50_s", "ttft_p95_s", "wait_p95_s")  # reported with their range over the seeds
+
+
+def combine(runs: list[dict]) -> dict:
+    """One cell's runs (one per seed) as one row: the median of each figure over the seeds, the
+    range of ``SPREAD_KEYS`` (``<key>_range``: [min, max]) and the runs themselves."""
+    first = runs[0]
+    row: dict = {key: first[key] for key in ("replicas", "policy", "routing")}
+    for key, value in first.items():
+        if isinstance(value, float):
+            row[key] = float(np.median([run[key] for run in runs]))
+    by_link = [run["ttft_p95_by_link_s"] for run in runs]
+    row["ttft_p95_by_link_s"] = {link: float(np.median([p95[link] for p95 in by_link])) for link in by_link[0]}
+    for key in SPREAD_KEYS:
+        row[f"{key}_range"] = [min(run[key] for run in runs), max(run[key] for run in runs)]
+    row["seeds"] = [run["seed"] for run in runs]
+    row["runs"] = runs
+    return row
+
+
+def _spread(row: dict, key: str) -> str:
+    """``key``'s median, with its range over the seeds when there were several."""
+    low, high = row[f"{key}_range"]
+    return f"{row[key]:.2f}" if len(row["seeds"]) == 1 else f"{row[key]:.2f} ({low:.2f}–{high:.2f})"
 
 
 def table(rows: list[dict]) -> str:
@@ -21,7 +49,8 @@ def table(rows: list[dict]) -> str:
         per_link = ", ".join(f"{row['ttft_p95_by_link_s'].get(link, float('nan')):.2f}" for link in links)
         lines.append(
             f"| {row['policy']} | {row['replicas']} | {row['requests_per_s']:.1f} | {row['egress_gbit_s']:.2f} "
-            f"| {row['ttft_p50_s']:.2f} | {row['ttft_p95_s']:.2f} | {per_link} | {row['wait_p95_s']:.2f} "
+            f"| {_spread(row, 'ttft_p50_s')} | {_spread(row, 'ttft_p95_s')} | {per_link} "
+            f"| {_spread(row, 'wait_p95_s')} "
             f"| {row['utilisation']:.0%} | {row['local_share']:.0%} |"
         )
     return "\n".join(lines)
@@ -33,8 +62,9 @@ def workload_json(workload) -> dict:
 
 
 def needed_replicas(rows: list[dict], policy: str, p95_s: float = 1.0) -> int | None:
-    """The fewest replicas whose p95 TTFT is within ``p95_s`` for ``policy`` (None: none simulated)."""
-    meeting = [row["replicas"] for row in rows if row["policy"] == policy and row["ttft_p95_s"] <= p95_s]
+    """The fewest replicas whose p95 TTFT is within ``p95_s`` for ``policy`` with every seed (None:
+    none simulated)."""
+    meeting = [row["replicas"] for row in rows if row["policy"] == policy and row["ttft_p95_s_range"][1] <= p95_s]
     return min(meeting) if meeting else None
 
 
@@ -61,21 +91,22 @@ def write_docs(args, rows: list[dict], table_text: str, bench: Path) -> None:
     command = (
         f"python tools/sim_fleet.py --boxes {args.boxes} --device {args.device} "
         f"--replicas {' '.join(map(str, args.replicas))} --policies {' '.join(args.policies)} "
-        f"--warmup-s {args.warmup_s:g} --sim-s {args.sim_s:g} --write-docs"
+        f"--warmup-s {args.warmup_s:g} --sim-s {args.sim_s:g} --seeds {' '.join(map(str, args.seeds))} --write-docs"
         + (f" --json-out {_relative(args.json_out)}" if args.json_out else "")
     )
     raw = f"; raw output `{_relative(args.json_out)}`" if args.json_out else ""
     section = "\n".join(
         [
             DOCS_BEGIN,
-            f"`{command}` (seed {args.seed}, {args.warmup_s:g} s warm-up, {args.sim_s:g} s measured; "
+            f"`{command}` ({args.warmup_s:g} s warm-up, {args.sim_s:g} s measured; the median over the seeds, "
+            "TTFT and wait with their range over the seeds; "
             f"service times: `{bench}`{raw}):",
             "",
             table_text,
             "",
             "![p95 TTFT and utilisation against replicas](scale.png)",
             "",
-            "Replicas needed for p95 TTFT ≤ 1 s: "
+            "Replicas needed for p95 TTFT ≤ 1 s with every seed: "
             + "; ".join(f"{p}: {n if n is not None else 'none of those simulated'}" for p, n in needs.items())
             + ".",
             DOCS_END,

@@ -84,8 +84,8 @@ class FetchOutcome:
 class KVFetch:
     """Fetches one turn's KV into a ``StreamedKV`` (see the module docstring).
 
-    ``link``: the endpoint's link model (taught by every segment unless ``teach_link`` is False);
-    ``local``: this box's prefill
+    ``link``: the endpoint's link model (taught by every segment that got an answer, complete or
+    cut; ``teach_goodput`` False: its round trip and server time only); ``local``: this box's prefill
     speed; ``min_budget``: the quality floor; ``quality``: what each way to get the rest costs;
     ``fp16_bytes_per_token``: the model's FP16 KV size.
     """
@@ -102,7 +102,7 @@ class KVFetch:
         quality: QualityCosts,
         fp16_bytes_per_token: int,
         wire_budget: Callable[[int, float], float],
-        teach_link: bool = True,
+        teach_goodput: bool = True,
     ) -> None:
         self.http = http
         self.settings = settings
@@ -113,7 +113,8 @@ class KVFetch:
         self.quality = quality
         self.fp16_bytes_per_token = fp16_bytes_per_token
         self.wire_budget = wire_budget  # (tokens, budget) -> the budget asked (raised for tiny payloads)
-        self.teach_link = teach_link  # False while other work shares the CPU (a split): its pulls are not the link's
+        # False while other work shares the CPU (a split): its transfers are not the link's goodput
+        self.teach_goodput = teach_goodput
 
     async def run(self, stream: StreamedKV, budget: float, deadline: float | None) -> FetchOutcome:
         """Fetch the KV of ``stream``'s prompt after the positions it covers (kept, or its head)
@@ -126,21 +127,21 @@ class KVFetch:
         prompt_ids = stream.prompt_ids
         n = len(prompt_ids)
         request: SegmentRequest | None = first_segment(prompt_ids, stream.covered, budget, self.settings.policy)
+        computed = n - stream.keep  # what the server prefills for the first segment (a split's head too)
         while request is not None:
-            tokens = n - stream.covered
             watch = self._watch(deadline, stream, n) if deadline is not None else None
             settings = self.settings if give_up is None else self._until(give_up)
             result = await pull_segment(
                 self.http, settings, request, stream, self.ingest, self.fp16_bytes_per_token, watch
             )
             outcome.segments.append(SegmentReport(request.budget, result))
+            if result.headers_seconds > 0:  # answered: what it measured teaches, even if it was cut short
+                asked = computed if request.path == "/v1/prefill" else 0  # a resume computes nothing
+                self.link.observe(result, asked, goodput=self.teach_goodput)
             if result.failure is not None:
                 logger.warning("KV segment at budget %.3g ended: %s", request.budget, result.failure)
-            else:
-                if self.teach_link:
-                    self.link.observe(result, tokens if request.path == "/v1/prefill" else 0)
-                if result.cut_reason:
-                    logger.info("KV segment cut after %d tokens: %s", result.tokens, result.cut_reason)
+            elif result.cut_reason:
+                logger.info("KV segment cut after %d tokens: %s", result.tokens, result.cut_reason)
             out_of_time = give_up is not None and time.perf_counter() >= give_up
             request = None if out_of_time else self._next(stream, n, outcome, deadline, watch)
         outcome.seconds = time.perf_counter() - started

@@ -78,8 +78,8 @@ class PullResult:
     tier_counts: dict[str, int]  # counted tokens per tier (a token's best tier over its layers)
     seconds: float
     server_seconds: float | None  # the prefill server's own time (its X-Prefill-Seconds header; informative)
-    headers_seconds: float = 0.0  # from sending the request to its response headers (round trip + server time)
-    transfer_seconds: float = 0.0  # from the body's first network read to its last
+    headers_seconds: float = 0.0  # request sent to response headers (round trip + server time); 0: none came
+    transfer_seconds: float = 0.0  # from the body's first network read to its last (or to the failure that broke it)
     transfer_bytes: int = 0  # bytes of the reads after the first (0: the body came in one read)
     complete: bool = True  # False: cut by the watch, or by a failure (its verified tokens counted)
     cut_reason: str | None = None  # the watch's reason
@@ -265,6 +265,8 @@ async def _transfer(
         raise KVPullError("bad_payload", f"the KV payload was refused: {exc}") from None
     except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
         failure = _network_failure(exc, timing.received, settings.url)
+        if timing.first_bytes:
+            timing.last_at = time.perf_counter()  # a silence before the failure is part of the transfer's time
         if pending is not None:
             await asyncio.wait([pending])  # the ingest thread's piece first
         if buffered and (pending is None or pending.exception() is None):

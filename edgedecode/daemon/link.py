@@ -1,4 +1,4 @@
-"""What the daemon knows of the link to each prefill server, learned from every pull.
+"""What the daemon knows of the link to each prefill server, learned from every pull that got an answer.
 
 For one endpoint a ``LinkModel`` keeps three moving averages across pulls:
 
@@ -12,6 +12,10 @@ For one endpoint a ``LinkModel`` keeps three moving averages across pulls:
   compute time as it reports it (``X-Prefill-Seconds``), floored at 0. A server that does not
   report its time has it folded into the round trip (and its compute time per token stays unknown);
 * the server's compute time per prompt token it was asked for.
+
+A pull cut short (by the daemon's watch, or broken off) teaches all three from what it measured
+before the cut; a split's pull (``observe(..., goodput=False)``) teaches the round trip and the
+server's time only, so a box that splits its turns still learns a tier's queueing.
 
 Each average is an exponentially weighted mean: a new pull weighs ``alpha`` of it once a few pulls
 are in. Its confidence (the weight of what it has seen) halves every ``half_life_s`` of idleness.
@@ -146,12 +150,16 @@ class LinkModel:
         self._seconds_per_byte = DecayingMean(alpha, half_life_s, min_weight)
         self._rtt = DecayingMean(alpha, half_life_s, min_weight)
         self._server_per_token = DecayingMean(alpha, half_life_s, min_weight)
+        self._observed_at = clock()  # the clock at the last observation, or when this model was made
 
-    def observe(self, result: PullResult, tokens: int) -> None:
-        """Learn from a successful pull of ``tokens`` prompt tokens' KV (those asked for: the prompt
-        less the held tokens)."""
-        now = self.clock()
-        if result.transfer_bytes >= max(self.min_transfer_bytes, 1) and result.transfer_seconds > 0:
+    def observe(self, result: PullResult, tokens: int, *, goodput: bool = True) -> None:
+        """Learn from a pull of ``tokens`` prompt tokens' KV (those the server computed for it: the
+        prompt less the held tokens) that got its response headers, whole or cut short (by the
+        watch, or a failure): a cut pull's bytes and time teach the goodput as a whole pull's do.
+        ``goodput`` False: its transfer is not the link's (a split's pull shares the cores with the
+        head's compute, which slows its ingest); only the round trip and the server's time are learned."""
+        now = self._observed_at = self.clock()
+        if goodput and result.transfer_bytes >= max(self.min_transfer_bytes, 1) and result.transfer_seconds > 0:
             self._seconds_per_byte.add(result.transfer_seconds / result.transfer_bytes, now)
         server = result.server_seconds
         if server is not None and not (math.isfinite(server) and server >= 0):
@@ -161,6 +169,11 @@ class LinkModel:
             self._server_per_token.add(server / tokens, now)
         if self.on_update is not None:
             self.on_update(self.estimate())
+
+    def since_observed(self) -> float:
+        """Seconds since a pull last taught this model, or since it was made (e.g. restored at a
+        restart) if none has."""
+        return self.clock() - self._observed_at
 
     def estimate(self) -> LinkEstimate:
         """The estimates now: fresh ones as learned, stale ones worsened by ``stale_margin``."""
@@ -261,3 +274,31 @@ class LinkModels:
             self.goodput.labels(endpoint).set(estimate.goodput_bps)
         if estimate.rtt_s is not None:
             self.rtt.labels(endpoint).set(estimate.rtt_s)
+
+
+class Reprobes:
+    """When a turn planned local should pull instead, to measure its link again (``daemon.link_reprobe_s``).
+
+    A box whose remembered link keeps every turn local never pulls, so it never sees the link get
+    faster. A re-probe is due for an endpoint once neither a pull has taught its model nor a
+    re-probe has been made for ``every_s`` seconds (0: never); ``due`` answering True counts as the
+    re-probe. Its cost is bounded by the pull's watch, which cuts a pull running late and computes
+    the rest here, and by the breaker for an endpoint that fails.
+    """
+
+    def __init__(self, every_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if every_s < 0:
+            raise ValueError(f"every_s must be >= 0 (0: never), not {every_s}")
+        self.every_s = every_s
+        self.clock = clock
+        self._last: dict[str, float] = {}  # endpoint -> when it was last re-probed
+
+    def due(self, endpoint: str, model: LinkModel) -> bool:
+        """Whether a turn to ``endpoint`` (its link ``model``) re-probes now (then counted as done)."""
+        if not self.every_s or model.since_observed() < self.every_s:
+            return False
+        now = self.clock()
+        if now - self._last.get(endpoint, -math.inf) < self.every_s:
+            return False
+        self._last[endpoint] = now
+        return True

@@ -79,6 +79,11 @@ class DaemonMetrics:
         )
         for decision in ("remote", "local"):
             self.decisions.labels(decision)
+        self.reprobes = Counter(
+            "edgedecode_link_reprobes_total",
+            "Turns planned local that pulled instead, to measure a link not measured for long (daemon.link_reprobe_s).",
+            registry=registry,
+        )
         self.ttft_target = Counter(
             "edgedecode_ttft_target_total",
             "Turns with a time-to-first-token target, by whether their first token came in time.",

@@ -9,7 +9,9 @@ bad payload), then decode on the worker thread and stream the text.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -27,7 +29,7 @@ from edgedecode.daemon.breaker import CircuitBreaker
 from edgedecode.daemon.kv_fetch import FetchOutcome, KVFetch
 from edgedecode.daemon.kv_memory import KVMemory
 from edgedecode.daemon.kv_pull import PullSettings
-from edgedecode.daemon.link import DecayingMean, LinkModels
+from edgedecode.daemon.link import DecayingMean, LinkModels, Reprobes
 from edgedecode.daemon.link_store import LinkStore
 from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
@@ -172,6 +174,7 @@ class DecodeService:
         # how much longer a split's pull takes than alone, as measured on this box (the configured
         # value until a split has been seen, and again after hours without one)
         self.split_slowdown = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
+        self.reprobes = Reprobes(d.link_reprobe_s)
         metrics.resident_kv.set_function(
             lambda: sum(slot.engine.length for slot in self.pool.slots) * self.kv_bytes_per_slot_token
         )
@@ -233,6 +236,9 @@ class DecodeService:
         if target_s is not None:  # the KV must be in before the prompt's last token runs and is sampled
             target_s -= self.local_speed.predict_seconds(1) if self.local_speed.ready else 0.0
         plan = self.plan(url, keep, len(prompt_ids), target_s)
+        if plan.decision == "local" and self.reprobes.due(url, self.links.get(url)):
+            self.metrics.reprobes.inc()
+            plan = self.plan(url, keep, len(prompt_ids), target_s, reprobe=True)
         report.decision, report.predicted_seconds, report.head_tokens = plan.decision, plan.predicted_s, plan.head
         self.metrics.decisions.labels(plan.decision).inc()
         if plan.decision == "local" or plan.budget is None:
@@ -242,11 +248,11 @@ class DecodeService:
         report.budget = self.budget_for(tokens - plan.head, plan.budget)
         deadline = None if target_s is None else time.perf_counter() + target_s
         if plan.head:
-            fetching = self._fetch(self._fetcher(url, teach_link=False), stream, report, deadline, plan.pull_s)
+            fetching = self._fetch(self._fetcher(url, teach_goodput=False), stream, report, deadline, plan.pull_s)
             return stream, asyncio.create_task(fetching)
         return (stream if await self._fetch(self._fetcher(url), stream, report, deadline) else None), None
 
-    def _fetcher(self, url: str, teach_link: bool = True) -> KVFetch:
+    def _fetcher(self, url: str, teach_goodput: bool = True) -> KVFetch:
         d = self.config.daemon
         assert self._http is not None
         settings = PullSettings(
@@ -268,7 +274,7 @@ class DecodeService:
             quality=self.quality,
             fp16_bytes_per_token=self.model.spec.kv_bytes_per_token_fp16,
             wire_budget=self.budget_for,
-            teach_link=teach_link,
+            teach_goodput=teach_goodput,
         )
 
     async def _fetch(
@@ -318,29 +324,32 @@ class DecodeService:
         floor = max(d.min_wire_bytes / fp16_bytes, tail_budget(max(tokens, 1), self.model.spec.kv_contract))
         return min(1.0, max(d.budget if budget is None else budget, floor))
 
-    def plan(self, url: str, keep: int, prompt_tokens: int, target_s: float | None) -> KVPlan:
+    def plan(self, url: str, keep: int, prompt_tokens: int, target_s: float | None, *, reprobe: bool = False) -> KVPlan:
         """Where the KV of the prompt's positions after ``keep`` should come from to arrive within
-        ``target_s`` (see adaptive.py)."""
+        ``target_s`` (see adaptive.py); ``reprobe``: the best pull, local prefill left out."""
         link = self.links.get(url)
         d = self.config.daemon
         tokens = prompt_tokens - keep
         fp16_bytes = max(tokens, 1) * self.model.spec.kv_bytes_per_token_fp16
         local = self.local_speed
-        return plan_kv(
+        plan = plan_kv(
             PlanInputs(
                 target_s=target_s,
                 fixed_budget=d.budget,
                 wire_bytes=lambda budget: int(self.budget_for(tokens, budget) * fp16_bytes),
                 predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, tokens),
-                local_s=local.predict_seconds(tokens),
+                local_s=math.inf if reprobe else local.predict_seconds(tokens),
                 min_budget=d.min_budget,
                 quality=self.quality,
                 tokens=tokens,
                 context_tokens=prompt_tokens,
-                local_head_s=lambda head: local.predict_between(keep, keep + head),
+                local_head_s=None if reprobe else lambda head: local.predict_between(keep, keep + head),
                 split_slowdown=max(self.split_slowdown.value(time.monotonic()) or d.split_slowdown, 1.0),
             )
         )
+        if reprobe:
+            plan = dataclasses.replace(plan, why=f"re-probing a link last measured long ago: {plan.why}")
+        return plan
 
     def _record_fetch(self, outcome: FetchOutcome, stream: StreamedKV, start: int, report: TurnReport) -> None:
         """Put what the fetch brought (positions from ``start`` on) in the report and the metrics."""
