@@ -5,23 +5,16 @@ written."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from tool_modules import import_tools
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
 CAP_S, TARGET_MS = 10.0, 1500.0
 
 
 @pytest.fixture(scope="module")
 def report():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import adaptive_report
-    finally:
-        sys.path.remove(str(TOOLS))
-    return adaptive_report
+    return import_tools("adaptive_report")[0]
 
 
 def _record(cell: str, trace: str, policy: str, ttft_ms: float, kv_used: str, decision: str | None = "remote") -> dict:

@@ -2,28 +2,18 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from gguf import GGUFReader
+from tool_modules import import_tools
 
 from edgedecode.model.fetch import register_gguf
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-
 
 @pytest.fixture(scope="module")
 def tools():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import bench_bytes
-        import synth_gguf
-    finally:
-        sys.path.remove(str(TOOLS))
-    return bench_bytes, synth_gguf
+    return import_tools("bench_bytes", "synth_gguf")
 
 
 def test_a_decode_step_reads_every_weight_once_and_no_table_in_full(tools, smollm2_gguf, tmp_path, monkeypatch):

@@ -5,24 +5,14 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
-
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+from tool_modules import import_tools
 
 
 @pytest.fixture(scope="module")
 def tools():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import bench_cuda
-        import bench_decode
-        import bench_shapes
-    finally:
-        sys.path.remove(str(TOOLS))
-    return bench_decode, bench_shapes, bench_cuda
+    return import_tools("bench_decode", "bench_shapes", "bench_cuda")
 
 
 def options(**overrides) -> argparse.Namespace:

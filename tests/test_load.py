@@ -7,22 +7,14 @@ stays within the budget."""
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
-
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+from tool_modules import import_tools
 
 
 @pytest.fixture(scope="module")
 def load_test():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import load_test
-    finally:
-        sys.path.remove(str(TOOLS))
-    return load_test
+    return import_tools("load_test")[0]
 
 
 def test_eight_concurrent_conversations_each_get_their_own_answers(load_test, smollm2_model):

@@ -4,30 +4,19 @@ replayed, and the report: goals met or missed by how much, tables and docs."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from tool_modules import import_tools
 
 from edgedecode.kv.tiers import Tier
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
 FP16, SLOT = 23_040, 46_080  # SmolLM2's bytes a token
 MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def tools():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import memory_docs
-        import memory_quality
-        import memory_report
-        import memory_workload
-    finally:
-        sys.path.remove(str(TOOLS))
-    return memory_workload, memory_quality, memory_report, memory_docs
+    return import_tools("memory_workload", "memory_quality", "memory_report", "memory_docs")
 
 
 def _conversations(workload, count: int, tokens: int, turns: int = 3, max_tokens: int = 8) -> list:

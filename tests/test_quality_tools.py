@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+from tool_modules import import_tools
 
 
 def test_kv_quality_writes_tables_and_plot(smollm2_model, tmp_path):
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import kv_quality
-    finally:
-        sys.path.remove(str(TOOLS))
+    (kv_quality,) = import_tools("kv_quality")
     kv_quality.main(
         [
             "--contexts",
@@ -59,11 +52,7 @@ def test_kv_quality_writes_tables_and_plot(smollm2_model, tmp_path):
 
 
 def test_kv_quality_report_keeps_other_models_sections():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import kv_quality
-    finally:
-        sys.path.remove(str(TOOLS))
+    (kv_quality,) = import_tools("kv_quality")
     report = kv_quality.merged_report("", "a", "## a\nold a")
     report = kv_quality.merged_report(report, "b", "## b\nfirst b")
     report = kv_quality.merged_report(report, "a", "## a\nnew a")
@@ -117,11 +106,7 @@ def _crossquant_part(cq, indices: list[int], targets: list[str], tokens: int = 1
 
 
 def test_crossquant_merges_runs_split_by_prompt_and_target():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import crossquant as cq
-    finally:
-        sys.path.remove(str(TOOLS))
+    (cq,) = import_tools("crossquant")
     whole = _crossquant_part(cq, [0, 1, 2], ["a", "b"])
     merged = cq.merge(
         [

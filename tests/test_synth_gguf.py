@@ -3,13 +3,11 @@ in edgedecode (and llama.cpp, where installed) as a real file does, with the sha
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
+from tool_modules import import_tools
 
 from edgedecode.model.fetch import register_gguf
 from edgedecode.model.graph import GraphOptions
@@ -17,17 +15,10 @@ from edgedecode.model.loader import load_model
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
-
 
 @pytest.fixture(scope="module")
 def synth_gguf():
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import synth_gguf
-    finally:
-        sys.path.remove(str(TOOLS))
-    return synth_gguf
+    return import_tools("synth_gguf")[0]
 
 
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_K_M"])  # the published SmolLM2 file covers Q4_1
