@@ -195,7 +195,7 @@ class _Decoder:
 
 
 MODEL = SimpleNamespace(
-    spec=SimpleNamespace(kv_bytes_per_token_fp16=2 * 2 * LAYERS * HEADS * HEAD_DIM),
+    spec=SimpleNamespace(kv_bytes_per_token_fp16=2 * 2 * LAYERS * HEADS * HEAD_DIM, kv_contract=CONTRACT),
     tokenizer=SimpleNamespace(stream_decoder=_Decoder),
     record=SimpleNamespace(name="fake"),
 )
