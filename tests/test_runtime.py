@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib.metadata
 
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from edgedecode.model import loader
 from edgedecode.model.graph import GraphOptions, GraphOptionsError
@@ -85,3 +88,25 @@ def test_a_built_graph_keeps_its_initializers_in_a_side_file(smollm2_model):
     side = loader.side_file(path)
     assert side.stat().st_size > 50 * path.stat().st_size
     assert loader.graph_bytes(path) == path.stat().st_size + side.stat().st_size
+
+
+def test_equal_initializers_are_stored_once_and_both_load(tmp_path):
+    """A tied LM head's codes and the embedding's: one copy in the side file, two initializers to onnxruntime."""
+    rng = np.random.default_rng(0)
+    table, other = rng.standard_normal((2, 64, 64)).astype(np.float32)
+    nodes = [helper.make_node("Add", ["a", "b"], ["ab"]), helper.make_node("Add", ["ab", "c"], ["y"])]
+    tensors = [numpy_helper.from_array(x, name) for x, name in ((table, "a"), (table, "b"), (other, "c"))]
+    output = helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 64])
+    opsets = [helper.make_opsetid("", 17)]
+    body = helper.make_graph(nodes, "tied", [], [output], tensors)
+    model = helper.make_model(body, ir_version=8, opset_imports=opsets)
+    graph = tmp_path / "tied.onnx"
+    loader.write_graph(model, graph, loader.side_file(graph))
+
+    saved = onnx.load(graph, load_external_data=False)
+    stored = {t.name: {e.key: e.value for e in t.external_data} for t in saved.graph.initializer}
+    assert stored["a"] == stored["b"] != stored["c"]
+    assert int(stored["c"]["offset"]) % loader.SIDE_FILE_ALIGNMENT == 0
+    assert loader.side_file(graph).stat().st_size == int(stored["c"]["offset"]) + other.nbytes
+    (y,) = create_session(graph, threads=1).run(None, {})
+    np.testing.assert_array_equal(y, table + table + other)

@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
 """Where the decode daemon's memory goes: the process's RSS after each stage of what the daemon does
 at start and on a turn, for onnxruntime's default CPU session settings and the variants that could
-cut memory (no CPU memory arena; no weight prepacking), each measured in a fresh process.
+cut memory (the prefill chunk; no CPU memory arena; no weight prepacking), each measured in a fresh
+process with the daemon's heap settings (serving/heap.py).
 
 Stages (a daemon's own order): Python and the imports; the model's spec and tokenizer (the GGUF
 reader is dropped once they are read); the INT4 decode session with --slots engines (weights,
 onnxruntime's prepacked copies; the slots' KV buffers commit no page yet); a --prompt-tokens turn
-computed locally plus 16 decode steps (its KV, float32, and the activations); the KV given back
-(``Engine.release_unused``: what stays is onnxruntime's working memory); a second such turn. Decode
-speed: the median ms per token of 64 steps after a 16-token prompt, over --runs runs, as a ratio
-against the default settings measured in the same run.
+of prose (tools/bench_prompts.py) computed locally plus 16 decode steps (its KV, float32, and the
+activations); the KV given back (``Engine.release_unused``: what stays is onnxruntime's working
+memory); a second such turn. Then the peak (VmHWM) and how much of the graph's side file is resident
+(onnxruntime maps it). Speed: the prefill's CPU ms per token over the two turns, and the median ms
+per decode token of 64 steps after a 16-token prompt over --runs runs, each as a ratio against the
+first variant measured in the same run.
 
-    python tools/rss_breakdown.py [--prompt-tokens 2048] [--slots 2] [--max-context 4096] [--threads 2]
-                                  [--runs 3] [--json FILE]
+    python tools/rss_breakdown.py [--model NAME] [--variants NAME ...] [--prompt-tokens 2048] [--slots 2]
+                                  [--max-context 4096] [--threads 2] [--runs 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -26,15 +29,22 @@ import time
 
 VARIANTS = {
     "default": {},
+    "prefill chunk 512": {"chunk": 512},
+    "prefill chunk 128": {"chunk": 128},
     "no CPU memory arena": {"arena": False},
     "no prepacking": {"config": {"session.disable_prepacking": "1"}},
 }
+DEFAULT_VARIANTS = ["default", "prefill chunk 512", "no CPU memory arena"]  # no prepacking: ~70x slower decode
 
 
-def measure(variant: dict, prompt_tokens: int, slots: int, max_context: int, threads: int, runs: int) -> dict:
-    """The stages' RSS (MiB) and the decode speed in this process, under ``variant``'s session settings."""
+def measure(variant: dict, model_name: str | None, sizes: tuple[int, int, int, int, int]) -> dict:
+    """The stages' RSS (MiB), the peak and the speeds in this process, under ``variant``'s settings."""
     import psutil
 
+    from edgedecode.serving.heap import return_freed_buffers
+
+    return_freed_buffers()
+    prompt_tokens, slots, max_context, threads, runs = sizes
     process = psutil.Process()
 
     def rss_mib() -> float:
@@ -42,9 +52,11 @@ def measure(variant: dict, prompt_tokens: int, slots: int, max_context: int, thr
 
     stages = [("python", rss_mib())]
     import numpy as np
+    from bench_prompts import prompt_tokens as prose
 
     from edgedecode.model.graph import GraphOptions
     from edgedecode.model.loader import load_model
+    from edgedecode.runtime import engine as engine_module
     from edgedecode.runtime.engine import Engine
     from edgedecode.runtime.sampler import SamplingParams
     from edgedecode.runtime.session import import_onnxruntime
@@ -52,7 +64,8 @@ def measure(variant: dict, prompt_tokens: int, slots: int, max_context: int, thr
     ort = import_onnxruntime()
     stages.append(("imports (numpy, onnxruntime, tokenizers, ...)", rss_mib()))
     _configure_sessions(ort, variant)
-    model = load_model()
+    engine_module.PREFILL_CHUNK_TOKENS = variant.get("chunk", engine_module.PREFILL_CHUNK_TOKENS)
+    model = load_model(model_name)
     stages.append(("model spec and tokenizer", rss_mib()))
     options = GraphOptions.for_device("decode", "cpu")
     first = Engine(model, options, max_context=max_context, device="cpu", threads=threads)
@@ -64,15 +77,18 @@ def measure(variant: dict, prompt_tokens: int, slots: int, max_context: int, thr
     rng = np.random.default_rng(0)
     greedy = SamplingParams(max_tokens=16, temperature=0, stop_token_ids=())
     engine = engines[0]
-    list(engine.generate(rng.integers(100, model.spec.vocab_size, prompt_tokens), greedy))
-    stages.append((f"a {prompt_tokens}-token turn + 16 steps", rss_mib()))
-    engine.reset()
-    engine.release_unused()
-    stages.append(("its KV given back", rss_mib()))
-    list(engine.generate(rng.integers(100, model.spec.vocab_size, prompt_tokens), greedy))
-    stages.append((f"a second {prompt_tokens}-token turn", rss_mib()))
-    engine.reset()
-    engine.release_unused()
+    text = prose(model.tokenizer, prompt_tokens + 1)
+    prefill_cpu = []
+    for turn, prompt in enumerate((text[:-1], text[1:])):  # two prompts: the second reuses no prefix
+        started = time.process_time()
+        for _ in engine.generate(prompt, greedy):
+            if not prefill_cpu[turn:]:
+                prefill_cpu.append((time.process_time() - started) / prompt_tokens)
+        stages.append((f"a {'second ' if turn else ''}{prompt_tokens}-token turn + 16 steps", rss_mib()))
+        engine.reset()
+        engine.release_unused()
+        if not turn:
+            stages.append(("its KV given back", rss_mib()))
     steps = SamplingParams(max_tokens=65, temperature=0, stop_token_ids=())
     per_token = []
     for _ in range(runs):
@@ -81,9 +97,31 @@ def measure(variant: dict, prompt_tokens: int, slots: int, max_context: int, thr
         per_token.append((time.perf_counter() - started - engine.stats.prefill_seconds) / engine.stats.decode_steps)
     return {
         "stages": stages,
+        "peak_mib": _peak_rss_mib(),
+        "side_file_mib": _side_file_rss_mib(),
         "kv_bytes_per_token": engine.kv_bytes_per_slot,
+        "prefill_cpu_ms_per_token": 1e3 * statistics.median(prefill_cpu),
         "decode_ms_per_token": 1e3 * statistics.median(per_token),
     }
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak RSS (VmHWM)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+
+
+def _side_file_rss_mib() -> float:
+    """Resident MiB of the mappings of graph side files (``*.onnx.data``), which onnxruntime maps."""
+    resident, in_side_file = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if not fields[0].endswith(":"):  # a mapping's header: address range, perms, offset, dev, inode, path
+                in_side_file = fields[-1].endswith(".onnx.data")
+            elif in_side_file and fields[0] == "Rss:":
+                resident += int(fields[1])
+    return resident / 1024
 
 
 def _configure_sessions(ort, variant: dict) -> None:
@@ -102,6 +140,8 @@ def _configure_sessions(ort, variant: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a registered model (default: the default model)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--max-context", type=int, default=4096)
@@ -112,10 +152,10 @@ def main() -> None:
     args = parser.parse_args()
     sizes = (args.prompt_tokens, args.slots, args.max_context, args.threads, args.runs)
     if args.variant:
-        print(json.dumps(measure(VARIANTS[args.variant], *sizes)))
+        print(json.dumps(measure(VARIANTS[args.variant], args.model, sizes)))
         return
     results = {}
-    for name in VARIANTS:
+    for name in args.variants:
         child = subprocess.run(
             [sys.executable, __file__, "--variant", name, *_size_args(args)], capture_output=True, text=True, check=True
         )
@@ -128,6 +168,7 @@ def main() -> None:
 
 def _size_args(args: argparse.Namespace) -> list[str]:
     return [
+        *([f"--model={args.model}"] if args.model else []),
         f"--prompt-tokens={args.prompt_tokens}",
         f"--slots={args.slots}",
         f"--max-context={args.max_context}",
@@ -147,13 +188,14 @@ def _print(results: dict, prompt_tokens: int) -> None:
             delta = rss - results[name]["stages"][i - 1][1] if i else 0.0
             cells.append(f"{rss:.0f} ({delta:+.0f})")
         print(f"| {stage} | " + " | ".join(cells) + " |")
-    baseline = results[names[0]]["decode_ms_per_token"]
-    speeds = ", ".join(
-        f"{name} {r['decode_ms_per_token']:.2f} ms ({r['decode_ms_per_token'] / baseline:.2f}×)"
-        for name, r in results.items()
-    )
+    for label, key in (("peak (VmHWM)", "peak_mib"), ("of it the graph's side file, at the end", "side_file_mib")):
+        print(f"| {label} | " + " | ".join(f"{results[name][key]:.0f}" for name in names) + " |")
+    for label, key in (("prefill CPU", "prefill_cpu_ms_per_token"), ("decode at past 16", "decode_ms_per_token")):
+        baseline = results[names[0]][key]
+        cells = " | ".join(f"{r[key]:.2f} ({r[key] / baseline:.2f}×)" for r in results.values())
+        print(f"| {label} ms/token (ratio) | {cells} |")
     kv_mib = results[names[0]]["kv_bytes_per_token"] * prompt_tokens / (1 << 20)
-    print(f"\ndecode ms/token at past 16, median: {speeds}; a {prompt_tokens}-token turn's KV: {kv_mib:.0f} MiB")
+    print(f"\na {prompt_tokens}-token turn's KV: {kv_mib:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 ``LocalPrefillModel`` interpolates log(seconds) linearly in log(n) between measured points (a power
 law between neighbours), extrapolating with the slope over the last (first) octave or more.
 
-Why not a fit of a + b·n + c·n²: the engine prefills in runs of at most PREFILL_CHUNK_TOKENS (512)
+Why not a fit of a + b·n + c·n²: the engine prefills in runs of at most PREFILL_CHUNK_TOKENS (512 then)
 tokens, so the curvature measured within one run (16..512 tokens) does not continue past it, and c
 is set by a few percent of noise at 512. Calibrated at 16, 128 and 512 tokens on 2 CPU cores
 (SmolLM2-135M, 6 calibrations), the quadratic predicted 1.18-1.24x the measured prefill at 1024

@@ -7,8 +7,8 @@ Two variants share every block but the linear layers, the embedding and the head
   4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
   for the asymmetric types (Q4_1, Q4_K, Q5_1, Q5_K), a per-block correction ``blocksum(x) @ C``
   computed once per distinct input (or, per ``GraphOptions.q4_1``, float zero points ``−m/d``: the
-  CUDA default, or a K-doubled "stacked" form); the block embedding table is shared by
-  GatherBlockQuantized and a tied LM head.
+  CUDA default, or a K-doubled "stacked" form); GatherBlockQuantized and a tied LM head read the
+  block embedding table's codes as two initializers, stored once in the side file.
 * ``prefill``: the higher-precision graph over dequantized weights (plain MatMul / Gemm).
 
 Both use GroupQueryAttention with RoPE fused (rotate-half order, post-RoPE keys written to the
@@ -158,8 +158,8 @@ class _Emitter:
         self._rope: dict[str, tuple[str, str]] = {}
         # The residual stream's dtype: float32 inside a float16 graph where the architecture's outgrows float16.
         self.residual_dt = np.dtype(np.float32) if not spec.traits.float16_residual else self.dt
-        self.embed_table: str | None = None  # initializer name, reused by a tied LM head
         self.embed: BlockQuantized | None = None  # the block embedding table, whose codes a tied head shares
+        self.embed_codes: np.ndarray | None = None  # its packed codes, which a tied head reads too
 
     def const(self, name: str, array: np.ndarray) -> str:
         return self.g.initializer(name, np.asarray(array))
@@ -227,12 +227,16 @@ class _Emitter:
         return self.g.op1("Add", [y, correction], name=f"{name}.corrected", outputs=outputs)
 
     def _qweight(self, name: str, w: BlockQuantized) -> str:
-        """The packed codes' initializer: the embedding's when ``w`` has its very codes (a tied LM head)."""
+        """The packed codes' initializer; the embedding's codes again when ``w`` has its very codes (a tied LM head).
+
+        A tied head gets an initializer of its own, which the side file stores once with the embedding's
+        (loader.write_graph): onnxruntime then maps the two apart, prepacks the head's and releases it,
+        and the gather's mapping holds only the rows it reads (0.5B shape: ~100 MiB less RSS).
+        """
         shared = self.embed
         same = shared is not None and w.codes is shared.codes and _weight_form(w) == _weight_form(shared)
-        if same and self.embed_table is not None:
-            return self.embed_table
-        return self.const(f"{name}.qweight", w.packed())
+        codes = self.embed_codes if same and self.embed_codes is not None else w.packed()
+        return self.const(f"{name}.qweight", codes)
 
     def _linear_stacked(self, x: str, w: BlockQuantized, name: str, outputs: list[str] | None) -> str:
         """``[x, x] @ [d·(q − z) | C·1]``: the offsets as a second K half of constant codes z + 1 scaled by C."""
@@ -287,11 +291,11 @@ class _Emitter:
         for a tied LM head; its offsets, where the type has them, are gathered and added per block.
         """
         if not isinstance(table, BlockQuantized):
-            self.embed_table = self.weight("embed.weight", table)
-            return self.g.op1("Gather", [self.embed_table, ids], name="embed", axis=0)
+            return self.g.op1("Gather", [self.weight("embed.weight", table), ids], name="embed", axis=0)
         hidden = table.shape[1]
         self.embed = table
-        self.embed_table = data = self.const("embed.qweight", table.packed())
+        self.embed_codes = table.packed()
+        data = self.const("embed.qweight", self.embed_codes)
         scales = self.weight("embed.scales", table.scales[..., None])
         blocks = self.g.op1(
             "GatherBlockQuantized",
@@ -310,17 +314,11 @@ class _Emitter:
         shape = self.const("embed_shape", np.array([0, 0, hidden], np.int64))
         return self.g.op1("Reshape", [blocks, shape], name="embed.reshape")
 
-    def _tied_table(self) -> str:
-        """The embedding's initializer, which a tied LM head reuses."""
-        assert self.embed_table is not None, "embedding() runs before a tied lm_head"
-        return self.embed_table
-
     def lm_head(self, h: str, tensors: ModelTensors) -> str:
-        tied = tensors.lm_head is None
         table = tensors.embedding if tensors.lm_head is None else tensors.lm_head
         if isinstance(table, BlockQuantized):
             return self._linear_nbits(h, table, "lm_head", output="logits")
-        weight = self._tied_table() if tied else self.weight("lm_head.weight", table)
+        weight = self.weight("lm_head.weight", table)  # tied: the embedding's bytes, stored once (see _qweight)
         flat = self.g.op1("Reshape", [h, self.const("head_flat", np.array([-1, self.spec.hidden_size], np.int64))])
         logits = self.g.op1("Gemm", [flat, weight], name="lm_head", transB=1)
         batch_seq = self.g.op1("Slice", [self.g.op1("Shape", [h]), self.shared("zero", [0]), self.shared("two", [2])])

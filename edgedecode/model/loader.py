@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import onnx
+from onnx.external_data_helper import set_external_data
 
 from edgedecode.model.gguf_file import open_gguf
 from edgedecode.model.graph import GraphOptions, build_graph
@@ -26,13 +27,42 @@ from edgedecode.model.weights import load_tensors
 
 logger = logging.getLogger(__name__)
 # Bump whenever graph.py, weights.py or onnx_builder.py change what they emit (6: the architectures of
-# ARCHITECTURES, and initializers in a side file).
-BUILDER_VERSION = 6
+# ARCHITECTURES, and initializers in a side file; 7: a tied LM head's own initializer, stored once).
+BUILDER_VERSION = 7
+# Initializers of at least this many bytes go to the side file (onnx's default threshold), each at an
+# offset aligned to the page size, which onnxruntime needs to map them.
+SIDE_FILE_MIN_BYTES = 1024
+SIDE_FILE_ALIGNMENT = 4096
 
 
 def side_file(graph: Path) -> Path:
     """The file beside a built graph that holds its initializers."""
     return graph.with_name(f"{graph.name}.data")
+
+
+def write_graph(model: onnx.ModelProto, graph: Path, side: Path) -> None:
+    """Save ``model`` to ``graph`` with its initializers in ``side`` (a name in the same folder).
+
+    Initializers with the same bytes are stored once and all point to them (a tied LM head and
+    the embedding): onnxruntime maps each initializer on its own, so each keeps its own resident
+    pages, while the file holds the bytes once. ``model``'s initializers are left pointing to ``side``.
+    """
+    stored: dict[bytes, tuple[int, int]] = {}
+    with side.open("wb") as out:
+        for tensor in model.graph.initializer:
+            data = tensor.raw_data
+            if len(data) < SIDE_FILE_MIN_BYTES:
+                continue
+            digest = hashlib.blake2b(data, digest_size=32).digest()
+            if digest not in stored:
+                offset = -(-out.tell() // SIDE_FILE_ALIGNMENT) * SIDE_FILE_ALIGNMENT
+                out.seek(offset)
+                out.write(data)
+                stored[digest] = (offset, len(data))
+            offset, length = stored[digest]
+            set_external_data(tensor, side.name, offset, length)
+            tensor.ClearField("raw_data")
+    onnx.save(model, graph)
 
 
 def graph_bytes(graph: Path) -> int:
@@ -79,7 +109,7 @@ class LoadedModel:
             # Initializers in a side file: onnxruntime maps it instead of copying it to the heap, which holds
             # ~75 MiB less for SmolLM2 and ~130 MiB less for the 0.5B shape (docs/performance.md), and
             # protobuf refuses a graph over 2 GiB (3B-class models) in one message.
-            onnx.save(model, partial, save_as_external_data=True, location=side_file(path).name)
+            write_graph(model, partial, side_file(path))
             os.replace(partial, path)
         return path
 

@@ -28,7 +28,11 @@ from edgedecode.runtime.sampler import Sampler, SamplingParams
 from edgedecode.runtime.session import create_session, graph_run_options
 
 logger = logging.getLogger(__name__)
-PREFILL_CHUNK_TOKENS = 512
+# Rows of one prompt run. onnxruntime's working memory for a run grows with its rows (attention scores
+# rows x heads x past, the MLP's activations) and its arena keeps the largest: on the 0.5B shape, a
+# 2048-token prompt peaks 74 MiB lower in runs of 256 than of 512, at the same prefill CPU time
+# (docs/performance.md, tools/rss_breakdown.py).
+PREFILL_CHUNK_TOKENS = 256
 
 
 # onnxruntime's CPU GroupQueryAttention handles a run's query rows in tiles of this many; a tile of one
