@@ -143,6 +143,9 @@ def test_the_store_keeps_a_windowed_conversations_tail_and_never_claims_cells_it
         logits.append(engine.prefill(PROMPT, keep=keep).copy())
     assert restored.windowed_from == 150 and whole.windowed_from == n - tail_tokens(contract)
     np.testing.assert_array_equal(logits[0], logits[1])  # INT8 rows are per token: the tail is the same
+    edited = PROMPT.copy()
+    edited[100] = (edited[100] + 1) % 95  # before the window: the restored prefix holds no windowed KV to go on
+    assert whole.restore(edited, store.peek("whole").payload) == 0 and whole.windowed_from == whole.next_position
     retiered = np.where(store_pins(scored.snapshot.positions), Tier.INT8, Tier.INT4).astype(np.uint8)
     store.put("b", scored.snapshot, tiers=retiered)  # what the ladder's first rung leaves
     entry = store.peek("b")

@@ -224,6 +224,9 @@ class KVMemory:
                 loop = asyncio.get_running_loop()
                 snapshot, held = await loop.run_in_executor(self.ingest, engine.export_positions)
                 importance, window_from = engine.given_importance(), engine.windowed_from
+                if window_from >= snapshot.n_tokens:  # its windowed layers hold nothing to go on from (kv.window)
+                    logger.info("KV memory: nothing of %s can be kept: its KV ends before its window", session)
+                    snapshot = None
             else:
                 self.store.record_eviction(session, "max_sessions")
         engine.reset()

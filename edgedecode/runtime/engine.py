@@ -647,8 +647,11 @@ class Engine:
     @property
     def windowed_from(self) -> int:
         """The first position whose KV this engine holds in its windowed (sliding-window) layers too: 0, or the
-        start of a pulled or restored KV's window (the positions before it hold KV in the global layers only)."""
-        return int(self._positions[0, self._window_from]) if 0 < self._window_from < self.length else 0
+        start of a pulled or restored KV's window (the positions before it hold KV in the global layers only);
+        ``next_position`` when no slot holds any (a restore cut before its window: nothing here can go on)."""
+        if self._window_from == 0:
+            return 0
+        return int(self._positions[0, self._window_from]) if self._window_from < self.length else self.next_position
 
     @property
     def windowed_tail(self) -> int:
