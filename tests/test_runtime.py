@@ -90,7 +90,7 @@ def test_a_built_graph_keeps_its_initializers_in_a_side_file(smollm2_model):
     assert loader.graph_bytes(path) == path.stat().st_size + side.stat().st_size
 
 
-def test_equal_initializers_are_stored_once_and_both_load(tmp_path):
+def test_equal_initializers_are_stored_once_and_a_rebuild_replaces_the_files_whole(tmp_path):
     """A tied LM head's codes and the embedding's: one copy in the side file, two initializers to onnxruntime."""
     rng = np.random.default_rng(0)
     table, other = rng.standard_normal((2, 64, 64)).astype(np.float32)
@@ -108,5 +108,13 @@ def test_equal_initializers_are_stored_once_and_both_load(tmp_path):
     assert stored["a"] == stored["b"] != stored["c"]
     assert int(stored["c"]["offset"]) % loader.SIDE_FILE_ALIGNMENT == 0
     assert loader.side_file(graph).stat().st_size == int(stored["c"]["offset"]) + other.nbytes
-    (y,) = create_session(graph, threads=1).run(None, {})
+    session = create_session(graph, threads=1)  # maps the side file
+    (y,) = session.run(None, {})
     np.testing.assert_array_equal(y, table + table + other)
+    # another process building the same graph meanwhile: a new file renamed into place (never the mapped one
+    # rewritten, which truncates it under the mapping: SIGBUS), the mapping intact
+    mapped = loader.side_file(graph).stat().st_ino
+    loader.write_graph(model, graph, loader.side_file(graph))
+    assert loader.side_file(graph).stat().st_ino != mapped
+    np.testing.assert_array_equal(session.run(None, {})[0], y)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tied.onnx", "tied.onnx.data"]

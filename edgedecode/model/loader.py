@@ -46,9 +46,15 @@ def write_graph(model: onnx.ModelProto, graph: Path, side: Path) -> None:
     Initializers with the same bytes are stored once and all point to them (a tied LM head and
     the embedding): onnxruntime maps each initializer on its own, so each keeps its own resident
     pages, while the file holds the bytes once. ``model``'s initializers are left pointing to ``side``.
+
+    Both files are written under names of this process's own and renamed into place, the side file
+    first: two processes building the same graph at once each leave whole files, and one that has
+    mapped an earlier side file keeps it (rewriting it in place under a live mapping is a SIGBUS).
     """
+    partial = f"partial-{os.getpid()}"
+    partial_side, partial_graph = side.with_name(f"{side.name}.{partial}"), graph.with_name(f"{graph.name}.{partial}")
     stored: dict[bytes, tuple[int, int]] = {}
-    with side.open("wb") as out:
+    with partial_side.open("wb") as out:
         for tensor in model.graph.initializer:
             data = tensor.raw_data
             if len(data) < SIDE_FILE_MIN_BYTES:
@@ -62,7 +68,9 @@ def write_graph(model: onnx.ModelProto, graph: Path, side: Path) -> None:
             offset, length = stored[digest]
             set_external_data(tensor, side.name, offset, length)
             tensor.ClearField("raw_data")
-    onnx.save(model, graph)
+    onnx.save(model, partial_graph)
+    os.replace(partial_side, side)
+    os.replace(partial_graph, graph)
 
 
 def graph_bytes(graph: Path) -> int:
@@ -105,12 +113,10 @@ class LoadedModel:
             tensors = load_tensors(open_gguf(self.record.gguf_path), self.spec, dense=options.kind == "prefill")
             model = build_graph(self.spec, tensors, options)
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".partial-{os.getpid()}")
             # Initializers in a side file: onnxruntime maps it instead of copying it to the heap, which holds
             # ~75 MiB less for SmolLM2 and ~130 MiB less for the 0.5B shape (docs/performance.md), and
             # protobuf refuses a graph over 2 GiB (3B-class models) in one message.
-            write_graph(model, partial, side_file(path))
-            os.replace(partial, path)
+            write_graph(model, path, side_file(path))
         return path
 
 
