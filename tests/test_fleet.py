@@ -274,15 +274,19 @@ def test_a_redeploy_drains_each_replica_after_its_request_in_flight(fleet, fleet
     threads: list[threading.Thread] = []
 
     def send() -> None:
-        token_ids = rng.integers(100, 40000, 1500).tolist()  # a few seconds of prefill on one thread
+        token_ids = rng.integers(100, 40000, 2000).tolist()  # a second or more of prefill on one thread
         threads.append(threading.Thread(target=_prefill_into, args=(fleet, token_ids, results)))
         threads[-1].start()
 
-    for _ in range(4):  # long prompts, one at a time, until both replicas have one in hand
+    # long prompts, each sent as soon as the one before is in a replica's hands (on a quiet machine a prompt
+    # is done within a couple of seconds, so waiting longer lets them run one after the other), until both
+    # replicas have one
+    for _ in range(6):
+        before = _busy(fleet, old)
         send()
         deadline = time.monotonic() + 2.0
-        while _busy(fleet, old) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while _busy(fleet, old) <= before and time.monotonic() < deadline:
+            time.sleep(0.02)
         if _busy(fleet, old) == 2:
             break
     assert _busy(fleet, old) == 2, "both replicas should be prefilling"
