@@ -50,6 +50,13 @@ def tail_budget(tokens: int, contract: KVContract, floor_tier: Tier = Tier.INT4)
     return (kv + HEADER_BYTES + HEADER_BYTES_PER_TOKEN * tokens) / (tokens * fp16)
 
 
+def window_covers(first_slot: int, slot: int, contract: KVContract) -> bool:
+    """Whether a token run at cache ``slot`` finds KV in its windowed layers for every slot its window spans (the
+    last ``sliding_window`` slots, itself included), those layers holding KV from ``first_slot`` on."""
+    window = contract.sliding_window if contract.sliding_layers else None
+    return first_slot == 0 or window is None or first_slot <= slot - window + 1
+
+
 def window_start(kept: np.ndarray, count: int) -> int:
     """Index of the first of the last ``count`` kept tokens of bool ``kept`` [n] (0 when fewer are kept)."""
     kept_index = np.flatnonzero(kept)

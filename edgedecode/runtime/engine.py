@@ -17,7 +17,7 @@ import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
-from edgedecode.kv.window import tail_tokens
+from edgedecode.kv.window import tail_tokens, window_covers
 from edgedecode.kv.wire import EDKVHeader, EDKVReader
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
@@ -220,8 +220,7 @@ class Engine:
 
     def _window_covers(self, slot: int) -> bool:
         """Whether a token run at cache ``slot`` finds KV in its windowed layers for every slot its window spans."""
-        window = self.spec.sliding_window if self.spec.sliding_layers else None
-        return self._window_from == 0 or window is None or self._window_from <= slot - window + 1
+        return window_covers(self._window_from, slot, self.spec.kv_contract)
 
     @property
     def kv_preallocated(self) -> bool:
@@ -509,7 +508,7 @@ class Engine:
         self._history[:common] = prompt_ids[:common]
         self._importance[:common] = np.nan if header.importance is None else header.importance[:common]
         self.cache.length = slots
-        self._window_from = int(header.slots_before[min(header.window.start, common)]) if header.window else 0
+        self._window_from = header.windowed_slot(common)
         return self.reusable_prefix(prompt_ids)
 
     def _restore_target(self, header: EDKVHeader) -> np.ndarray:
@@ -542,9 +541,8 @@ class Engine:
             injected = 0
         elif stream.window_from:
             self._window_from = stream.window_from
-        self.cache.commit_ingest(
-            [(segment.first_slot, segment.slots) for segment in stream.segments if injected], after_head + injected
-        )
+        spans = [(segment.first_slot, segment.slots) for segment in stream.segments] if injected else []
+        self.cache.commit_ingest(spans, after_head + injected)
         logits = self._process_prompt(
             prompt_ids,
             after_head,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.kv.snapshot import KVSnapshot
+from edgedecode.kv.window import window_covers
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, ReadProgress
 
 SegmentReader = Callable[[int, int], EDKVReader]
@@ -169,10 +170,9 @@ class StreamedKV:
         last segment with an EDKV window starts it (0: no segment left any windowed cell out)."""
         first = 0
         for segment in self.segments:
-            if segment.header is not None and segment.header.window is not None:
-                start = min(segment.header.window.start, segment.tokens)
-                if start:
-                    first = segment.first_slot + int(segment.header.slots_before[start])
+            windowed = 0 if segment.header is None else segment.header.windowed_slot(segment.tokens)
+            if windowed:
+                first = segment.first_slot + windowed
         return first
 
     @property
@@ -180,14 +180,8 @@ class StreamedKV:
         """The first position this box could compute the rest of the prompt from: ``covered``, unless a segment
         cut before its window leaves the windowed layers without the KV the next token attends to — then the
         segments cannot be continued here, and everything after the kept and head positions is computed."""
-        first = self.window_from
         contract = next((s.header.contract for s in self.segments if s.header is not None), None)
-        if (
-            not first
-            or contract is None
-            or not contract.sliding_window
-            or first <= self.slots - contract.sliding_window + 1
-        ):
+        if contract is None or window_covers(self.window_from, self.slots, contract):
             return self.covered
         return self.keep + self.head
 

@@ -147,6 +147,11 @@ class EDKVHeader:
         except OverflowError:
             raise KVMalformedError("chunks", "a value beyond the int64 range") from None
 
+    def windowed_slot(self, tokens: int) -> int:
+        """The compacted slot, among those of the first ``tokens`` tokens, from which the windowed layers hold KV
+        (0: every slot, or no window)."""
+        return 0 if self.window is None else int(self.slots_before[min(self.window.start, tokens)])
+
     def slot_range(self, chunk: ChunkSpec) -> slice:
         """The compacted slots that the kept tokens of `chunk` fill."""
         return slice(int(self.slots_before[chunk.token_start]), int(self.slots_before[chunk.token_stop]))
