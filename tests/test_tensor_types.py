@@ -17,6 +17,7 @@ from gguf.quants import dequantize
 from graph_helpers import run_graph
 from synthetic_gguf import TinyLlama, write_tiny_llama
 
+from edgedecode.model import graph as graph_module
 from edgedecode.model.gguf_file import open_gguf
 from edgedecode.model.graph import Q4_1_MODES, GraphOptions, build_graph
 from edgedecode.model.reference import reference_forward
@@ -151,6 +152,26 @@ def test_every_mix_builds_graphs_that_match_the_reference(name, kind, q4_1, mixe
     reference = reference_forward(spec, tensors, ids.tolist())
     print(f"{name} {kind} {q4_1}: max |logit diff| vs numpy reference {np.abs(logits - reference.logits).max():.2e}")
     np.testing.assert_allclose(logits, reference.logits, atol=1e-4)
+
+
+def test_by_size_puts_large_matmuls_in_the_correction_and_small_ones_in_zero_points(monkeypatch, mixes):
+    """``q4_1="by_size"`` (the CUDA default) decides per matmul: with the bar between the tiny model's
+    fused gate+up (256 x 1024) and its other matrices, gate+up gets the correction, q/k/v, o and down
+    get float zero points, and the mixed graph still computes what the reference does."""
+    monkeypatch.setattr(graph_module, "BY_SIZE_CORRECTION_ELEMENTS", 200_000)
+    reader, spec = mixes["tied 4-bit with offsets"]
+    tensors = load_tensors(reader, spec, dense=False)
+    options = GraphOptions("decode", "float32", 0, q4_1="by_size")
+    names = {init.name for init in build_graph(spec, tensors, options).graph.initializer}
+    for layer in range(spec.n_layers):
+        assert f"layers.{layer}.mlp.gate_up.correction" in names
+        assert f"layers.{layer}.mlp.gate_up.zero_points" not in names
+        for small in ("attn.qkv", "attn.o", "mlp.down"):
+            assert f"layers.{layer}.{small}.zero_points" in names
+            assert f"layers.{layer}.{small}.correction" not in names
+    ids = np.random.default_rng(1).integers(0, DIMS.vocab, 19)
+    logits = run_graph(spec, tensors, options, ids)
+    np.testing.assert_allclose(logits, reference_forward(spec, tensors, ids.tolist()).logits, atol=1e-4)
 
 
 CUDA = pytest.param(

@@ -6,8 +6,9 @@ Two variants share every block but the linear layers, the embedding and the head
 * ``decode``: the INT4 edge graph. Linear layers are MatMulNBits without zero points (the fast path),
   4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
   for the asymmetric types (Q4_1, Q4_K, Q5_1, Q5_K), a per-block correction ``blocksum(x) @ C``
-  computed once per distinct input (or, per ``GraphOptions.q4_1``, float zero points ``−m/d``: the
-  CUDA default, or a K-doubled "stacked" form); GatherBlockQuantized and a tied LM head read the
+  computed once per distinct input (or, per ``GraphOptions.q4_1``, float zero points ``−m/d``, a
+  K-doubled "stacked" form, or, the CUDA default, zero points for small matmuls and the correction
+  for large ones); GatherBlockQuantized and a tied LM head read the
   block embedding table's codes as two initializers, stored once in the side file.
 * ``prefill``: the higher-precision graph over dequantized weights (plain MatMul / Gemm).
 
@@ -55,12 +56,19 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 #   CUDA it dequantizes the weight and runs a cuBLAS GEMM: two kernels a linear);
 # "stacked": one MatMulNBits over [x, x] with K doubled, the second half's codes 2^(bits−1)+1 scaled by C
 #   (exact like "correction"; one Concat per distinct input instead of ReduceSum, MatMul and Add per matmul).
-Q4_1_MODES = ("correction", "zero_point", "stacked")
-# The form each device's decode graph ships with. CUDA: the float zero point (the GPU time of the
-# linear layers drops from 1.15 to 0.65 ms a token: 650 instead of 463 tok/s on an H100, with faster
-# prompt passes than "stacked"; docs/performance.md). CPU: the correction, since onnxruntime's CPU
-# kernel takes a ~20x slower path with float zero points.
-DEVICE_Q4_1 = {"cpu": "correction", "cuda": "zero_point"}
+# "by_size": each matmul by its size, "zero_point" below BY_SIZE_CORRECTION_ELEMENTS weights, "correction"
+#   from there on.
+Q4_1_MODES = ("correction", "zero_point", "stacked", "by_size")
+# On CUDA, onnxruntime 1.31 dequantizes a float-zero-point weight into a scratch buffer at every step
+# (~1.3 ps a weight on an H200), while the correction costs a few small kernels a matmul (~9 µs with
+# CUDA graphs): measured on one H200, "zero_point" decodes the 135M and 0.5B shapes 1.3-1.4x faster
+# than "correction" and the 1B and 3B shapes 1.5-1.7x slower (docs/performance.md, "Choosing the
+# offset form by size"). The break-even is ~7 M weights a matmul; 10 M keeps every matrix of the 0.5B
+# shape (the largest: 8.7 M) in the zero-point form and moves the 1B shape's MLP (17-34 M) to the correction.
+BY_SIZE_CORRECTION_ELEMENTS = 10_000_000
+# The form each device's decode graph ships with. CUDA: by size (above). CPU: the correction, since
+# onnxruntime's CPU kernel takes a ~20x slower path with float zero points.
+DEVICE_Q4_1 = {"cpu": "correction", "cuda": "by_size"}
 # The widths onnxruntime 1.31's CPU MatMulNBits takes float zero points at ("Only 2b and 4b quantization
 # is supported for unpacked compute"); 8-bit weights with offsets (Q5_1, Q5_K) keep the correction in every mode.
 FLOAT_ZERO_POINT_BITS = (2, 4)
@@ -197,6 +205,8 @@ class _Emitter:
         n, k = w.shape
         outputs = None if output is None else [output]
         mode = self.opt.q4_1 if w.offsets is not None else None
+        if mode == "by_size":
+            mode = "correction" if n * k >= BY_SIZE_CORRECTION_ELEMENTS else "zero_point"
         if mode == "zero_point" and w.bits not in FLOAT_ZERO_POINT_BITS:
             mode = "correction"
         if mode == "zero_point":
