@@ -154,21 +154,21 @@ def test_every_mix_builds_graphs_that_match_the_reference(name, kind, q4_1, mixe
     np.testing.assert_allclose(logits, reference.logits, atol=1e-4)
 
 
-def test_by_size_puts_large_matmuls_in_the_correction_and_small_ones_in_zero_points(monkeypatch, mixes):
-    """``q4_1="by_size"`` (the CUDA default) decides per matmul: with the bar between the tiny model's
-    fused gate+up (256 x 1024) and its other matrices, gate+up gets the correction, q/k/v, o and down
-    get float zero points, and the mixed graph still computes what the reference does."""
-    monkeypatch.setattr(graph_module, "BY_SIZE_CORRECTION_ELEMENTS", 200_000)
+@pytest.mark.parametrize(("bar", "form"), [(0, "correction"), (10**12, "zero_point")])
+def test_by_size_takes_the_correction_for_large_models_and_zero_points_for_small_ones(bar, form, monkeypatch, mixes):
+    """``q4_1="by_size"`` (the CUDA default) builds the graph of the form the model's size calls for:
+    the correction's nodes (``*.correction``) or float zero points, never both, and either computes
+    what the reference does."""
+    monkeypatch.setattr(graph_module, "BY_SIZE_CORRECTION_ELEMENTS", bar)
     reader, spec = mixes["tied 4-bit with offsets"]
     tensors = load_tensors(reader, spec, dense=False)
+    assert graph_module.offset_form_by_size(tensors) == form
     options = GraphOptions("decode", "float32", 0, q4_1="by_size")
     names = {init.name for init in build_graph(spec, tensors, options).graph.initializer}
     for layer in range(spec.n_layers):
-        assert f"layers.{layer}.mlp.gate_up.correction" in names
-        assert f"layers.{layer}.mlp.gate_up.zero_points" not in names
-        for small in ("attn.qkv", "attn.o", "mlp.down"):
-            assert f"layers.{layer}.{small}.zero_points" in names
-            assert f"layers.{layer}.{small}.correction" not in names
+        for matmul in ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down"):
+            assert (f"layers.{layer}.{matmul}.correction" in names) == (form == "correction")
+            assert (f"layers.{layer}.{matmul}.zero_points" in names) == (form == "zero_point")
     ids = np.random.default_rng(1).integers(0, DIMS.vocab, 19)
     logits = run_graph(spec, tensors, options, ids)
     np.testing.assert_allclose(logits, reference_forward(spec, tensors, ids.tolist()).logits, atol=1e-4)

@@ -7,7 +7,7 @@ Two variants share every block but the linear layers, the embedding and the head
   4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
   for the asymmetric types (Q4_1, Q4_K, Q5_1, Q5_K), a per-block correction ``blocksum(x) @ C``
   computed once per distinct input (or, per ``GraphOptions.q4_1``, float zero points ``−m/d``, a
-  K-doubled "stacked" form, or, the CUDA default, zero points for small matmuls and the correction
+  K-doubled "stacked" form, or, the CUDA default, zero points for small models and the correction
   for large ones); GatherBlockQuantized and a tied LM head read the
   block embedding table's codes as two initializers, stored once in the side file.
 * ``prefill``: the higher-precision graph over dequantized weights (plain MatMul / Gemm).
@@ -23,7 +23,7 @@ logits are computed, so a prompt pass pays for one LM-head row instead of S.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import groupby
 
 import numpy as np
@@ -56,16 +56,17 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 #   CUDA it dequantizes the weight and runs a cuBLAS GEMM: two kernels a linear);
 # "stacked": one MatMulNBits over [x, x] with K doubled, the second half's codes 2^(bits−1)+1 scaled by C
 #   (exact like "correction"; one Concat per distinct input instead of ReduceSum, MatMul and Add per matmul).
-# "by_size": each matmul by its size, "zero_point" below BY_SIZE_CORRECTION_ELEMENTS weights, "correction"
-#   from there on.
+# "by_size": "zero_point" for a model whose layers hold fewer than BY_SIZE_CORRECTION_ELEMENTS weights with
+#   offsets each (on average), "correction" for a larger one.
 Q4_1_MODES = ("correction", "zero_point", "stacked", "by_size")
-# On CUDA, onnxruntime 1.31 dequantizes a float-zero-point weight into a scratch buffer at every step
-# (~1.3 ps a weight on an H200), while the correction costs a few small kernels a matmul (~9 µs with
-# CUDA graphs): measured on one H200, "zero_point" decodes the 135M and 0.5B shapes 1.3-1.4x faster
-# than "correction" and the 1B and 3B shapes 1.5-1.7x slower (docs/performance.md, "Choosing the
-# offset form by size"). The break-even is ~7 M weights a matmul; 10 M keeps every matrix of the 0.5B
-# shape (the largest: 8.7 M) in the zero-point form and moves the 1B shape's MLP (17-34 M) to the correction.
-BY_SIZE_CORRECTION_ELEMENTS = 10_000_000
+# On CUDA, onnxruntime 1.31 dequantizes a float-zero-point weight into a scratch buffer at every step,
+# a cost that grows with the weights, while the correction costs a few small kernels a matmul, a cost
+# that does not. Measured on one H200 (docs/performance.md, "Choosing the offset form by size"): zero
+# points decode the SmolLM2 (3.5 M offset weights a layer) and 0.5B shapes (15 M) 1.3-1.4x faster than
+# the correction; the 1B (61 M) and 3B (113 M) shapes 1.2-1.75x slower. Mixing the forms matmul by matmul
+# measured slower than the correction alone on the 3B shape, so the choice is per graph; 30 M lies
+# between the measured sizes, the break-even itself was not measured.
+BY_SIZE_CORRECTION_ELEMENTS = 30_000_000
 # The form each device's decode graph ships with. CUDA: by size (above). CPU: the correction, since
 # onnxruntime's CPU kernel takes a ~20x slower path with float zero points.
 DEVICE_Q4_1 = {"cpu": "correction", "cuda": "by_size"}
@@ -205,8 +206,6 @@ class _Emitter:
         n, k = w.shape
         outputs = None if output is None else [output]
         mode = self.opt.q4_1 if w.offsets is not None else None
-        if mode == "by_size":
-            mode = "correction" if n * k >= BY_SIZE_CORRECTION_ELEMENTS else "zero_point"
         if mode == "zero_point" and w.bits not in FLOAT_ZERO_POINT_BITS:
             mode = "correction"
         if mode == "zero_point":
@@ -490,9 +489,23 @@ def _stack(weights: list) -> BlockQuantized | np.ndarray:
     return concat_rows(weights) if isinstance(weights[0], BlockQuantized) else np.concatenate(weights)
 
 
+def offset_form_by_size(tensors: ModelTensors) -> str:
+    """The Q4_1 mode "by_size" stands for with these weights: "correction" where the layers' matrices
+    with offsets hold BY_SIZE_CORRECTION_ELEMENTS weights or more a layer on average, else "zero_point"."""
+    with_offsets = sum(
+        w.shape[0] * w.shape[1]
+        for layer in tensors.layers
+        for w in (*layer.qkv, layer.o, *layer.gate_up, layer.down)
+        if isinstance(w, BlockQuantized) and w.offsets is not None
+    )
+    return "correction" if with_offsets >= BY_SIZE_CORRECTION_ELEMENTS * len(tensors.layers) else "zero_point"
+
+
 def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -> onnx.ModelProto:
     """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so)."""
     tensors = requantize_layers(tensors, options.weight_format)
+    if options.q4_1 == "by_size":
+        options = replace(options, q4_1=offset_form_by_size(tensors))
     e = _Emitter(spec, options)
     g = e.g
     dt = onnx_dtype(options.np_dtype)
