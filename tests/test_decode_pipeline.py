@@ -300,7 +300,7 @@ def request(prompt: np.ndarray = PROMPT, session: str | None = None) -> Completi
 async def run_turn(service: DecodeService, prompt: np.ndarray = PROMPT, session: str | None = None) -> Turn:
     turn = service.turn(request(prompt, session), "client", time.perf_counter())
     await turn.open()
-    text = "".join([piece async for piece in turn.pieces()])
+    text = "".join([piece.text async for piece in turn.pieces()])
     assert text == EXPECTED_TEXT
     return turn
 
@@ -495,7 +495,7 @@ def targeted(ms: float) -> CompletionRequest:
 async def targeted_turn(service: DecodeService, ms: float) -> Turn:
     turn = service.turn(targeted(ms), "client", time.perf_counter())
     await turn.open()
-    assert "".join([piece async for piece in turn.pieces()]) == EXPECTED_TEXT
+    assert "".join([piece.text async for piece in turn.pieces()]) == EXPECTED_TEXT
     return turn
 
 

@@ -274,7 +274,7 @@ def test_auth_limits_and_malformed_requests_get_clear_errors(daemon):
     assert status == 413 and error["error"]["type"] == "request_too_large"
     status, error = _post(chat, b"{not json")
     assert status == 400 and "not valid JSON" in error["error"]["message"]
-    status, error = _post(chat, json.dumps({"messages": QUESTION, "n": 3}).encode())
+    status, error = _post(chat, json.dumps({"messages": QUESTION, "n": 9}).encode())
     assert status == 400 and error["error"]["param"] == "n"
     status, error = _post(daemon.url + "/v1/completions", json.dumps({"prompt": list(range(3000))}).encode())
     assert status == 400 and error["error"]["code"] == "context_length_exceeded"

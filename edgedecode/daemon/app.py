@@ -19,8 +19,8 @@ from aiohttp import web
 
 from edgedecode.config import Config
 from edgedecode.daemon.metrics import DaemonMetrics
-from edgedecode.daemon.openai_api import ResponseShape, parse_request, usage
-from edgedecode.daemon.service import DecodeService
+from edgedecode.daemon.openai_api import ChoiceResult, Entry, ResponseShape, parse_request, usage
+from edgedecode.daemon.service import DecodeService, Piece
 from edgedecode.serving.http import (
     OUTCOME,
     add_common_routes,
@@ -64,43 +64,59 @@ def create_app(service: DecodeService, config: Config, metrics: DaemonMetrics) -
         )
         turn = service.turn(parsed, parsed.user or request.remote or "unknown", arrived)
         await turn.open()
-        shape = ResponseShape(kind, model_name)
+        shape = ResponseShape(kind, model_name, service.model.tokenizer)
         if parsed.stream:
             return await _stream(request, turn, shape, parsed.include_usage)
+        tracked = parsed.logprobs is not None
+        texts: list[list[str]] = [[] for _ in range(parsed.n)]
+        entries: list[list[Entry]] = [[] for _ in range(parsed.n)]
+        choices: list[ChoiceResult] = []
         try:
             # Turn.pieces is an async generator, which service.py annotates as the wider AsyncIterator
-            async with aclosing(cast("AsyncGenerator[str, None]", turn.pieces())) as pieces:
-                parts = []
+            async with aclosing(cast("AsyncGenerator[Piece, None]", turn.pieces())) as pieces:
                 async for piece in pieces:
                     if request.transport is None:  # the client went away: stop generating, free the slot
                         raise ConnectionResetError("the client went away before its answer was complete")
-                    parts.append(piece)
-                text = "".join(parts)
+                    texts[piece.index].append(piece.text)
+                    entries[piece.index] += piece.entries or ()
+                    if piece.finish_reason is not None:
+                        text, scored = "".join(texts[piece.index]), entries[piece.index] if tracked else None
+                        choices.append(ChoiceResult(text, piece.finish_reason, scored))
         except ConnectionResetError:
             logger.info("client disconnected before its answer was complete")
             raise  # counted as 499 by the middleware; aiohttp has no one to answer
         except Exception as exc:
             logger.exception("generation failed")
             return json_error(500, f"generation failed: {exc}", kind="server_error")
-        body = shape.whole(text, turn.finish_reason, usage(len(parsed.prompt_ids), turn.completion_tokens))
+        body = shape.whole(choices, usage(len(parsed.prompt_ids), turn.completion_tokens))
         body["edgedecode"] = turn.report.to_json()
         return web.json_response(body)
 
     async def _stream(request: web.Request, turn, shape: ResponseShape, include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        chat, last = turn.request.kind == "chat", turn.request.n - 1
 
         async def send(obj) -> None:
             data = f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
             await write_within(response, data, settings.client_timeout_s)
 
         try:
-            if turn.request.kind == "chat":
+            begun = 0  # choices whose first chunk went out
+            if chat:
                 await send(shape.chunk(first=True))
+                begun = 1
             async with aclosing(turn.pieces()) as pieces:
                 async for piece in pieces:
-                    await send(shape.chunk(piece))
-            final = shape.chunk(finish_reason=turn.finish_reason)
+                    if chat and piece.index == begun:  # a further choice begins: its role first
+                        await send(shape.chunk(index=piece.index, first=True))
+                        begun += 1
+                    if piece.text or piece.entries:
+                        await send(shape.chunk(piece.text, index=piece.index, entries=piece.entries))
+                    if piece.finish_reason is not None and piece.index < last:
+                        await send(shape.chunk(index=piece.index, finish_reason=piece.finish_reason))
+            # the last choice's final chunk carries the report, complete once the pieces have ended
+            final = shape.chunk(index=last, finish_reason=turn.finish_reason)
             final["edgedecode"] = turn.report.to_json()
             await send(final)
             if include_usage:

@@ -14,7 +14,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +33,7 @@ from edgedecode.daemon.link import DecayingMean, LinkModels, Reprobes
 from edgedecode.daemon.link_store import LinkStore
 from edgedecode.daemon.local_speed import LocalPrefillModel
 from edgedecode.daemon.metrics import DaemonMetrics
-from edgedecode.daemon.openai_api import CompletionRequest, StopText
+from edgedecode.daemon.openai_api import CompletionRequest, Entry, TokenText
 from edgedecode.daemon.slots import DecodeEngine, Slot, SlotPool
 from edgedecode.daemon.worker import DecodeWorker, Generation
 from edgedecode.errors import EdgeDecodeError
@@ -41,6 +41,7 @@ from edgedecode.kv.window import tail_budget
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import StreamedKV
+from edgedecode.runtime.logprobs import ScoredRun, ScoredToken
 from edgedecode.tls import client_tls
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class TurnReport:
 
     kv_source: str = "local"  # "prefill_server" or "local" (a fallback names its reason)
     fallback_reason: str | None = None
+    local_reason: str | None = None  # "prompt_logprobs": the request needs the prompt computed here (echo + logprobs)
     prompt_tokens: int = 0
     resume: str = "new"  # where the conversation's earlier KV was: "new" (none), "resident" (in its
     # slot), "compressed" (in the conversation store) or "evicted" (discarded under pressure: re-prefilled)
@@ -95,6 +97,7 @@ class TurnReport:
             "kv": {
                 "source": self.kv_source,
                 "fallback_reason": self.fallback_reason,
+                "local_reason": self.local_reason,
                 "resume": self.resume,
                 "reused_tokens": self.reused_tokens,
                 "restored_tokens": self.restored_tokens,
@@ -398,13 +401,79 @@ class DecodeService:
         self.pool.release(slot)
 
 
-def _split_steps(engine: DecodeEngine, request: CompletionRequest, stream: StreamedKV, arrived: threading.Event):
-    """A split turn on the worker: compute the head while the tail's KV arrives (None while waiting:
-    the worker serves the others meanwhile), then generate from both."""
-    engine.compute_head(stream)
-    while not arrived.is_set():
-        yield None
-    yield from engine.generate(request.prompt_ids, request.params, kv=stream)
+@dataclass(frozen=True)
+class ChoiceEnd:
+    """The worker's item after one choice's tokens: the engine's stats of it (None: nothing was
+    generated, max_tokens 0)."""
+
+    index: int
+    stats: GenerationStats | None
+
+
+class ChoiceCuts:
+    """The choices the event loop ended (a stop string in their text): the worker stops generating
+    them at their next token. Written on the event loop, read on the worker (one int)."""
+
+    def __init__(self) -> None:
+        self.last = -1  # choices up to this index are ended
+
+    def cut(self, index: int) -> None:
+        self.last = max(self.last, index)
+
+    def __contains__(self, index: int) -> bool:
+        return index <= self.last
+
+
+def _turn_steps(
+    engine: DecodeEngine,
+    request: CompletionRequest,
+    stream: StreamedKV | None,
+    keep: int,
+    cuts: ChoiceCuts,
+    arrived: threading.Event | None = None,
+) -> Iterator[object]:
+    """A turn on the worker: the prompt's KV (a split's head computed while its tail arrives: None
+    while waiting, the worker serves the others meanwhile; an echo with logprobs computes and scores
+    the whole prompt here, yielding its ScoredRuns), then each choice's tokens (ints, or ScoredTokens
+    with logprobs) and its ChoiceEnd. Choices after the first keep the prompt's KV the engine holds
+    and run its last token again."""
+    prompt = request.prompt_ids
+    if arrived is not None:
+        assert stream is not None
+        engine.compute_head(stream)
+        while not arrived.is_set():
+            yield None
+    if request.prompt_logprobs:
+        yield from engine.score_prompt(prompt, request.logprobs or 0)
+        keep = engine.reusable_prefix(prompt)
+    for index in range(request.n):
+        params = request.choice_params(index)
+        if params.max_tokens == 0:  # echo only
+            yield ChoiceEnd(index, None)
+            continue
+        if index:
+            stream, keep = None, engine.reusable_prefix(prompt)
+        steps = (
+            engine.generate(prompt, params, kv=stream, keep=keep)
+            if request.logprobs is None
+            else engine.generate_scored(prompt, params, kv=stream, keep=keep, top=request.logprobs)
+        )
+        for item in steps:
+            yield item
+            if index in cuts:
+                break
+        yield ChoiceEnd(index, dataclasses.replace(engine.stats))
+
+
+@dataclass
+class Piece:
+    """What a turn hands out: text of choice ``index`` with the entries of the tokens it completes
+    (None: no log-probabilities asked for); the last piece of a choice has its ``finish_reason``."""
+
+    index: int
+    text: str
+    entries: list[Entry] | None = None
+    finish_reason: str | None = None
 
 
 class Turn:
@@ -416,24 +485,30 @@ class Turn:
         self.client = client
         self.arrived = arrived
         self.report = TurnReport(prompt_tokens=len(request.prompt_ids))
-        self.finish_reason = "length"
-        self.completion_tokens = 0
+        self.finish_reason = "length"  # the last choice's
+        self.completion_tokens = 0  # over every choice
         self._slot: Slot | None = None
         self._generation: Generation | None = None
+        self._cuts = ChoiceCuts()
 
     async def open(self) -> None:
         """Take a slot, keep what it holds of the prompt, pull the rest's KV (or fall back) and
-        start decoding. Raises QueueFullError or AdmissionError (nothing held afterwards)."""
+        start decoding. Raises QueueFullError or AdmissionError (nothing held afterwards).
+
+        An echo with logprobs computes its whole prompt here (a pulled KV brings no logits to score
+        the prompt's tokens with): nothing is kept or pulled, the report says kv source "local" with
+        local_reason "prompt_logprobs". An echo that generates nothing needs no KV at all."""
         service, request = self.service, self.request
         slot = await service.pool.acquire(self.client, request.session_id)
         try:
             engine, report = slot.engine, self.report
             if slot.resumed:
-                keep = engine.reusable_prefix(request.prompt_ids)
+                keep = 0 if request.prompt_logprobs else engine.reusable_prefix(request.prompt_ids)
                 report.resume = "resident" if keep else "new"
             else:
                 resumed = await service.memory.resume(slot, request.session_id, request.prompt_ids)
                 keep, report.restored_tiers, report.resume = resumed
+                keep = 0 if request.prompt_logprobs else keep
                 report.restored_tokens = keep
             new_tokens = len(request.prompt_ids) - keep + request.params.max_tokens
             service._admit(new_tokens)
@@ -444,67 +519,140 @@ class Turn:
             )
             self.report.ttft_target_seconds = target_ms / 1e3 if target_ms > 0 else None
             left = None if target_ms <= 0 else target_ms / 1e3 - (time.perf_counter() - self.arrived)
-            stream, fetching = await service._pull(slot, request.prompt_ids, keep, self.report, left)
+            if request.prompt_logprobs:
+                stream, fetching = None, None
+                report.local_reason = "prompt_logprobs"
+            elif request.params.max_tokens == 0:
+                stream, fetching = None, None
+            else:
+                stream, fetching = await service._pull(slot, request.prompt_ids, keep, self.report, left)
         except BaseException:
             service._release_after_ingest(slot)
             raise
         self._slot = slot
         if fetching is None:
-            steps = engine.generate(request.prompt_ids, request.params, kv=stream, keep=keep)
+            steps = _turn_steps(engine, request, stream, keep, self._cuts)
             self._generation = service.worker.submit(steps, on_done=lambda: service._release(slot))
             return
         assert stream is not None
         arrived = threading.Event()
         fetching.add_done_callback(lambda _: arrived.set())
-        steps = _split_steps(engine, request, stream, arrived)
+        steps = _turn_steps(engine, request, stream, keep, self._cuts, arrived)
         self._generation = service.worker.submit(steps, on_done=lambda: service._release_after_fetch(slot, fetching))
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """The generated text as it comes (stop strings cut it); then ``finish_reason``,
-        ``completion_tokens`` and ``report`` are final."""
-        service, metrics = self.service, self.service.metrics
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """The generated text as it comes, choice after choice (stop strings cut it; with echo, each
+        choice starts with the prompt's text); then ``finish_reason``, ``completion_tokens`` and
+        ``report`` are final."""
+        service, metrics, request = self.service, self.service.metrics, self.request
         generation, slot = self._generation, self._slot
         if generation is None or slot is None:
             raise RuntimeError("the turn was not opened (await open() first)")
         tokenizer = service.model.tokenizer
-        decoder, stop = tokenizer.stream_decoder(), StopText(self.request.stop)
-        previous = None
+        tracked = request.logprobs is not None
+        runs: list[ScoredRun] = []  # the prompt's scores (echo with logprobs)
+        echo: tuple[str, list[Entry] | None] | None = None
+        index, ended = 0, False  # the choice the worker's items are of; whether a stop string ended it
+        text: TokenText | None = None  # that choice's text, once it has begun
+        decode_steps, decode_seconds = 0, 0.0
+        previous = 0.0  # when the last token came (0: none yet)
         try:
-            async for token in generation:
+            async for item in generation:
+                if isinstance(item, ScoredRun):
+                    runs.append(item)
+                    continue
+                if not previous:
+                    previous = self._first_out(slot.engine.stats)
+                if ended and not isinstance(item, ChoiceEnd):
+                    continue  # tokens of a choice a stop string ended, until the worker sees it
+                if text is None:  # the choice begins
+                    if request.echo:
+                        echo = echo or self._echo(runs)
+                        yield Piece(index, echo[0], echo[1])
+                    base = len(echo[0]) if echo else 0
+                    text = TokenText(tokenizer.stream_decoder(), request.stop, base=base, tracked=tracked)
+                if isinstance(item, ChoiceEnd):
+                    if not ended:
+                        out, entries = text.finish()
+                        stopped = text.stopped or (item.stats is not None and item.stats.finish_reason == "stop")
+                        self.finish_reason = finish = "stop" if stopped else "length"
+                        yield Piece(index, out, entries if tracked else None, finish)
+                    if item.stats is not None:
+                        decode_steps += item.stats.decode_steps
+                        decode_seconds += item.stats.decode_seconds
+                        if index == 0:
+                            self._teach_local_speed(item.stats)
+                    index, text, ended = index + 1, None, False
+                    continue
                 now = time.perf_counter()
-                if previous is None:
-                    self.report.ttft_seconds = now - self.arrived
-                    self._record_prompt(slot.engine.stats)
-                    metrics.ttft.observe(self.report.ttft_seconds)
-                    if self.report.target_met is not None:
-                        metrics.ttft_target.labels(str(self.report.target_met).lower()).inc()
-                else:
+                if self.completion_tokens:
                     metrics.inter_token.observe(now - previous)
                 previous = now
                 self.completion_tokens += 1
                 metrics.generated.inc()
-                text = stop.feed(decoder.feed(token))
-                if text:
-                    yield text
-                if stop.stopped:
-                    self.finish_reason = "stop"
-                    return
-            tail = stop.feed(decoder.flush()) + stop.flush()
-            if tail:
-                yield tail
-            stats = slot.engine.stats
-            self.finish_reason = "stop" if stop.stopped or stats.finish_reason == "stop" else "length"
-            self.report.decode_tokens_per_second = stats.decode_tokens_per_second
-            computed = len(self.request.prompt_ids) - self.report.reused_tokens
-            if self.report.kv_source == "local" and computed > 0:  # teach the local prefill model
-                service.local_speed.observe(computed, stats.prefill_seconds)
+                token = item.token if isinstance(item, ScoredToken) else item
+                out, entries = text.feed(token, item if tracked else None)
+                if out or entries:
+                    yield Piece(index, out, entries if tracked else None)
+                if text.stopped:  # the rest of this choice is cut: say so now, not after the worker's next step
+                    self._cuts.cut(index)
+                    self.finish_reason, ended = "stop", True
+                    yield Piece(index, "", [] if tracked else None, "stop")
+                    if index == request.n - 1:
+                        return
+            self.report.decode_tokens_per_second = decode_steps / decode_seconds if decode_seconds > 0 else 0.0
         finally:
             generation.cancel()  # a no-op once it has ended; stops it when the client went away
             self._account()
 
+    def _first_out(self, stats: GenerationStats) -> float:
+        """The prompt is processed (the first token, or the end of an echo's choice): time to first
+        token and what the engine computed of the prompt."""
+        now = time.perf_counter()
+        metrics = self.service.metrics
+        self.report.ttft_seconds = now - self.arrived
+        self._record_prompt(stats)
+        metrics.ttft.observe(self.report.ttft_seconds)
+        if self.report.target_met is not None:
+            metrics.ttft_target.labels(str(self.report.target_met).lower()).inc()
+        return now
+
+    def _echo(self, runs: list[ScoredRun]) -> tuple[str, list[Entry] | None]:
+        """The prompt's text as each choice of an echo starts with it, with its tokens' entries
+        (the first token's without a log-probability) where logprobs are asked for."""
+        request = self.request
+        tracked = request.logprobs is not None
+        text = TokenText(self.service.model.tokenizer.stream_decoder(), (), tracked=tracked)
+        scored = iter(
+            [
+                ScoredToken(int(run.token_ids[i]), float(run.logprobs[i]), run.top_ids[i], run.top_logprobs[i])
+                for run in runs
+                for i in range(len(run.token_ids))
+            ]
+        )
+        parts, entries = [], []
+        for position, token in enumerate(request.prompt_ids.tolist()):
+            out, released = text.feed(token, token if position == 0 or not tracked else next(scored))
+            parts.append(out)
+            entries += released
+        out, released = text.finish()
+        return "".join(parts) + out, (entries + released) if tracked else None
+
+    def _teach_local_speed(self, stats: GenerationStats) -> None:
+        """A turn whose prompt was computed here times the local prefill (not an echo's scoring: its
+        logits of every position take longer than a prefill's)."""
+        computed = len(self.request.prompt_ids) - self.report.reused_tokens
+        if self.report.kv_source == "local" and computed > 0 and not self.request.prompt_logprobs:
+            self.service.local_speed.observe(computed, stats.prefill_seconds)
+
     def _record_prompt(self, stats: GenerationStats) -> None:
         """Which prompt positions the engine computed (known once the first token is out)."""
         report = self.report
+        if self.request.prompt_logprobs:  # scored here whole, its last token run when the choice began
+            report.computed_tokens = report.prompt_tokens
+            return
+        if self.request.params.max_tokens == 0:
+            return  # nothing ran
         report.computed_tokens = stats.computed_tokens
         if report.kv_source == "prefill_server":
             report.pulled_tokens = report.prompt_tokens - report.reused_tokens - stats.computed_tokens

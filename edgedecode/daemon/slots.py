@@ -24,6 +24,7 @@ from edgedecode.errors import ServerBusyError
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import KVSource, StreamedKV
+from edgedecode.runtime.logprobs import ScoredRun, ScoredToken
 from edgedecode.runtime.sampler import SamplingParams
 
 
@@ -101,6 +102,16 @@ class DecodeEngine(Protocol):
     def generate(
         self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0
     ) -> Iterator[int]: ...
+
+    def generate_scored(
+        self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0, *, top: int = 0
+    ) -> Iterator[ScoredToken]:
+        """``generate``, each token with its log-probability and the ``top`` most likely tokens'."""
+        ...
+
+    def score_prompt(self, prompt_ids: np.ndarray, top: int = 0) -> Iterator[ScoredRun]:
+        """Compute the prompt but its last token here, yielding its tokens' log-probabilities run by run."""
+        ...
 
 
 class QueueFullError(ServerBusyError):

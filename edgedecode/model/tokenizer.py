@@ -241,3 +241,8 @@ class StreamDecoder:
     def flush(self) -> str:
         """Return whatever is held back (an incomplete sequence becomes U+FFFD) and reset."""
         return self._utf8.decode(b"", final=True)
+
+    @property
+    def held(self) -> int:
+        """Bytes held back: the start of a character the tokens fed so far have not completed."""
+        return len(self._utf8.getstate()[0])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.cuda_graph import CAPTURED_GRAPH_ID, UNCAPTURED_GRAPH_ID, CudaGraphStep
 from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.kvcache import KVCache, KVInjectionError
+from edgedecode.runtime.logprobs import LogprobScorer, ScoredRun, ScoredToken
 from edgedecode.runtime.sampler import Sampler, SamplingParams
 from edgedecode.runtime.session import create_session, graph_run_options
 
@@ -676,6 +677,26 @@ class Engine:
         Stop tokens end the generation and are not yielded; ``self.stats`` is complete once the
         iterator is exhausted.
         """
+        return self._generate(prompt_ids, params, kv, keep, None)
+
+    def generate_scored(
+        self, prompt_ids, params: SamplingParams, kv: KVSource = None, keep: int = 0, *, top: int = 0
+    ) -> Iterator[ScoredToken]:
+        """``generate``, each token yielded with its log-probability under the model's own
+        distribution (the raw logits, before temperature and top-k/top-p) and the ``top`` most
+        likely tokens' (``runtime.logprobs``)."""
+        return self._generate(prompt_ids, params, kv, keep, LogprobScorer(top, self.spec.vocab_size).token)
+
+    def _generate(
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        kv: KVSource,
+        keep: int,
+        score: Callable[[np.ndarray, int], ScoredToken] | None,
+    ) -> Iterator[Any]:
+        """The generation loop of ``generate`` (``score`` None: bare token ids, nothing computed
+        beyond sampling) and ``generate_scored`` (each token as ``score`` makes it of its logits)."""
         started = time.perf_counter()
         logits = self.prefill(prompt_ids, kv, keep)
         stats = self.stats
@@ -690,7 +711,7 @@ class Engine:
                 stats.finish_reason = "stop"
                 break
             stats.generated_tokens += 1
-            yield token
+            yield token if score is None else score(logits, token)
             if stats.generated_tokens == params.max_tokens:
                 break
             if self.full:
@@ -699,3 +720,30 @@ class Engine:
             logits = self._step(token)  # room checked just above
             stats.decode_steps += 1
         stats.decode_seconds = time.perf_counter() - first_token_at
+
+    def score_prompt(self, prompt_ids, top: int = 0) -> Iterator[ScoredRun]:
+        """Run ``prompt_ids`` but its last token through this graph afresh, every row's logits out,
+        and yield, a graph run at a time, the log-probabilities of the prompt tokens those rows
+        predict (positions 1 .. n-1; position 0 has none) with the ``top`` most likely tokens'.
+
+        Each run's [rows, vocab] logits are reduced to that and dropped: a long prompt never holds
+        its whole logits. Nothing is injected (a pulled KV brings no logits). The engine then holds
+        positions 0 .. n-2: ``generate(prompt_ids, ..., keep=reusable_prefix(prompt_ids))`` runs the
+        last token and goes on. A prompt may fill the whole context (nothing generated after it).
+        """
+        prompt_ids = np.asarray(prompt_ids, np.int64)
+        if not 0 < len(prompt_ids) <= self.max_context:
+            raise ContextOverflowError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context}")
+        scorer = LogprobScorer(top, self.spec.vocab_size)
+        started = time.perf_counter()
+        self.reset()
+        body = prompt_ids[:-1]
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), computed_tokens=len(body))
+        self._check_room(len(body))
+        self._tokens[: len(body)] = body
+        done = 0
+        for size in chunk_sizes(len(body)):
+            logits = self._run(size, True)
+            yield scorer.run(logits, prompt_ids[done + 1 : done + size + 1], done + 1)
+            done += size
+        self.stats.prefill_seconds = time.perf_counter() - started
