@@ -101,7 +101,11 @@ def test_the_guard_refuses_every_host_beyond_loopback_and_sees_litellm_phone_hom
     finally:
         guard.restore()
     assert guard.refused == ["example.org"]
-    env = {key: value for key, value in os.environ.items() if key != "LITELLM_LOCAL_MODEL_COST_MAP"}
+    env = {  # no proxy either: the lookup to see is GitHub's, not a proxy's
+        key: value
+        for key, value in os.environ.items()
+        if key != "LITELLM_LOCAL_MODEL_COST_MAP" and not key.lower().endswith("_proxy")
+    }
     env["PYTHONPATH"] = str(sitecustomize_dir(tmp_path))
     imported = subprocess.run(
         [sys.executable, "-c", "import litellm"], capture_output=True, text=True, env=env, timeout=120
