@@ -26,6 +26,17 @@ def _fail(exc: EdgeDecodeError) -> None:
     raise typer.Exit(2)
 
 
+def _tracker():
+    """Progress bars on stderr when a person watches it; nothing in a pipe, a file or the journal."""
+    from edgedecode.progress import for_terminal
+
+    return for_terminal()
+
+
+def _say(message: str) -> None:
+    typer.echo(message, err=True)
+
+
 @app.callback()
 def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")) -> None:
     """edgedecode: INT4 onnxruntime decoding of KV prefilled elsewhere."""
@@ -53,7 +64,7 @@ def fetch_model_cmd(
         if gguf is not None:
             record = register_gguf(gguf, name)
         else:
-            record = fetch_model(name or DEFAULT_MODEL, progress=lambda message: typer.echo(message, err=True))
+            record = fetch_model(name or DEFAULT_MODEL, progress=_say, tracker=_tracker())
     except EdgeDecodeError as exc:
         _fail(exc)
     typer.echo(f"{record.name}: {record.gguf_path} ({record.size_bytes} bytes, sha256 {record.sha256})")
@@ -70,7 +81,7 @@ def _open_model(name: str | None):
     except UnknownModelError:
         if (name or DEFAULT_MODEL) not in CATALOG:
             raise
-        fetch_model(name or DEFAULT_MODEL, progress=lambda message: typer.echo(message, err=True))
+        fetch_model(name or DEFAULT_MODEL, progress=_say, tracker=_tracker())
         return load_model(name)
 
 
@@ -80,7 +91,7 @@ def _ensure_graph(loaded, options) -> None:
         typer.echo(
             f"building the {options.kind} graph of {loaded.record.name} ({options.dtype}, first use)...", err=True
         )
-        loaded.graph(options)
+        loaded.graph(options, tracker=_tracker())
 
 
 @app.command()
@@ -280,7 +291,10 @@ def probe(
         loaded = _open_model(model)
         for options in (GraphOptions("prefill"), GraphOptions(), GraphOptions(accuracy_level=0)):
             _ensure_graph(loaded, options)
-        profile, verdicts = run_probe(loaded, settings, progress=lambda m: typer.echo(m, err=True))
+        tracker = _tracker()  # with bars, the per-context and per-trial lines would only repeat them
+        profile, verdicts = run_probe(
+            loaded, settings, progress=(lambda _: None) if tracker.shows_bars else _say, tracker=tracker
+        )
     except EdgeDecodeError as exc:
         _fail(exc)
     typer.echo(f"{'tier':5}  {'Δ PPL %':>8}  {'upper':>7}  {'KL':>8}  {'needle':>7}  verdict")
@@ -468,3 +482,4 @@ def info(model: str | None = typer.Option(None, "--model", "-m")) -> None:
     except EdgeDecodeError as exc:
         _fail(exc)
     typer.echo(json.dumps(report, indent=2))
+

@@ -22,6 +22,7 @@ logits are computed, so a prompt pass pays for one LM-head row instead of S.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import groupby
 
@@ -480,8 +481,11 @@ def _stack(weights: list) -> BlockQuantized | np.ndarray:
     return concat_rows(weights) if isinstance(weights[0], BlockQuantized) else np.concatenate(weights)
 
 
-def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -> onnx.ModelProto:
-    """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so)."""
+def build_graph(
+    spec: ModelSpec, tensors: ModelTensors, options: GraphOptions, advance: Callable[[int], None] | None = None
+) -> onnx.ModelProto:
+    """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so);
+    ``advance(1)`` is called as each layer is emitted."""
     tensors = requantize_layers(tensors, options.weight_format)
     e = _Emitter(spec, options)
     g = e.g
@@ -507,6 +511,8 @@ def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -
         mlp = e.post_norm(e.mlp(h, i, layer), layer.post_ffn_norm, f"layers.{i}.post_ffn_norm")
         if i + 1 < spec.n_layers:
             h, residual = e.skip_norm(mlp, residual, tensors.layers[i + 1].attn_norm, f"layers.{i + 1}.attn_norm")
+        if advance is not None:
+            advance(1)
     # Only the requested positions go through the final norm and the LM head.
     mlp_sel = g.op1("Gather", [mlp, "logits_positions"], name="select.mlp", axis=1)
     res_sel = g.op1("Gather", [residual, "logits_positions"], name="select.residual", axis=1)
