@@ -483,3 +483,56 @@ def info(model: str | None = typer.Option(None, "--model", "-m")) -> None:
         _fail(exc)
     typer.echo(json.dumps(report, indent=2))
 
+
+@app.command()
+def doctor(
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="TOML config to check (default /etc/edgedecode/edgedecode.toml if present)."
+    ),
+) -> None:
+    """Check this host's install: exactly one onnxruntime build, the configured device's execution
+    provider, a Jetson's onnxruntime, the configuration. Exits 1 when something needs fixing, saying how."""
+    import platform
+
+    from edgedecode.config import load_config
+    from edgedecode.model.registry import model_home
+    from edgedecode.runtime.jetson import detect_jetson, onnxruntime_advice
+    from edgedecode.runtime.session import PROVIDERS, import_onnxruntime, installed_onnxruntime
+
+    problems = 0
+
+    def say(kind: str, text: str) -> None:
+        nonlocal problems
+        problems += kind == "problem"
+        first, *rest = text.splitlines()
+        typer.echo(f"{kind:8} {first}")
+        for line in rest:
+            typer.echo(f"{'':8} {line}")
+
+    say("ok", f"Python {platform.python_version()} on {platform.machine()} ({platform.system()})")
+    distributions, providers = installed_onnxruntime(), []
+    try:
+        ort = import_onnxruntime()
+        providers = list(ort.get_available_providers())
+        say("ok", f"{distributions[0] if distributions else 'onnxruntime'} {ort.__version__}: {', '.join(providers)}")
+    except EdgeDecodeError as exc:
+        say("problem", str(exc))
+    device = None
+    try:
+        settings = load_config(config)
+        device = settings.model.device
+        say("ok", f"configuration from {settings.source}: model {settings.model.name}, device {device}")
+    except EdgeDecodeError as exc:
+        say("problem", str(exc))
+    jetson = detect_jetson()
+    if jetson is not None:
+        say("ok", f"Jetson: {jetson.describe()}")
+        advice = onnxruntime_advice(jetson, distributions, providers) if distributions else None
+        if advice:  # (no onnxruntime at all was reported above, with the Jetson's advice)
+            say("problem" if device == "cuda" else "note", advice)
+    if device is not None and providers and PROVIDERS[device] not in providers and jetson is None:
+        say("problem", f"model.device is {device}, and this onnxruntime has no {PROVIDERS[device]}")
+    home = model_home()
+    say("ok", f"model cache: {home} (EDGEDECODE_HOME){'' if home.exists() else ', not created yet'}")
+    if problems:
+        raise typer.Exit(1)
