@@ -26,6 +26,17 @@ def _fail(exc: EdgeDecodeError) -> None:
     raise typer.Exit(2)
 
 
+def _tracker():
+    """Progress bars on stderr when a person watches it; nothing in a pipe, a file or the journal."""
+    from edgedecode.progress import for_terminal
+
+    return for_terminal()
+
+
+def _say(message: str) -> None:
+    typer.echo(message, err=True)
+
+
 @app.callback()
 def main(verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress to stderr.")) -> None:
     """edgedecode: INT4 onnxruntime decoding of KV prefilled elsewhere."""
@@ -53,7 +64,7 @@ def fetch_model_cmd(
         if gguf is not None:
             record = register_gguf(gguf, name)
         else:
-            record = fetch_model(name or DEFAULT_MODEL, progress=lambda message: typer.echo(message, err=True))
+            record = fetch_model(name or DEFAULT_MODEL, progress=_say, tracker=_tracker())
     except EdgeDecodeError as exc:
         _fail(exc)
     typer.echo(f"{record.name}: {record.gguf_path} ({record.size_bytes} bytes, sha256 {record.sha256})")
@@ -70,7 +81,7 @@ def _open_model(name: str | None):
     except UnknownModelError:
         if (name or DEFAULT_MODEL) not in CATALOG:
             raise
-        fetch_model(name or DEFAULT_MODEL, progress=lambda message: typer.echo(message, err=True))
+        fetch_model(name or DEFAULT_MODEL, progress=_say, tracker=_tracker())
         return load_model(name)
 
 
@@ -80,7 +91,7 @@ def _ensure_graph(loaded, options) -> None:
         typer.echo(
             f"building the {options.kind} graph of {loaded.record.name} ({options.dtype}, first use)...", err=True
         )
-        loaded.graph(options)
+        loaded.graph(options, tracker=_tracker())
 
 
 @app.command()
@@ -280,7 +291,10 @@ def probe(
         loaded = _open_model(model)
         for options in (GraphOptions("prefill"), GraphOptions(), GraphOptions(accuracy_level=0)):
             _ensure_graph(loaded, options)
-        profile, verdicts = run_probe(loaded, settings, progress=lambda m: typer.echo(m, err=True))
+        tracker = _tracker()  # with bars, the per-context and per-trial lines would only repeat them
+        profile, verdicts = run_probe(
+            loaded, settings, progress=(lambda _: None) if tracker.shows_bars else _say, tracker=tracker
+        )
     except EdgeDecodeError as exc:
         _fail(exc)
     typer.echo(f"{'tier':5}  {'Δ PPL %':>8}  {'upper':>7}  {'KL':>8}  {'needle':>7}  verdict")
@@ -468,3 +482,57 @@ def info(model: str | None = typer.Option(None, "--model", "-m")) -> None:
     except EdgeDecodeError as exc:
         _fail(exc)
     typer.echo(json.dumps(report, indent=2))
+
+
+@app.command()
+def doctor(
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="TOML config to check (default /etc/edgedecode/edgedecode.toml if present)."
+    ),
+) -> None:
+    """Check this host's install: exactly one onnxruntime build, the configured device's execution
+    provider, a Jetson's onnxruntime, the configuration. Exits 1 when something needs fixing, saying how."""
+    import platform
+
+    from edgedecode.config import load_config
+    from edgedecode.model.registry import model_home
+    from edgedecode.runtime.jetson import detect_jetson, onnxruntime_advice
+    from edgedecode.runtime.session import PROVIDERS, import_onnxruntime, installed_onnxruntime
+
+    problems = 0
+
+    def say(kind: str, text: str) -> None:
+        nonlocal problems
+        problems += kind == "problem"
+        first, *rest = text.splitlines()
+        typer.echo(f"{kind:8} {first}")
+        for line in rest:
+            typer.echo(f"{'':8} {line}")
+
+    say("ok", f"Python {platform.python_version()} on {platform.machine()} ({platform.system()})")
+    distributions, providers = installed_onnxruntime(), []
+    try:
+        ort = import_onnxruntime()
+        providers = list(ort.get_available_providers())
+        say("ok", f"{distributions[0] if distributions else 'onnxruntime'} {ort.__version__}: {', '.join(providers)}")
+    except EdgeDecodeError as exc:
+        say("problem", str(exc))
+    device = None
+    try:
+        settings = load_config(config)
+        device = settings.model.device
+        say("ok", f"configuration from {settings.source}: model {settings.model.name}, device {device}")
+    except EdgeDecodeError as exc:
+        say("problem", str(exc))
+    jetson = detect_jetson()
+    if jetson is not None:
+        say("ok", f"Jetson: {jetson.describe()}")
+        advice = onnxruntime_advice(jetson, distributions, providers) if distributions else None
+        if advice:  # (no onnxruntime at all was reported above, with the Jetson's advice)
+            say("problem" if device == "cuda" else "note", advice)
+    if device is not None and providers and PROVIDERS[device] not in providers and jetson is None:
+        say("problem", f"model.device is {device}, and this onnxruntime has no {PROVIDERS[device]}")
+    home = model_home()
+    say("ok", f"model cache: {home} (EDGEDECODE_HOME){'' if home.exists() else ', not created yet'}")
+    if problems:
+        raise typer.Exit(1)

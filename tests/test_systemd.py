@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from edgedecode.config import load_config
 from edgedecode.serving import systemd
 from edgedecode.serving.systemd import notify, run_watchdog, watchdog_interval
 
@@ -187,14 +188,17 @@ def test_run_watchdog_treats_a_raising_health_check_as_unhealthy(manager, caplog
 # naming one of our units fails the test too.
 
 
-def verify_units(units_dir: Path, root: Path) -> subprocess.CompletedProcess:
-    """systemd-analyze verify of the UNITS in units_dir, inside an alternate root laid out as installed.
-
-    The executable stand-ins go where the shipped units' ExecStart= points, whatever units_dir holds.
-    """
+def install_root(units_dir: Path, root: Path, drop_ins: dict[str, dict[str, str]] | None = None) -> Path:
+    """An alternate root laid out as installed: the host's system units, the UNITS of units_dir and their
+    drop-ins (unit -> {file name: text}, in /etc/systemd/system/UNIT.d/, where `systemctl edit` puts them)
+    in /etc/systemd/system, and executable stand-ins where the shipped units' ExecStart= points."""
     shutil.copytree(SYSTEM_UNITS_DIR, root / SYSTEM_UNITS_DIR.relative_to("/"), symlinks=True)
     etc_units = root / "etc/systemd/system"
     etc_units.mkdir(parents=True)
+    for unit, files in (drop_ins or {}).items():
+        (etc_units / f"{unit}.d").mkdir()
+        for name, text in files.items():
+            (etc_units / f"{unit}.d" / name).write_text(text)
     for unit in UNITS:
         shutil.copyfile(units_dir / unit, etc_units / unit)
         for line in (UNITS_DIR / unit).read_text().splitlines():
@@ -203,6 +207,15 @@ def verify_units(units_dir: Path, root: Path) -> subprocess.CompletedProcess:
                 binary.parent.mkdir(parents=True, exist_ok=True)
                 binary.write_text("#!/bin/sh\n")
                 binary.chmod(0o755)
+    return root
+
+
+def verify_units(
+    units_dir: Path, root: Path, drop_ins: dict[str, dict[str, str]] | None = None
+) -> subprocess.CompletedProcess:
+    """systemd-analyze verify of the UNITS in units_dir (with their drop-ins) inside an alternate root
+    laid out as installed (:func:`install_root`)."""
+    install_root(units_dir, root, drop_ins)
     return subprocess.run(
         ["systemd-analyze", "verify", "--man=no", "--generators=no", "--recursive-errors=no", f"--root={root}", *UNITS],
         check=False,
@@ -289,3 +302,90 @@ def test_units_leave_open_only_what_they_need(unit):
     checks = json.loads(result.stdout)
     assert {check["name"] for check in checks if check["set"] is False} == OPEN_BY_DESIGN | DEVICES_OPEN[unit]
     assert result.returncode == 0, f"{unit}: overall exposure above 1.6 ({result.stderr})"
+
+
+# Example drop-ins (systemd/examples/): local settings that upgrades keep, since copying new units into
+# /etc/systemd/system/ leaves UNIT.d/ alone. Each must verify on top of the units it is for, and change
+# what it says it changes, as systemd reads it: `systemd-analyze security` inside the same root reports
+# the unit with its drop-ins merged (the Environment= lines it cannot show are checked as text).
+EXAMPLES_DIR = UNITS_DIR / "examples"
+EXAMPLE_UNITS = {
+    "gpu.conf": ("edgedecode.service",),
+    "prefill-gpu.conf": ("edgedecode-prefill.service",),
+    "jetson.conf": UNITS,
+    "same-host.conf": ("edgedecode.service",),
+}
+
+
+def test_every_example_drop_in_is_checked():
+    assert {path.name for path in EXAMPLES_DIR.glob("*")} == set(EXAMPLE_UNITS)
+
+
+def example_drop_ins(example: str) -> dict[str, dict[str, str]]:
+    return {unit: {example: (EXAMPLES_DIR / example).read_text()} for unit in EXAMPLE_UNITS[example]}
+
+
+def security_in_root(root: Path, unit: str) -> dict[str, dict]:
+    """systemd-analyze security's checks of ``unit`` as installed in ``root`` (drop-ins merged), by name."""
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", f"--root={root}", "--json=short", "--threshold=100", unit],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.stdout, result.stderr
+    return {check["name"]: check for check in json.loads(result.stdout)}
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize("example", sorted(EXAMPLE_UNITS))
+def test_example_drop_ins_verify_on_top_of_their_units(tmp_path, example):
+    result = verify_units(UNITS_DIR, tmp_path / "root", example_drop_ins(example))
+    assert unit_problems(result) == []
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_systemd_analyze
+def test_verify_reads_the_drop_ins(tmp_path):
+    broken = {"edgedecode.service": {"local.conf": "[Service]\nRestartOnTuesdays=yes\n"}}
+    problems = unit_problems(verify_units(UNITS_DIR, tmp_path / "root", broken))
+    assert any("Unknown key" in line and "edgedecode.service.d/local.conf" in line for line in problems), problems
+
+
+# What each example changes in systemd-analyze security's view of its units: check -> its new description.
+NVIDIA_ACL = "Service has a device ACL with some special devices: char-rtc:r char-nvidia*:rw"
+HARDWARE = {"PrivateDevices=": "Service potentially has access to hardware devices"}
+JETSON = {
+    "DeviceAllow=": "Service has no device ACL",  # ProtectClock=no too: its char-rtc entry would keep the ACL
+    "ProtectClock=": "Service may write to the hardware clock or system clock",
+    "SupplementaryGroups=": "Service runs with supplementary groups",
+}
+EXAMPLE_EFFECTS = {
+    ("gpu.conf", "edgedecode.service"): {"DeviceAllow=": NVIDIA_ACL},
+    ("prefill-gpu.conf", "edgedecode-prefill.service"): {"DeviceAllow=": NVIDIA_ACL} | HARDWARE,
+    ("jetson.conf", "edgedecode.service"): JETSON,
+    ("jetson.conf", "edgedecode-prefill.service"): JETSON | HARDWARE,  # the daemon has no PrivateDevices= to lift
+    ("same-host.conf", "edgedecode.service"): {},  # ordering and an Environment= line, checked as text
+}
+EXAMPLE_ENVIRONMENT = {
+    "gpu.conf": "EDGEDECODE_MODEL_DEVICE=cuda",
+    "prefill-gpu.conf": "EDGEDECODE_MODEL_DEVICE=cuda",
+    "jetson.conf": "EDGEDECODE_MODEL_DEVICE=cuda",
+    "same-host.conf": "EDGEDECODE_DAEMON_PREFILL_URL=http://127.0.0.1:8089",
+}
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize("example", sorted(EXAMPLE_UNITS))
+def test_example_drop_ins_override_the_units(tmp_path, example):
+    shipped = install_root(UNITS_DIR, tmp_path / "shipped")
+    local = install_root(UNITS_DIR, tmp_path / "local", example_drop_ins(example))
+    for unit in EXAMPLE_UNITS[example]:
+        before, after = security_in_root(shipped, unit), security_in_root(local, unit)
+        changed = {name: after[name]["description"] for name in before if after[name] != before[name]}
+        assert changed == EXAMPLE_EFFECTS[example, unit], unit
+    lines = (EXAMPLES_DIR / example).read_text().splitlines()
+    assert f"Environment={EXAMPLE_ENVIRONMENT[example]}" in lines
+    env = dict(line.removeprefix("Environment=").split("=", 1) for line in lines if line.startswith("Environment="))
+    load_config(Path(os.devnull), env=env)  # settings the configuration knows, with values it accepts

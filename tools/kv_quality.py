@@ -48,6 +48,7 @@ from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.model.registry import DEFAULT_MODEL
 from edgedecode.prefill.pipeline import BudgetTooSmallError, prefill_and_score, through_wire
+from edgedecode.progress import for_terminal
 from edgedecode.runtime.engine import Engine
 
 BUDGETS = (1.0, 0.5, 0.3, 0.2, 0.15, 0.1)
@@ -93,25 +94,32 @@ def perplexity_study(args, model, prefiller, scorer, configs, profile) -> dict:
     windows = token_windows(model.tokenizer, texts, args.context_tokens + args.continuation_tokens + 1, args.contexts)
     contract = model.spec.kv_contract
     rows: dict[tuple, list[dict]] = {}
-    for index, window in enumerate(windows):
-        context, continuation = window[: args.context_tokens], window[args.context_tokens :]
-        scored = prefill_and_score(prefiller, context)
-        fp16_kv, fp16_encoded = through_wire(scored, 1.0, "ours", contract)
-        reference = score_continuation(scorer, context, continuation, fp16_kv)
-        rows.setdefault(FP16 + (0.5,), []).append(_row(reference, reference, fp16_encoded))
-        for policy, budget, fraction in configs:
-            try:
-                kv, encoded = through_wire(
-                    scored, budget, policy, contract, profile=profile, pdtrim_head_fraction=fraction
-                )
-            except BudgetTooSmallError as exc:  # e.g. a windowed model's tail alone costs more
-                rows.setdefault((policy, budget, fraction), []).append({"refused_below": exc.minimum})
-                continue
-            rows.setdefault((policy, budget, fraction), []).append(
-                _row(reference, score_continuation(scorer, context, continuation, kv), encoded)
-            )
-        print(f"  context {index + 1}/{len(windows)} scored", file=sys.stderr)
+    tracker = for_terminal()  # a bar on a terminal; the per-context lines otherwise (logs, CI)
+    with tracker.task("perplexity contexts", len(windows), "context") as advance:
+        for index, window in enumerate(windows):
+            _score_context(args, window, prefiller, scorer, configs, profile, contract, rows)
+            advance(1)
+            if not tracker.shows_bars:
+                print(f"  context {index + 1}/{len(windows)} scored", file=sys.stderr)
     return rows
+
+
+def _score_context(args, window, prefiller, scorer, configs, profile, contract, rows: dict[tuple, list[dict]]) -> None:
+    """One context window scored under FP16 transfer and every configuration, into ``rows``."""
+    context, continuation = window[: args.context_tokens], window[args.context_tokens :]
+    scored = prefill_and_score(prefiller, context)
+    fp16_kv, fp16_encoded = through_wire(scored, 1.0, "ours", contract)
+    reference = score_continuation(scorer, context, continuation, fp16_kv)
+    rows.setdefault(FP16 + (0.5,), []).append(_row(reference, reference, fp16_encoded))
+    for policy, budget, fraction in configs:
+        try:
+            kv, encoded = through_wire(scored, budget, policy, contract, profile=profile, pdtrim_head_fraction=fraction)
+        except BudgetTooSmallError as exc:  # e.g. a windowed model's tail alone costs more
+            rows.setdefault((policy, budget, fraction), []).append({"refused_below": exc.minimum})
+            continue
+        rows.setdefault((policy, budget, fraction), []).append(
+            _row(reference, score_continuation(scorer, context, continuation, kv), encoded)
+        )
 
 
 def _row(reference, score, encoded) -> dict:
@@ -174,22 +182,26 @@ def needle_study(args, model, prefiller, decoder, configs, profile) -> list[dict
     )
     contract = model.spec.kv_contract
     hits: dict[tuple, list[bool]] = {}
-    for index, trial in enumerate(trials):
-        scored = prefill_and_score(prefiller, trial.prompt_ids)
-        for policy, budget, fraction in [FP16 + (0.5,), *configs]:
-            try:
-                kv, _ = through_wire(
-                    scored,
-                    budget,
-                    "ours" if policy == FP16[0] else policy,
-                    contract,
-                    profile=profile,
-                    pdtrim_head_fraction=fraction,
-                )
-            except BudgetTooSmallError:
-                continue  # reported once, by the perplexity study
-            hits.setdefault((policy, budget, fraction), []).append(answer(decoder, model.tokenizer, trial, kv))
-        print(f"  needle {index + 1}/{len(trials)} done", file=sys.stderr)
+    tracker = for_terminal()
+    with tracker.task("needle trials", len(trials), "trial") as advance:
+        for index, trial in enumerate(trials):
+            scored = prefill_and_score(prefiller, trial.prompt_ids)
+            for policy, budget, fraction in [FP16 + (0.5,), *configs]:
+                try:
+                    kv, _ = through_wire(
+                        scored,
+                        budget,
+                        "ours" if policy == FP16[0] else policy,
+                        contract,
+                        profile=profile,
+                        pdtrim_head_fraction=fraction,
+                    )
+                except BudgetTooSmallError:
+                    continue  # reported once, by the perplexity study
+                hits.setdefault((policy, budget, fraction), []).append(answer(decoder, model.tokenizer, trial, kv))
+            advance(1)
+            if not tracker.shows_bars:
+                print(f"  needle {index + 1}/{len(trials)} done", file=sys.stderr)
     out = []
     for (policy, budget, fraction), results in hits.items():
         low, high = wilson_interval(sum(results), len(results))

@@ -29,6 +29,7 @@ from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.model.spec import KVContract
 from edgedecode.prefill.pipeline import prefill_and_score
+from edgedecode.progress import NO_PROGRESS, Progress
 from edgedecode.runtime.engine import Engine
 
 
@@ -61,9 +62,12 @@ class TierVerdict:
 
 
 def run_probe(
-    model: LoadedModel, settings: ProbeSettings = ProbeSettings(), progress=print
+    model: LoadedModel, settings: ProbeSettings = ProbeSettings(), progress=print, tracker: Progress = NO_PROGRESS
 ) -> tuple[TierProfile, list[TierVerdict]]:
-    """Measure every quantized tier and DROP; return the profile (not yet saved) and the verdicts."""
+    """Measure every quantized tier and DROP; return the profile (not yet saved) and the verdicts.
+
+    ``progress`` gets a line as each context and needle trial is done; ``tracker`` counts them.
+    """
     s = settings
     if not droppable(np.arange(s.context_tokens), model.spec.kv_contract).any():
         tail = " and the windowed tail" if model.spec.sliding_window else ""
@@ -83,18 +87,21 @@ def run_probe(
     dnll: dict[Tier, list[float]] = {t: [] for t in (*QUANTIZED_TIERS, Tier.DROP)}
     kl: dict[Tier, list[float]] = {t: [] for t in dnll}  # mean KL(FP16 transfer ‖ tier) per context
     affected: dict[Tier, int] = {}  # tokens sent at that tier per context
-    for index, window in enumerate(windows):
-        context, continuation = window[: s.context_tokens], window[s.context_tokens :]
-        scored = prefill_and_score(prefiller, context)
-        snap, n = scored.snapshot, scored.snapshot.n_tokens
-        reference = score_continuation(scorer, context, continuation, with_tiers(snap, np.zeros(n, np.uint8), contract))
-        for tier, tiers in _probe_tiers(scored.importance, droppable(snap.positions, contract)):
-            score = score_continuation(scorer, context, continuation, with_tiers(snap, tiers, contract))
-            dnll[tier].append(score.mean_nll - reference.mean_nll)
-            kl[tier].append(mean_kl(reference, score))
-            affected[tier] = int((tiers == tier).sum())
-        progress(f"probe: context {index + 1}/{len(windows)} scored")
-    needle = _needle_hits(model, prefiller, decoder, s, progress)
+    with tracker.task("probe: perplexity contexts", len(windows), "context") as advance:
+        for index, window in enumerate(windows):
+            context, continuation = window[: s.context_tokens], window[s.context_tokens :]
+            scored = prefill_and_score(prefiller, context)
+            snap, n = scored.snapshot, scored.snapshot.n_tokens
+            fp16 = with_tiers(snap, np.zeros(n, np.uint8), contract)
+            reference = score_continuation(scorer, context, continuation, fp16)
+            for tier, tiers in _probe_tiers(scored.importance, droppable(snap.positions, contract)):
+                score = score_continuation(scorer, context, continuation, with_tiers(snap, tiers, contract))
+                dnll[tier].append(score.mean_nll - reference.mean_nll)
+                kl[tier].append(mean_kl(reference, score))
+                affected[tier] = int((tiers == tier).sum())
+            progress(f"probe: context {index + 1}/{len(windows)} scored")
+            advance(1)
+    needle = _needle_hits(model, prefiller, decoder, s, progress, tracker)
     fp16_low, _ = wilson_interval(needle[Tier.FP16], len(needle["trials"]))
     per_token = {tier: float(np.mean(kl[tier])) / affected[tier] for tier in kl}
     verdicts, allowed, distortion = [], [Tier.FP16], {Tier.FP16: 0.0, Tier.DROP: 1.0}
@@ -149,7 +156,9 @@ def _probe_tiers(importance: np.ndarray, may_drop: np.ndarray):
     yield Tier.DROP, tiers
 
 
-def _needle_hits(model: LoadedModel, prefiller: Engine, decoder: Engine, s: ProbeSettings, progress) -> dict:
+def _needle_hits(
+    model: LoadedModel, prefiller: Engine, decoder: Engine, s: ProbeSettings, progress, tracker: Progress
+) -> dict:
     trials = needle_trials(
         model.tokenizer,
         context_tokens=s.niah_tokens,
@@ -158,11 +167,13 @@ def _needle_hits(model: LoadedModel, prefiller: Engine, decoder: Engine, s: Prob
         seed=1,
     )
     hits: dict = {tier: 0 for tier in (Tier.FP16, *QUANTIZED_TIERS)}
-    for index, trial in enumerate(trials):
-        snap = prefill_and_score(prefiller, trial.prompt_ids).snapshot
-        for tier in hits:
-            kv = with_tiers(snap, np.full(snap.n_tokens, tier, np.uint8), model.spec.kv_contract)
-            hits[tier] += answer(decoder, model.tokenizer, trial, kv)
-        progress(f"probe: needle {index + 1}/{len(trials)}")
+    with tracker.task("probe: needle trials", len(trials), "trial") as advance:
+        for index, trial in enumerate(trials):
+            snap = prefill_and_score(prefiller, trial.prompt_ids).snapshot
+            for tier in hits:
+                kv = with_tiers(snap, np.full(snap.n_tokens, tier, np.uint8), model.spec.kv_contract)
+                hits[tier] += answer(decoder, model.tokenizer, trial, kv)
+            progress(f"probe: needle {index + 1}/{len(trials)}")
+            advance(1)
     hits["trials"] = trials
     return hits

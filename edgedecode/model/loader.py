@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from edgedecode.model.requant import NATIVE
 from edgedecode.model.spec import ModelSpec
 from edgedecode.model.tokenizer import Tokenizer
 from edgedecode.model.weights import load_tensors
+from edgedecode.progress import NO_PROGRESS, Progress
 
 logger = logging.getLogger(__name__)
 # Bump whenever graph.py, weights.py or onnx_builder.py change what they emit (6: the architectures of
@@ -40,7 +42,7 @@ def side_file(graph: Path) -> Path:
     return graph.with_name(f"{graph.name}.data")
 
 
-def write_graph(model: onnx.ModelProto, graph: Path, side: Path) -> None:
+def write_graph(model: onnx.ModelProto, graph: Path, side: Path, advance: Callable[[int], None] | None = None) -> None:
     """Save ``model`` to ``graph`` with its initializers in ``side`` (a name in the same folder).
 
     Initializers with the same bytes are stored once and all point to them (a tied LM head and
@@ -50,6 +52,8 @@ def write_graph(model: onnx.ModelProto, graph: Path, side: Path) -> None:
     Both files are written under names of this process's own and renamed into place, the side file
     first: two processes building the same graph at once each leave whole files, and one that has
     mapped an earlier side file keeps it (rewriting it in place under a live mapping is a SIGBUS).
+
+    ``advance(n)`` is called with each side-file initializer's bytes (:func:`side_file_bytes` in all).
     """
     partial = f"partial-{os.getpid()}"
     partial_side, partial_graph = side.with_name(f"{side.name}.{partial}"), graph.with_name(f"{graph.name}.{partial}")
@@ -68,9 +72,17 @@ def write_graph(model: onnx.ModelProto, graph: Path, side: Path) -> None:
             offset, length = stored[digest]
             set_external_data(tensor, side.name, offset, length)
             tensor.ClearField("raw_data")
+            if advance is not None:
+                advance(len(data))
     onnx.save(model, partial_graph)
     os.replace(partial_side, side)
     os.replace(partial_graph, graph)
+
+
+def side_file_bytes(model: onnx.ModelProto) -> int:
+    """Bytes of the initializers that :func:`write_graph` moves to the side file (before it stores
+    identical ones once)."""
+    return sum(len(t.raw_data) for t in model.graph.initializer if len(t.raw_data) >= SIDE_FILE_MIN_BYTES)
 
 
 def graph_bytes(graph: Path) -> int:
@@ -105,18 +117,27 @@ class LoadedModel:
         parts += ["queries"] if options.emit_queries else []
         return model_dir(self.record.name) / "graphs" / f"{'-'.join(parts)}-{key}.onnx"
 
-    def graph(self, options: GraphOptions) -> Path:
-        """Path of the built graph for these options, building and caching it if needed."""
+    def graph(self, options: GraphOptions, tracker: Progress = NO_PROGRESS) -> Path:
+        """Path of the built graph for these options, building and caching it if needed.
+
+        A build reports to ``tracker``: the layers read from the GGUF, the layers emitted, the bytes written.
+        """
         path = self.graph_path(options)
         if not path.exists():
             logger.info("building %s graph for %s (%s)", options.kind, self.record.name, options)
-            tensors = load_tensors(open_gguf(self.record.gguf_path), self.spec, dense=options.kind == "prefill")
-            model = build_graph(self.spec, tensors, options)
+            layers = self.spec.n_layers
+            with tracker.task("reading weights", layers, "layer") as advance:
+                reader = open_gguf(self.record.gguf_path)  # not kept: its parsed fields cost RSS (see above)
+                tensors = load_tensors(reader, self.spec, dense=options.kind == "prefill", advance=advance)
+                del reader
+            with tracker.task(f"building the {options.kind} graph", layers, "layer") as advance:
+                model = build_graph(self.spec, tensors, options, advance=advance)
             path.parent.mkdir(parents=True, exist_ok=True)
             # Initializers in a side file: onnxruntime maps it instead of copying it to the heap, which holds
             # ~75 MiB less for SmolLM2 and ~130 MiB less for the 0.5B shape (docs/performance.md), and
             # protobuf refuses a graph over 2 GiB (3B-class models) in one message.
-            write_graph(model, path, side_file(path))
+            with tracker.task(f"writing {path.name}", side_file_bytes(model), "B") as advance:
+                write_graph(model, path, side_file(path), advance=advance)
         return path
 
 

@@ -17,6 +17,7 @@ undo that here, so every graph uses HF (rotate-half) order and the KV layout is 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -228,9 +229,14 @@ class ModelTensors:
     lm_head: Weight | None  # None when tied to the embedding
 
 
-def load_tensors(reader: GGUFReader, spec: ModelSpec, dense: bool) -> ModelTensors:
+def load_tensors(
+    reader: GGUFReader, spec: ModelSpec, dense: bool, advance: Callable[[int], None] | None = None
+) -> ModelTensors:
     """Load every weight of the model, dense float32 or block-quantized; the architecture's traits
-    (``spec.traits``) say which optional tensors (biases, QK and post norms) each layer must have."""
+    (``spec.traits``) say which optional tensors (biases, QK and post norms) each layer must have.
+
+    ``advance(1)`` is called as each layer is loaded (after the embedding and the LM head, first).
+    """
     check_tensor_types(reader)
     table = tensor_table(reader)
     traits = spec.traits
@@ -267,6 +273,8 @@ def load_tensors(reader: GGUFReader, spec: ModelSpec, dense: bool) -> ModelTenso
     def optional(name: str, present: bool) -> np.ndarray | None:
         return vector(name) if present else None
 
+    embedding = embedding_table("token_embd.weight")
+    lm_head = None if spec.tied_embeddings else embedding_table("output.weight")
     layers = []
     for i in range(spec.n_layers):
         p = f"blk.{i}."
@@ -290,9 +298,6 @@ def load_tensors(reader: GGUFReader, spec: ModelSpec, dense: bool) -> ModelTenso
                 post_ffn_norm=optional(p + "post_ffw_norm.weight", traits.post_norms),
             )
         )
-    return ModelTensors(
-        embedding=embedding_table("token_embd.weight"),
-        layers=layers,
-        output_norm=vector("output_norm.weight"),
-        lm_head=None if spec.tied_embeddings else embedding_table("output.weight"),
-    )
+        if advance is not None:
+            advance(1)
+    return ModelTensors(embedding=embedding, layers=layers, output_norm=vector("output_norm.weight"), lm_head=lm_head)

@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.runtime.jetson import detect_jetson, onnxruntime_advice
 
 logger = logging.getLogger(__name__)
 _ORT_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu")
@@ -40,13 +41,23 @@ def import_onnxruntime():
     """
     found = installed_onnxruntime()
     if len(found) > 1:
+        jetson = detect_jetson()
+        problem = "both onnxruntime and onnxruntime-gpu are installed, which hides the CUDA provider"
+        if jetson is not None:  # [gpu]'s fix would pull PyPI's onnxruntime-gpu, which is not for Jetson
+            raise RuntimeSetupError(f"{problem}; {onnxruntime_advice(jetson, found, [])}")
         raise RuntimeSetupError(
-            "both onnxruntime and onnxruntime-gpu are installed, which hides the CUDA provider; fix with: "
-            "pip uninstall -y onnxruntime onnxruntime-gpu && pip install 'edgedecode[gpu]' (or '[cpu]')"
+            f"{problem}; fix with: pip uninstall -y onnxruntime onnxruntime-gpu && pip install 'edgedecode[gpu]' "
+            "(or '[cpu]')"
         )
     try:
         import onnxruntime
     except ImportError as exc:
+        jetson = detect_jetson()
+        if jetson is not None:
+            raise RuntimeSetupError(
+                f"onnxruntime is not installed: pip install 'edgedecode[cpu]' for the CPU only, or for the GPU: "
+                f"{onnxruntime_advice(jetson, [], [])}"
+            ) from exc
         raise RuntimeSetupError(
             "onnxruntime is not installed: pip install 'edgedecode[cpu]' or 'edgedecode[gpu]'"
         ) from exc
@@ -99,9 +110,12 @@ def create_session(
     if device not in PROVIDERS:
         raise RuntimeSetupError(f"unknown device {device!r}; choose one of {', '.join(PROVIDERS)}")
     if device not in available_devices():
+        providers = ort.get_available_providers()
+        jetson = detect_jetson()
+        advice = onnxruntime_advice(jetson, installed_onnxruntime(), providers) if jetson is not None else None
         raise RuntimeSetupError(
             f"the {PROVIDERS[device]} is not available in this onnxruntime build "
-            f"(available: {', '.join(ort.get_available_providers())})"
+            f"(available: {', '.join(providers)})" + (f"; {advice}" if advice else "")
         )
     if device == "cuda":
         ort.preload_dlls()  # CUDA/cuDNN from the nvidia-* pip wheels, when that is where they are
