@@ -76,6 +76,17 @@ class ServerProcess:
         self._log_file.close()
 
 
+def pulling_daemon(directory: Path, prefill_url: str, token: str, budget: float = 0.3) -> ServerProcess:
+    """``edgedecode serve`` with the test config, pulling from ``prefill_url`` (whose token is
+    PREFILL_TOKEN) at ``budget``, its clients authenticated by ``token``; its log in ``directory``."""
+    config = server_config(directory, "daemon", prefill_token=PREFILL_TOKEN, budget=budget)
+    return ServerProcess(
+        ["serve", "--config", config, "--prefill-url", prefill_url],
+        directory / "daemon.log",
+        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": token},
+    )
+
+
 class ThreadedApp:
     """An aiohttp application served on 127.0.0.1 from its own event loop in a thread."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from loopback_only import REFUSED, LoopbackOnly, sitecustomize_dir
 from openai import OpenAI
-from serving_helpers import PREFILL_TOKEN, ServerProcess, metric_samples, server_config
+from serving_helpers import metric_samples, pulling_daemon
 
 TOKEN = "clients-secret"
 MODEL = "smollm2-135m-instruct"
@@ -30,13 +30,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def daemon(prefill_server, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("clients")
-    config = server_config(directory, "daemon", prefill_token=PREFILL_TOKEN, budget=0.3)
-    server = ServerProcess(
-        ["serve", "--config", config, "--prefill-url", prefill_server.url],
-        directory / "daemon.log",
-        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
-    )
+    server = pulling_daemon(tmp_path_factory.mktemp("clients"), prefill_server.url, TOKEN)
     yield server
     server.stop()
 

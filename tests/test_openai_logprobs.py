@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from serving_helpers import PREFILL_TOKEN, ServerProcess, server_config
+from serving_helpers import pulling_daemon
 
 TOKEN = "logprobs-secret"
 MODEL = "smollm2-135m-instruct"
@@ -24,13 +24,7 @@ CONTEXT = 2048  # server_config's max_context
 
 @pytest.fixture(scope="module")
 def daemon(prefill_server, tmp_path_factory):
-    directory = tmp_path_factory.mktemp("logprobs-daemon")
-    config = server_config(directory, "daemon", prefill_token=PREFILL_TOKEN, budget=0.3)
-    server = ServerProcess(
-        ["serve", "--config", config, "--prefill-url", prefill_server.url],
-        directory / "daemon.log",
-        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
-    )
+    server = pulling_daemon(tmp_path_factory.mktemp("logprobs-daemon"), prefill_server.url, TOKEN)
     yield server
     server.stop()
 
