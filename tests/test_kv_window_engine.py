@@ -12,13 +12,14 @@ from gguf import GGMLQuantizationType as QType
 from synthetic_gguf import TinyLlama, write_tiny_llama
 
 from edgedecode.daemon.conversations import ConversationStore, store_pins
+from edgedecode.evaluation.scoring import score_continuation
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.window import tail_tokens, window_start
 from edgedecode.kv.wire import EDKVReader
 from edgedecode.model.fetch import register_gguf
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
-from edgedecode.prefill.pipeline import encode_within_budget, payload_frames, prefill_and_score
+from edgedecode.prefill.pipeline import encode_within_budget, payload_frames, prefill_and_score, through_wire
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
 
@@ -156,3 +157,20 @@ def test_the_store_keeps_a_windowed_conversations_tail_and_never_claims_cells_it
     dropped = small.peek("b")
     assert dropped is not None and (dropped.tiers == Tier.DROP).any()
     assert not (dropped.tiers[-tail_tokens(contract) :] == Tier.DROP).any()
+
+
+def test_a_windowed_snapshot_through_the_wire_scores_as_the_full_one(gemma):
+    """``through_wire(windowed=True)`` (what the quality harness scores): the windowed layers' cells
+    before the window arrive as zeros, which no sliding layer attends to, so a continuation scores
+    exactly as from the whole stream at the same tiers (every token FP16 at b 1.0)."""
+    model, scored = gemma
+    contract = model.spec.kv_contract
+    continuation = np.random.default_rng(6).integers(0, 95, 12)
+    scores, sizes = [], []
+    for windowed in (False, True):
+        kv, encoded = through_wire(scored, 1.0, "ours", contract, windowed=windowed)
+        assert (encoded.tiers == Tier.FP16).all()
+        scores.append(score_continuation(decoder(model), PROMPT, continuation, kv))
+        sizes.append(sum(len(frame) for frame in encoded.frames))
+    assert sizes[1] < 0.8 * sizes[0]  # the windowed layers' cells before the tail were not sent
+    np.testing.assert_array_equal(scores[0].log_probs, scores[1].log_probs)

@@ -108,12 +108,14 @@ def _score_context(args, window, prefiller, scorer, configs, profile, contract, 
     """One context window scored under FP16 transfer and every configuration, into ``rows``."""
     context, continuation = window[: args.context_tokens], window[args.context_tokens :]
     scored = prefill_and_score(prefiller, context)
-    fp16_kv, fp16_encoded = through_wire(scored, 1.0, "ours", contract)
+    fp16_kv, fp16_encoded = through_wire(scored, 1.0, "ours", contract, windowed=True)
     reference = score_continuation(scorer, context, continuation, fp16_kv)
     rows.setdefault(FP16 + (0.5,), []).append(_row(reference, reference, fp16_encoded))
     for policy, budget, fraction in configs:
         try:
-            kv, encoded = through_wire(scored, budget, policy, contract, profile=profile, pdtrim_head_fraction=fraction)
+            kv, encoded = through_wire(
+                scored, budget, policy, contract, profile=profile, pdtrim_head_fraction=fraction, windowed=True
+            )
         except BudgetTooSmallError as exc:  # e.g. a windowed model's tail alone costs more
             rows.setdefault((policy, budget, fraction), []).append({"refused_below": exc.minimum})
             continue
@@ -195,6 +197,7 @@ def needle_study(args, model, prefiller, decoder, configs, profile) -> list[dict
                         contract,
                         profile=profile,
                         pdtrim_head_fraction=fraction,
+                        windowed=True,
                     )
                 except BudgetTooSmallError:
                     continue  # reported once, by the perplexity study
@@ -284,7 +287,12 @@ def report_section(result: dict, plot_link: str) -> list[str]:
         f"Command: `{result['command'].strip()}` — {result['wall_seconds']} s. Model {result['model']}; "
         f"text {result['text']}; {result['contexts']} contexts of {result['context_tokens']} tokens, "
         f"{result['continuation_tokens']} teacher-forced continuation tokens each. Prefill: fp32 graph. "
-        "Scoring: the INT4 graph at accuracy_level 0 (exact arithmetic; the deployed acc-4 graph's int8 "
+        + (
+            "Wire: EDKV 2.0, the sliding layers' cells before the window not sent, as the daemon asks for it. "
+            if result.get("wire") == "windowed"
+            else ""
+        )
+        + "Scoring: the INT4 graph at accuracy_level 0 (exact arithmetic; the deployed acc-4 graph's int8 "
         "activations add KL of their own to any input change, 0.002–0.004 on SmolLM2); the needle test decodes "
         "with the deployed acc-4 graph. "
         f"Tier profile: {result['tier_profile']}. Δ PPL and KL are against FP16 transfer through the same wire; "
@@ -424,6 +432,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         "niah_trials_per_depth": args.niah_trials,
         "text": str(args.text_file) if args.text_file else "pydoc_data.topics",
         "tier_profile": profile.source,
+        "wire": "windowed" if model.spec.kv_contract.sliding_window else "full",
         "allowed_tiers": [t.name for t in profile.allowed],
         "wall_seconds": round(time.perf_counter() - started, 1),
         "perplexity": perplexity,

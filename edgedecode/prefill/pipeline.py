@@ -242,9 +242,14 @@ def through_wire(
     *,
     profile: TierProfile | None = None,
     pdtrim_head_fraction: float = 0.5,
+    windowed: bool = False,
 ) -> tuple[KVSnapshot, EncodedKV]:
-    """What a decoder with contract ``receiver`` gets for this prefill at ``budget`` under ``policy``."""
-    encoded = encode_within_budget(scored, budget, policy, profile=profile, pdtrim_head_fraction=pdtrim_head_fraction)
+    """What a decoder with contract ``receiver`` gets for this prefill at ``budget`` under ``policy``;
+    ``windowed``: as EDKV 2.0, the windowed layers' cells before the window read as zeros (a sliding
+    layer never attends to them), as the daemon asks for it."""
+    encoded = encode_within_budget(
+        scored, budget, policy, profile=profile, pdtrim_head_fraction=pdtrim_head_fraction, windowed=windowed
+    )
     return decode_snapshot(b"".join(encoded.frames), receiver), encoded
 
 
