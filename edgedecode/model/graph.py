@@ -62,9 +62,9 @@ ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 Q4_1_MODES = ("correction", "zero_point", "stacked", "by_size")
 # On CUDA, onnxruntime 1.31 dequantizes a float-zero-point weight into a scratch buffer at every step,
 # a cost that grows with the weights, while the correction costs a few small kernels a matmul, a cost
-# that does not. Measured on one H200 (docs/performance.md, "Choosing the offset form by size"): zero
-# points decode the SmolLM2 (3.5 M offset weights a layer) and 0.5B shapes (15 M) 1.3-1.4x faster than
-# the correction; the 1B (61 M) and 3B (101 M) shapes 1.18-1.75x slower. Mixing the forms matmul by matmul
+# that does not. Measured (docs/performance.md, "Choosing the offset form by size"): zero points decode
+# SmolLM2 (3.5 M offset weights a layer; H100) 1.4x and the 0.5B shape (15 M; H200) 1.3x faster than the
+# correction, the 1B (61 M) and 3B (101 M) shapes 1.18-1.75x slower (H200). Mixing the forms matmul by matmul
 # measured slower than the correction alone on the 3B shape, so the choice is per graph; 30 M lies
 # between the measured sizes, the break-even itself was not measured.
 BY_SIZE_CORRECTION_ELEMENTS = 30_000_000
