@@ -35,7 +35,8 @@ import time
 
 import numpy as np
 
-from edgedecode.daemon.conversations import ConversationStore, drop_order, store_pins
+from edgedecode.daemon.memory.conversation import drop_order, store_pins
+from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.evaluation.scoring import mean_kl, score_continuation, top1_agreement
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.kv.importance import position_importance
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     prefiller = Engine(model, GraphOptions("prefill"), max_context=length, threads=args.threads)
     restorer = Engine(model, GraphOptions(), max_context=length, threads=args.threads)
     scorer = Engine(model, GraphOptions(accuracy_level=0), max_context=length, threads=args.threads)
-    store = ConversationStore(1 << 40, 1)  # only its encoder
+    store = ConversationStore(1)  # only its encoder
     rows = []
     for index, window in enumerate(token_windows(model.tokenizer, pydoc_corpus(), length, args.texts)):
         context, continuation = window[: args.context], window[args.context :]

@@ -15,8 +15,8 @@ over. Each box has one link drawn from
 
 **The budget policy as implemented**: a fixed budget (``fixed-0.3``: the daemon's default without
 a TTFT target; ``fixed-1.0``), or ``adaptive``: every box runs the daemon's own planner
-(``edgedecode.daemon.adaptive.plan_kv``, TTFT target ``target_s``) on its own ``LinkModel``
-(``edgedecode.daemon.link``), which learns from each pull what the daemon learns (round trip:
+(``edgedecode.daemon.pull.adaptive.plan_kv``, TTFT target ``target_s``) on its own ``LinkModel``
+(``edgedecode.daemon.pull.link``), which learns from each pull what the daemon learns (round trip:
 the response headers' wait less the server's own time, so queueing at the tier counts; goodput;
 server time per token), and a ``LocalPrefillModel`` from measured local prefill times. Local
 prefill loads no replica; a split pulls the tail's bytes only. Every box has pulled before the
@@ -74,10 +74,10 @@ from pathlib import Path
 import numpy as np
 import sim_fleet_report as report
 
-from edgedecode.daemon.adaptive import PlanInputs, plan_kv
-from edgedecode.daemon.kv_pull import PullResult
-from edgedecode.daemon.link import LinkModel, Reprobes
-from edgedecode.daemon.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.adaptive import PlanInputs, plan_kv
+from edgedecode.daemon.pull.link import LinkModel, Reprobes
+from edgedecode.daemon.pull.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.segment import PullResult
 
 ROOT = Path(__file__).resolve().parent.parent
 FP16_BYTES_PER_TOKEN = 23040  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x (K, V) x 2 bytes
