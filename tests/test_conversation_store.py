@@ -254,6 +254,31 @@ def test_reservations_count_against_the_budget_until_released():
         ledger.release(SLOT, 1)
 
 
+def test_a_re_tier_whose_conversation_was_taken_while_it_encoded_changes_nothing(monkeypatch):
+    """The store encodes outside its lock (the event loop may take a conversation meanwhile): a re-tier
+    that finishes after its conversation left the store neither puts it back nor counts bytes freed."""
+    import edgedecode.daemon.memory.store as store_module
+
+    registry = CollectorRegistry()
+    store = ConversationStore(4, ConversationMetrics(registry))
+    store.put("a", snapshot(300))
+    store.put("b", snapshot(300, seed=1))
+    encode = store_module.retiered
+
+    def taken_meanwhile(entry, *, workers):
+        smaller = encode(entry, workers=workers)
+        store.take(entry.session_id)
+        return smaller
+
+    monkeypatch.setattr(store_module, "retiered", taken_meanwhile)
+    b = stored(store, "b")
+
+    assert store.retier("a") is None
+    assert "a" not in store and store.nbytes == b.nbytes and stored(store, "b") is b
+    assert sample(registry, "edgedecode_kv_retier_total", **{"from": "INT8", "to": "INT4"}) == 0
+    assert sample(registry, "edgedecode_kv_memory_bytes", state="compressed") == store.nbytes
+
+
 # --- the invariant --------------------------------------------------------------------------------
 
 SNAPSHOTS = [snapshot(n, seed=n) for n in (1, 70, 160, 300)]

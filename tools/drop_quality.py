@@ -7,7 +7,7 @@ prefill server does (the fp32 prefill graph, with its attention importance from 
 window) and stored as the daemon's store holds an idle conversation at the re-tier rung: every
 token INT4 but the store's pins (sinks and the recent window, INT8). Then ``fraction`` of the
 tokens are dropped, least important first by each source, with the store's own drop order
-(``daemon.conversations``: unpinned tokens only, ties oldest first):
+(``daemon.memory.conversation``: unpinned tokens only, ties oldest first):
 
 - ``position``: position importance (the oldest tokens after the sinks go first), what the store
   uses when nothing better came with the KV;

@@ -90,7 +90,7 @@ MIN_WIRE_BYTES = 64 << 10  # daemon.min_wire_bytes
 MIN_BUDGET, SPLIT_SLOWDOWN = 0.2, 1.3  # daemon.min_budget, daemon.split_slowdown
 HISTORY_MIN_S = 300.0  # each box's one pull before the simulation was at least this long before it starts
 REPROBE_S = 3600.0  # daemon.link_reprobe_s
-WATCH_S, WATCH_MARGIN = 0.2, 0.8  # the watch's min_observe_s and margin (daemon.adaptive.SegmentWatch)
+WATCH_S, WATCH_MARGIN = 0.2, 0.8  # the watch's min_observe_s and margin (daemon.pull.adaptive.SegmentWatch)
 USER_SIGMA, ANSWER_SIGMA, THINK_SIGMA = 0.8, 0.6, 0.8  # lognormal spreads (log space) of the workload
 
 
