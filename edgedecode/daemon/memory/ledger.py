@@ -113,7 +113,7 @@ class MemoryLedger:
         self.bytes_per_slot_token = pool.slots[0].engine.kv_bytes_per_slot if pool.slots else 0
         self._reservations = {slot.index: 0 for slot in pool.slots}
         self._carried = 0  # bytes of conversations taken from the store for a slot, not yet in it
-        self._peak_nbytes = 0
+        self._peak_nbytes = 0  # the most nbytes has been (edgedecode_kv_memory_peak_bytes)
         self._lock = threading.Lock()  # the counts above
         self._growing = threading.Lock()  # one call that adds bytes at a time
         self._floor = {
@@ -147,11 +147,6 @@ class MemoryLedger:
     def reserved_nbytes(self) -> int:
         """Bytes reserved for the slots' KV (and conversations on their way into a slot)."""
         return sum(self._reservations.values()) + self._carried
-
-    @property
-    def peak_nbytes(self) -> int:
-        """The most ``nbytes`` has been since the ledger was made."""
-        return self._peak_nbytes
 
     def reserved(self, slot: int) -> int:
         """Bytes reserved for slot ``slot``'s KV."""
