@@ -6,7 +6,7 @@ A tool is a script under ``tools/<group>/``, run as a file from the repo root
 runs as a file, so tools import each other and this package as ``tools.<group>.<module>``, exactly as
 ``python -m tools.bench.decode`` or a test (``tests/tool_modules.py``) imports them::
 
-    if not __package__:  # run as a file: import tools.* from the repo root, as `python -m` would
+    if not __package__:  # run as a file: import tools.* (and edgedecode) from the repo root, as `python -m` would
         sys.path[0] = str(Path(__file__).resolve().parents[2])
 
     from tools.common import cli
