@@ -2,25 +2,17 @@
 
 An Engine runs either built graph (the INT4 decode graph on the edge, or the higher-precision
 prefill graph), so KV exported from one engine can be injected into another of the same model.
-
-It wires three owners and holds the prompt entry points and the decode loop:
-
-* ``ModelRunner`` (``runtime.runner``): the onnxruntime session, its IO binding over the KV buffers,
-  one graph run, the CUDA-graph decode step;
-* ``Sequence`` (``runtime.sequence``): what the cache's slots hold (tokens, true positions, history,
-  importance, the windowed layers' start) and the operations that keep, receive, evict them;
-* ``KVCache`` (``runtime.kvcache``): the buffers both write into.
-
-A prompt's tokens come to be in the cache in three ways, which every entry point combines: **kept**
-from the engine's last use (``Sequence.keep``), **received** from elsewhere (``Sequence.receive``:
-a snapshot, EDKV streams or a stored payload) and **computed** here (``ModelRunner.run``; a decode
-step is ``ModelRunner.step``). ``prefill`` keeps, receives, then computes the rest (``_run_prompt``).
+It holds the prompt entry points and wires the owners of the rest: a ``ModelRunner`` (session, IO
+binding, one run, the CUDA-graph step), a ``Sequence`` (what the cache's slots hold) and the
+``KVCache`` both write into. A prompt's tokens are **kept** from the engine's last use
+(``Sequence.keep``), **received** (``runtime.ingest``: a snapshot, EDKV streams, a stored payload)
+or **computed** here (``ModelRunner.run``); the decode loop is ``generation.decode``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,7 +21,7 @@ from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
-from edgedecode.runtime.generation import GenerationStats, decode
+from edgedecode.runtime.generation import GenerationStats, Score, decode
 from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.ingest import adopt_segments, inject_snapshot, injectable_count, restore_payload, segment_reader
 from edgedecode.runtime.kvcache import KVCache, KVInjectionError
@@ -77,13 +69,11 @@ def lone_row_free(n: int) -> bool:
     return n % GQA_ROW_TILE != 1
 
 
-class CudaGraphError(EdgeDecodeError):
-    """The decode step could not be captured as a CUDA graph (construct the Engine with cuda_graph=False)."""
-
-
 class Engine:
     """Runs one built graph over a preallocated KV cache (batch 1)."""
 
+    session: Any  # onnxruntime.InferenceSession (shared with the engines made with ``share``)
+    cuda_graph: bool  # single-token steps replay a captured CUDA graph
     cache: KVCache
     sequence: Sequence  # what the cache's slots hold
     runner: ModelRunner  # runs the sequence's tokens through the graph
@@ -120,27 +110,12 @@ class Engine:
             graph = share.runner.graph
         else:
             graph = GraphSession.open(model, options, device, threads, profile, cuda_graph)
+        self.session, self.cuda_graph = graph.session, graph.cuda_graph
         self.cache = KVCache(self.spec, self.max_context, options.np_dtype, device)
         self.sequence = Sequence(self.cache, self.spec)
         self.runner = ModelRunner(graph, self.sequence)
+        self.runner.warm_up(self.spec.eos_token_id)
         self.stats = GenerationStats()
-        try:  # warm-up: the first run allocates ORT's arenas (and captures the CUDA graph)
-            self.forward(np.array([self.spec.eos_token_id]))
-        except Exception as exc:
-            if not graph.cuda_graph:
-                raise
-            raise CudaGraphError(f"capturing the decode step as a CUDA graph failed: {exc}") from exc
-        self.reset()
-
-    @property
-    def session(self) -> Any:
-        """The onnxruntime session (one InferenceSession, shared with the engines made with ``share``)."""
-        return self.runner.graph.session
-
-    @property
-    def cuda_graph(self) -> bool:
-        """Whether single-token decode steps replay a captured CUDA graph."""
-        return self.runner.graph.cuda_graph
 
     # -- what the cache holds (the sequence's)
 
@@ -167,8 +142,7 @@ class Engine:
 
     @property
     def full(self) -> bool:
-        """Whether no further token fits: the cache is full, or the next position is past the model's
-        (dropped tokens advance positions without taking slots)."""
+        """Whether no further token fits (``Sequence.full``)."""
         return self.sequence.full
 
     @property
@@ -178,20 +152,16 @@ class Engine:
 
     @property
     def windowed_from(self) -> int:
-        """The first position whose KV this engine holds in its windowed (sliding-window) layers too: 0, or the
-        start of a pulled or restored KV's window (the positions before it hold KV in the global layers only);
-        ``next_position`` when no slot holds any (a restore cut before its window: nothing here can go on)."""
+        """The first position whose KV the windowed layers hold too (``Sequence.windowed_from``)."""
         return self.sequence.windowed_from
 
     @property
     def windowed_tail(self) -> int:
-        """Tokens at the end of a held context that no memory rung may drop: the windowed layers' tail
-        (``kv.window``); 0 for a model without sliding windows."""
+        """Tokens at the end of a held context that no memory rung may drop (``Sequence.windowed_tail``)."""
         return self.sequence.windowed_tail
 
     def given_importance(self) -> np.ndarray:
-        """float32 [next_position]: the importance that came with each position's KV (a pull's or a
-        restored payload's EDKV ``importance``), NaN where none came (computed or generated here)."""
+        """float32 [next_position]: the importance that came with each position's KV, NaN where none came."""
         return self.sequence.given_importance()
 
     def reset(self) -> None:
@@ -199,8 +169,7 @@ class Engine:
         self.sequence.reset()
 
     def evict(self, positions: np.ndarray) -> None:
-        """Drop the KV of the held tokens at ``positions`` (the others move down, in order): the
-        context decodes on as after any dropped token, one slot per token lighter."""
+        """Drop the KV of the held tokens at ``positions`` (``Sequence.evict``)."""
         self.sequence.evict(positions)
 
     def release_unused(self) -> None:
@@ -208,13 +177,8 @@ class Engine:
         self.cache.release_unused()
 
     def reusable_prefix(self, prompt_ids) -> int:
-        """How many leading positions of ``prompt_ids`` this engine can keep from what it last processed.
-
-        That is the prompt's common prefix with the tokens at positions before ``next_position``
-        (prompt, KV received, tokens generated and run), cut back to end at a held slot (a dropped
-        token at the end of the prefix is processed again) and to leave the prompt's last token to
-        run here. Pass it as ``keep`` to ``open_kv_stream``/``prefill``/``generate``.
-        """
+        """How many leading positions of ``prompt_ids`` this engine can keep from what it last processed
+        (``Sequence.reusable_prefix``); pass it as ``keep`` to ``open_kv_stream``/``prefill``/``generate``."""
         return self.sequence.reusable_prefix(np.asarray(prompt_ids, np.int64))
 
     def export_kv(self) -> KVSnapshot:
@@ -222,9 +186,8 @@ class Engine:
         return self.sequence.snapshot(self.producer)
 
     def export_positions(self) -> tuple[KVSnapshot, np.ndarray]:
-        """The cached KV laid out over every position before ``next_position`` (the whole
-        conversation, for ``restore``), and bool [n]: whether a position's KV is held (False: the
-        token was dropped; its KV here is zeros, its id the one processed)."""
+        """The cached KV over every position processed, for ``restore``, and which positions it holds
+        (``Sequence.snapshot_positions``)."""
         return self.sequence.snapshot_positions(self.producer)
 
     # -- computed: tokens run through the graph after the held ones
@@ -238,8 +201,7 @@ class Engine:
         return np.concatenate(outputs) if all_logits else outputs[-1]
 
     def _runs(self, token_ids: np.ndarray, all_logits: bool) -> Iterator[np.ndarray]:
-        """Run ``token_ids`` after the held tokens in runs of ``chunk_sizes``; yields each run's logits as
-        ``ModelRunner.run`` returns them."""
+        """Run ``token_ids`` after the held tokens in runs of ``chunk_sizes``, yielding each run's logits."""
         self.sequence.stage(token_ids)
         for size in chunk_sizes(len(token_ids)):
             yield self.runner.run(size, all_logits)
@@ -289,7 +251,7 @@ class Engine:
         At least the last prompt token is always run through this engine's graph, so the returned
         logits are this graph's own.
         """
-        prompt_ids = self._checked_prompt(prompt_ids)
+        prompt_ids = self.sequence.checked_prompt(prompt_ids)
         if isinstance(kv, StreamedKV):
             return self._adopt_stream(prompt_ids, kv, keep)
         kept = self.sequence.keep(prompt_ids, keep)
@@ -302,14 +264,8 @@ class Engine:
         return self._run_prompt(prompt_ids, keep, injected)
 
     def _adopt_stream(self, prompt_ids: np.ndarray, stream: StreamedKV, keep: int) -> np.ndarray:
-        """Adopt what the stream's segments wrote (the current one must be complete unless it was
-        cut) and process the rest of the prompt."""
-        if stream.owner is not self:
-            raise KVInjectionError("the KV stream was opened by another engine")
-        if keep not in (0, stream.keep):
-            raise KVInjectionError(f"the KV stream was opened keeping {stream.keep} positions, not {keep}")
-        if not np.array_equal(prompt_ids, stream.prompt_ids):
-            raise KVInjectionError("the KV stream was opened for another prompt")
+        """Adopt what the stream's segments wrote (the current one complete unless cut); run the rest."""
+        stream.check_opened(self, prompt_ids, keep)
         if self.length == stream.kept_slots and stream.head:
             self.compute_head(stream)
         if not stream.ended:
@@ -320,14 +276,8 @@ class Engine:
     def _run_prompt(self, prompt_ids: np.ndarray, reused: int, injected: int, head: int = 0) -> np.ndarray:
         """Run the prompt from the position after what the cache holds of it (``reused`` positions kept,
         ``injected`` received, a stream's ``head`` computed); returns its last token's logits [vocab]."""
-        sequence = self.sequence
-        if not sequence.window_covers(sequence.length):
-            raise KVInjectionError(
-                f"the windowed layers hold KV from slot {sequence.window_from} on; the token at slot "
-                f"{sequence.length} attends to the last {self.spec.sliding_window} slots (the KV's window left "
-                "out too much of the prompt's tail)"
-            )
-        resume = sequence.next_position
+        self.sequence.check_window()
+        resume = self.sequence.next_position
         self.stats = GenerationStats(
             prompt_tokens=len(prompt_ids),
             injected_tokens=injected,
@@ -350,7 +300,7 @@ class Engine:
         ``kv``, when given, must fit the prompt (KVInjectionError otherwise), even with ``injected`` 0.
         At least the prompt's last token is left to run here.
         """
-        prompt_ids = self._checked_prompt(prompt_ids)
+        prompt_ids = self.sequence.checked_prompt(prompt_ids)
         if kv is not None:
             self.cache.check_injectable(kv, prompt_ids)
         if not 0 <= injected < len(prompt_ids):
@@ -377,7 +327,7 @@ class Engine:
         e.g. on another thread while the segments arrive; else when the stream is adopted): the
         segments hold KV of positions after them, landing in the slots after theirs.
         """
-        prompt_ids = self._checked_prompt(prompt_ids)
+        prompt_ids = self.sequence.checked_prompt(prompt_ids)
         if not 0 <= head < len(prompt_ids) - keep:
             raise ValueError(f"head must be in [0, {len(prompt_ids) - keep}) for this prompt and keep, not {head}")
         kept = self.sequence.keep(prompt_ids, keep)
@@ -387,8 +337,7 @@ class Engine:
     def compute_head(self, stream: StreamedKV) -> None:
         """Run the stream's head positions (``open_kv_stream(head=...)``) through the graph, into
         the slots before the segments'; the segments may be arriving meanwhile. Once per stream."""
-        if stream.owner is not self:
-            raise KVInjectionError("the KV stream was opened by another engine")
+        stream.check_opened(self)
         if self.length != stream.kept_slots:
             raise KVInjectionError("the stream's head was computed already, or the cache changed since it was opened")
         if stream.head:
@@ -403,21 +352,10 @@ class Engine:
         Raises:
             KVFormatError: the payload is refused (contract, integrity, size): nothing is kept.
         """
-        prompt_ids = self._checked_prompt(prompt_ids)
+        prompt_ids = self.sequence.checked_prompt(prompt_ids)
         self.reset()
         restore_payload(self.sequence, prompt_ids, payload)
         return self.reusable_prefix(prompt_ids)
-
-    def _checked_prompt(self, prompt_ids) -> np.ndarray:
-        prompt_ids = np.asarray(prompt_ids, np.int64)
-        if len(prompt_ids) == 0:
-            raise ContextOverflowError("the prompt is empty")
-        if len(prompt_ids) >= self.max_context:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context} "
-                "including at least one generated token"
-            )
-        return prompt_ids
 
     # -- generation
 
@@ -439,14 +377,7 @@ class Engine:
         likely tokens' (``runtime.logprobs``)."""
         return self._generate(prompt_ids, params, kv, keep, LogprobScorer(top, self.spec.vocab_size).token)
 
-    def _generate(
-        self,
-        prompt_ids,
-        params: SamplingParams,
-        kv: KVSource,
-        keep: int,
-        score: Callable[[np.ndarray, int], ScoredToken] | None,
-    ) -> Iterator[Any]:
+    def _generate(self, prompt_ids, params: SamplingParams, kv: KVSource, keep: int, score: Score) -> Iterator[Any]:
         """``generate`` (``score`` None) and ``generate_scored``: the prompt, then ``generation.decode``."""
         started = time.perf_counter()
         logits = self.prefill(prompt_ids, kv, keep)

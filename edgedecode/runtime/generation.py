@@ -13,6 +13,9 @@ from edgedecode.runtime.logprobs import ScoredToken
 from edgedecode.runtime.runner import ModelRunner
 from edgedecode.runtime.sampler import Sampler, SamplingParams
 
+Score = Callable[[np.ndarray, int], ScoredToken] | None
+"""How a generation yields a token picked from a logits row: None, the bare id; else what it makes of both."""
+
 
 @dataclass
 class GenerationStats:
@@ -44,7 +47,7 @@ def decode(
     params: SamplingParams,
     stops: frozenset[int],
     stats: GenerationStats,
-    score: Callable[[np.ndarray, int], ScoredToken] | None,
+    score: Score,
 ) -> Iterator[Any]:
     """Pick a token from ``logits`` (the prompt's last), yield it, run it through ``runner`` for the
     next logits, and so on until a token in ``stops`` (not yielded), ``params.max_tokens`` or a full

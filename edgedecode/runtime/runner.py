@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from edgedecode.errors import EdgeDecodeError
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.cuda_graph import CAPTURED_GRAPH_ID, UNCAPTURED_GRAPH_ID, CudaGraphStep
@@ -23,6 +24,10 @@ from edgedecode.runtime.sequence import Sequence
 from edgedecode.runtime.session import create_session, graph_run_options
 
 logger = logging.getLogger(__name__)
+
+
+class CudaGraphError(EdgeDecodeError):
+    """The decode step could not be captured as a CUDA graph (construct the Engine with cuda_graph=False)."""
 
 
 @dataclass
@@ -86,6 +91,18 @@ class ModelRunner:
             if graph.cuda_graph
             else None
         )
+
+    def warm_up(self, token: int) -> None:
+        """Run ``token`` once, then forget it: the first run allocates onnxruntime's arenas (and captures
+        the CUDA graph)."""
+        self.sequence.stage(np.array([token], np.int64))
+        try:
+            self.run(1, False)
+        except Exception as exc:
+            if not self.graph.cuda_graph:
+                raise
+            raise CudaGraphError(f"capturing the decode step as a CUDA graph failed: {exc}") from exc
+        self.sequence.reset()
 
     def step(self, token: int) -> np.ndarray:
         """Append ``token`` after the held slots and run it (a decode step; the caller checked there is

@@ -6,15 +6,17 @@ budget, the daemon's memory ladder) advance positions without taking a slot. So 
 by slot, the token id and its true position (RoPE), and by position, the token id (``history``: what
 a later prompt must repeat to reuse the KV) and the importance that came with its KV.
 
-Tokens enter the slots two ways, and every entry point of the engine is one or both:
+A prompt's tokens come to be in the slots in three ways, which every entry point of the engine combines:
 
-* **computed**: staged after the held slots (``stage``), run through the graph, which appends their
-  KV; ``advance`` gives them their positions as the run starts;
-* **received**: KV written into the slots from elsewhere (a snapshot, EDKV streams, a stored
-  payload); ``receive`` records which of the prompt's tokens it holds.
+* **kept** from the sequence's last prompt: ``reusable_prefix`` says how many positions, ``keep``
+  truncates the slots to them;
+* **received**: KV written into the slots from elsewhere (``runtime.ingest``: a snapshot, EDKV
+  streams, a stored payload); ``receive`` records which of the prompt's tokens it holds;
+* **computed**: staged after the held slots (``stage``) and run through the graph, which appends
+  their KV (``ModelRunner.run``); ``advance`` gives them their positions as the run starts.
 
-and leave them through ``keep`` (truncate to a reusable prefix), ``evict`` (drop chosen tokens) and
-``reset``. The KV buffers follow: ``cache.length`` is the number of slots in use.
+``evict`` drops chosen tokens and ``reset`` all. The KV buffers follow: ``cache.length`` is the
+number of slots in use.
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ class Sequence:
 
     @property
     def windowed_from(self) -> int:
-        """The first position whose KV the windowed layers hold too (see ``Engine.windowed_from``)."""
+        """The first position whose KV the windowed (sliding-window) layers hold too: 0, or the start of a
+        pulled or restored KV's window (the positions before it hold KV in the global layers only);
+        ``next_position`` when no slot holds any (a restore cut before its window: nothing here can go on)."""
         if self.window_from == 0:
             return 0
         return int(self.positions[0, self.window_from]) if self.window_from < self.length else self.next_position
@@ -95,7 +99,8 @@ class Sequence:
         return tail_tokens(self.spec.kv_contract)
 
     def given_importance(self) -> np.ndarray:
-        """float32 [next_position]: the importance that came with each position's KV, NaN where none came."""
+        """float32 [next_position]: the importance that came with each position's KV (a pull's or a
+        restored payload's EDKV ``importance``), NaN where none came (computed or generated here)."""
         return self.importance[: self.next_position].copy()
 
     def reset(self) -> None:
@@ -112,21 +117,48 @@ class Sequence:
                 f"position {self.next_position + n} exceeds the model's {self.spec.context_length}"
             )
 
+    def checked_prompt(self, prompt_ids) -> np.ndarray:
+        """``prompt_ids`` as int64, if it leaves room in the cache for at least one generated token."""
+        prompt_ids = np.asarray(prompt_ids, np.int64)
+        if len(prompt_ids) == 0:
+            raise ContextOverflowError("the prompt is empty")
+        if len(prompt_ids) >= self.max_context:
+            raise ContextOverflowError(
+                f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_context} "
+                "including at least one generated token"
+            )
+        return prompt_ids
+
     def window_covers(self, slot: int) -> bool:
         """Whether a token run at cache ``slot`` finds KV in its windowed layers for every slot its window spans."""
         return window_covers(self.window_from, slot, self.spec.kv_contract)
 
+    def check_window(self) -> None:
+        """Raise KVInjectionError unless the next token finds KV in its windowed layers for its whole window."""
+        if not self.window_covers(self.length):
+            raise KVInjectionError(
+                f"the windowed layers hold KV from slot {self.window_from} on; the token at slot {self.length} "
+                f"attends to the last {self.spec.sliding_window} slots (the KV's window left out too much of the "
+                "prompt's tail)"
+            )
+
     # -- reuse: what the slots still hold of a new prompt
 
     def reusable_prefix(self, prompt_ids: np.ndarray) -> int:
-        """How many leading positions of ``prompt_ids`` can be kept (see ``Engine.reusable_prefix``)."""
+        """How many leading positions of ``prompt_ids`` (int64) the slots can keep.
+
+        That is the prompt's common prefix with the tokens at positions before ``next_position``
+        (prompt, KV received, tokens generated and run), cut back to end at a held slot (a dropped
+        token at the end of the prefix is processed again) and to leave the prompt's last token to
+        run here; 0 where the windowed layers hold too little of that prefix's tail to go on from.
+        """
         common = min(self.next_position, len(prompt_ids) - 1)
         if common <= 0:
             return 0
         differ = np.flatnonzero(self.history[:common] != prompt_ids[:common])
         common = int(differ[0]) if len(differ) else common
         slots = int(np.searchsorted(self.positions[0, : self.length], common))
-        if not self.window_covers(slots):  # its windowed layers hold too little of the prefix's tail to go on from
+        if not self.window_covers(slots):
             return 0
         return int(self.positions[0, slots - 1]) + 1 if slots else 0
 
@@ -146,7 +178,8 @@ class Sequence:
         return slots
 
     def evict(self, positions: np.ndarray) -> None:
-        """Drop the KV of the held tokens at ``positions``; the others move down, in order."""
+        """Drop the KV of the held tokens at ``positions`` (the others move down, in order): the
+        context decodes on as after any dropped token, one slot per token lighter."""
         held = self.positions[0, : self.length]
         kept = ~np.isin(held, positions)
         if len(held) - np.count_nonzero(kept) != len(np.unique(positions)):
@@ -235,8 +268,9 @@ class Sequence:
         return self.cache.snapshot(self.tokens[: self.length], self.positions[0, : self.length], producer)
 
     def snapshot_positions(self, producer: KVProducer) -> tuple[KVSnapshot, np.ndarray]:
-        """The held KV laid out over every position before ``next_position``, and bool [n]: whether a
-        position's KV is held (False: dropped; its KV here is zeros, its id the one processed)."""
+        """The held KV laid out over every position before ``next_position`` (the whole conversation,
+        for ``Engine.restore``), and bool [n]: whether a position's KV is held (False: the token was
+        dropped; its KV here is zeros, its id the one processed)."""
         if self.length == 0:
             raise KVInjectionError("nothing to export: no prompt has been processed")
         n = self.next_position
