@@ -19,6 +19,7 @@ import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.window import tail_tokens
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.generation import GenerationStats, Score, decode
@@ -157,8 +158,9 @@ class Engine:
 
     @property
     def windowed_tail(self) -> int:
-        """Tokens at the end of a held context that no memory rung may drop (``Sequence.windowed_tail``)."""
-        return self.sequence.windowed_tail
+        """Tokens at the end of a held context that no memory rung may drop: the windowed layers' tail
+        (``kv.window``); 0 for a model without sliding windows."""
+        return tail_tokens(self.spec.kv_contract)
 
     def given_importance(self) -> np.ndarray:
         """float32 [next_position]: the importance that came with each position's KV, NaN where none came."""

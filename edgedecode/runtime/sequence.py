@@ -25,7 +25,7 @@ import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
-from edgedecode.kv.window import tail_tokens, window_covers
+from edgedecode.kv.window import window_covers
 from edgedecode.model.spec import ModelSpec
 from edgedecode.runtime.kvcache import KVCache, KVInjectionError
 
@@ -92,11 +92,6 @@ class Sequence:
         if self.window_from == 0:
             return 0
         return int(self.positions[0, self.window_from]) if self.window_from < self.length else self.next_position
-
-    @property
-    def windowed_tail(self) -> int:
-        """Tokens at the end of a held context that no memory rung may drop (``kv.window``; 0: no windows)."""
-        return tail_tokens(self.spec.kv_contract)
 
     def given_importance(self) -> np.ndarray:
         """float32 [next_position]: the importance that came with each position's KV (a pull's or a
