@@ -39,7 +39,6 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import numpy as np
 import psutil
@@ -55,7 +54,6 @@ from edgedecode.kv.wire import KVFormatError
 from edgedecode.runtime.kvcache import KVInjectionError
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class KVMemoryError(EdgeDecodeError):
@@ -333,7 +331,8 @@ class MemoryLedger:
         if need <= 0:
             return
         await self._compress_idle_until_fits(need)
-        self._log(await self._on_ingest(self.reserve, slot.index, need))
+        loop = asyncio.get_running_loop()
+        self._log(await loop.run_in_executor(self._ingest, self.reserve, slot.index, need))
 
     async def _compress_idle_until_fits(self, nbytes: int) -> None:
         """Rung 1: while ``nbytes`` more do not fit the budget as it is, move idle resident
@@ -360,7 +359,7 @@ class MemoryLedger:
         evicted = own_drop_order(positions, engine.given_importance()[positions], engine.windowed_tail, count)
         if evicted is None:
             return 0
-        await self._on_ingest(engine.evict, evicted)
+        await asyncio.get_running_loop().run_in_executor(self._ingest, engine.evict, evicted)
         if self._metrics is not None:
             self._metrics.active_evicted.inc(count)
         logger.warning(
@@ -390,7 +389,8 @@ class MemoryLedger:
             logger.info("KV memory: evict %s (%d tokens): no room to restore it", entry.session_id, entry.n_tokens)
             return Resume(0, "evicted")
         try:
-            keep = await self._on_ingest(slot.engine.restore, prompt_ids, entry.payload)
+            loop = asyncio.get_running_loop()
+            keep = await loop.run_in_executor(self._ingest, slot.engine.restore, prompt_ids, entry.payload)
         except (KVFormatError, KVInjectionError) as exc:
             logger.warning("the kept KV of conversation %s was not restored: %s", entry.session_id, exc)
             keep = 0
@@ -400,11 +400,11 @@ class MemoryLedger:
     async def _move_out(self, slot: Slot, session: str | None) -> None:
         """Keep the slot's conversation ``session`` compressed, if max_sessions leaves room for it
         beside the conversations resident in slots (else it is evicted, counted); empty the slot."""
-        engine = slot.engine
+        engine, loop = slot.engine, asyncio.get_running_loop()
         exported = None
         if session is not None and engine.length > 0:
             if self._room_in_store() > 0:
-                exported = await self._on_ingest(engine.export_positions)
+                exported = await loop.run_in_executor(self._ingest, engine.export_positions)
                 importance, window_from = engine.given_importance(), engine.windowed_from
                 if window_from >= exported[0].n_tokens:  # its windowed layers hold nothing to go on from (kv.window)
                     logger.info("KV memory: nothing of %s can be kept: its KV ends before its window", session)
@@ -417,16 +417,15 @@ class MemoryLedger:
             return
         snapshot, held = exported
         tiers = np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8)
-        entry = await self._on_ingest(self.store.compress, session, snapshot, importance, tiers, window_from)
+        entry = await loop.run_in_executor(
+            self._ingest, self.store.compress, session, snapshot, importance, tiers, window_from
+        )
         await self._compress_idle_until_fits(entry.nbytes)  # idle residents go before any kept one is evicted
-        self._log(await self._on_ingest(self.keep, entry, max(self._room_in_store(), 1)))
+        self._log(await loop.run_in_executor(self._ingest, self.keep, entry, max(self._room_in_store(), 1)))
 
     def _room_in_store(self) -> int:
         """Conversations the store may hold beside those resident in slots (max_sessions in all)."""
         return self.store.max_sessions - sum(slot.session_id is not None for slot in self.pool.slots)
-
-    def _on_ingest(self, function: Callable[..., T], *args: object) -> asyncio.Future[T]:
-        return asyncio.get_running_loop().run_in_executor(self._ingest, function, *args)
 
     @staticmethod
     def _log(steps: list[LadderStep]) -> None:
