@@ -24,6 +24,7 @@ import numpy as np
 
 from edgedecode.errors import ServerBusyError
 from edgedecode.kv.snapshot import KVSnapshot
+from edgedecode.runtime.constraint import TokenMask
 from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.logprobs import ScoredRun, ScoredToken
@@ -102,11 +103,24 @@ class DecodeEngine(Protocol):
         ...
 
     def generate(
-        self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0
+        self,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        kv: KVSource = None,
+        keep: int = 0,
+        *,
+        constraint: TokenMask | None = None,
     ) -> Iterator[int]: ...
 
     def generate_scored(
-        self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0, *, top: int = 0
+        self,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        kv: KVSource = None,
+        keep: int = 0,
+        *,
+        top: int = 0,
+        constraint: TokenMask | None = None,
     ) -> Iterator[ScoredToken]:
         """``generate``, each token with its log-probability and the ``top`` most likely tokens'."""
         ...

@@ -22,6 +22,7 @@ from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.window import tail_tokens
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
+from edgedecode.runtime.constraint import TokenMask
 from edgedecode.runtime.generation import GenerationStats, Score, decode
 from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.ingest import adopt_segments, inject_snapshot, injectable_count, restore_payload, segment_reader
@@ -361,31 +362,55 @@ class Engine:
 
     # -- generation
 
-    def generate(self, prompt_ids, params: SamplingParams, kv: KVSource = None, keep: int = 0) -> Iterator[int]:
+    def generate(
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        kv: KVSource = None,
+        keep: int = 0,
+        *,
+        constraint: TokenMask | None = None,
+    ) -> Iterator[int]:
         """Process the prompt as ``prefill`` does (its KV from ``kv``: computed here, a snapshot, or a
         stream from ``open_kv_stream``, which brings its own ``keep``) and yield generated token ids
         one by one.
 
         Stop tokens end the generation and are not yielded; ``self.stats`` is complete once the
-        iterator is exhausted.
+        iterator is exhausted. ``constraint`` (``runtime.constraint``) keeps the tokens to a grammar.
         """
-        return self._generate(prompt_ids, params, kv, keep, None)
+        return self._generate(prompt_ids, params, kv, keep, None, constraint)
 
     def generate_scored(
-        self, prompt_ids, params: SamplingParams, kv: KVSource = None, keep: int = 0, *, top: int = 0
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        kv: KVSource = None,
+        keep: int = 0,
+        *,
+        top: int = 0,
+        constraint: TokenMask | None = None,
     ) -> Iterator[ScoredToken]:
         """``generate``, each token yielded with its log-probability under the model's own
         distribution (the raw logits, before temperature and top-k/top-p) and the ``top`` most
         likely tokens' (``runtime.logprobs``)."""
-        return self._generate(prompt_ids, params, kv, keep, LogprobScorer(top, self.spec.vocab_size).token)
+        scorer = LogprobScorer(top, self.spec.vocab_size)
+        return self._generate(prompt_ids, params, kv, keep, scorer.token, constraint)
 
-    def _generate(self, prompt_ids, params: SamplingParams, kv: KVSource, keep: int, score: Score) -> Iterator[Any]:
+    def _generate(
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        kv: KVSource,
+        keep: int,
+        score: Score,
+        constraint: TokenMask | None,
+    ) -> Iterator[Any]:
         """``generate`` (``score`` None) and ``generate_scored``: the prompt, then ``generation.decode``."""
         started = time.perf_counter()
         logits = self.prefill(prompt_ids, kv, keep)
         self.stats.prefill_seconds = time.perf_counter() - started
         stops = frozenset(self.spec.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids)
-        yield from decode(self.runner, logits, params, stops, self.stats, score)
+        yield from decode(self.runner, logits, params, stops, self.stats, score, constraint)
 
     def score_prompt(self, prompt_ids, top: int = 0) -> Iterator[ScoredRun]:
         """Run ``prompt_ids`` but its last token through this graph afresh, every row's logits out,

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from edgedecode.runtime.constraint import TokenMask
 from edgedecode.runtime.logprobs import ScoredToken
 from edgedecode.runtime.runner import ModelRunner
 from edgedecode.runtime.sampler import Sampler, SamplingParams
@@ -48,6 +49,7 @@ def decode(
     stops: frozenset[int],
     stats: GenerationStats,
     score: Score,
+    constraint: TokenMask | None = None,
 ) -> Iterator[Any]:
     """Pick a token from ``logits`` (the prompt's last), yield it, run it through ``runner`` for the
     next logits, and so on until a token in ``stops`` (not yielded), ``params.max_tokens`` or a full
@@ -55,19 +57,28 @@ def decode(
 
     ``score`` None yields bare token ids (nothing computed beyond sampling); otherwise each token as
     ``score`` makes it of its logits.
+
+    ``constraint`` (a grammar's ``TokenMask``) masks each row before the pick (``score`` sees the raw
+    row: log-probabilities under the model's own distribution) and takes each token picked; the
+    generation ends ("stop") as soon as the grammar admits nothing more.
     """
     sequence = runner.sequence
     sampler = Sampler(params)
     first_token_at = time.perf_counter()
     stats.finish_reason = "length"
     for _ in range(params.max_tokens):
-        token = sampler.pick(logits)
+        token = sampler.pick(logits if constraint is None else constraint.apply(logits))
         if token in stops:
             stats.finish_reason = "stop"
             break
+        if constraint is not None:
+            constraint.accept(token)
         stats.generated_tokens += 1
         yield token if score is None else score(logits, token)
         if stats.generated_tokens == params.max_tokens:
+            break
+        if constraint is not None and constraint.finished:
+            stats.finish_reason = "stop"
             break
         if sequence.full:
             stats.finish_reason = "context"
