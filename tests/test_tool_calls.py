@@ -58,7 +58,9 @@ def test_free_text_asks_for_no_grammar_and_tool_choice_none_hides_the_tools():
     assert output_rule({}, GENERIC) is None
     assert output_rule({"response_format": {"type": "text"}}, GENERIC) is None
     assert output_rule({"tools": [WEATHER], "tool_choice": "none"}, GENERIC) is None
-    json_only = output_rule({"tools": [WEATHER], "tool_choice": "none", "response_format": {"type": "json_object"}}, GENERIC)
+    json_only = output_rule(
+        {"tools": [WEATHER], "tool_choice": "none", "response_format": {"type": "json_object"}}, GENERIC
+    )
     assert json_only is not None and json_only.grammar and not json_only.calls
 
 
@@ -129,7 +131,9 @@ def test_calls_read_back_the_same_however_the_text_is_split(step):
     by_index: dict[int, list[str]] = {}
     for delta in deltas:
         by_index.setdefault(delta.index, []).append(delta.arguments)
-    assert ["".join(parts) for _, parts in sorted(by_index.items())] == [c["function"]["arguments"] for c in reader.calls]
+    assert ["".join(parts) for _, parts in sorted(by_index.items())] == [
+        c["function"]["arguments"] for c in reader.calls
+    ]
     assert [d.name for d in deltas if d.id is not None] == ["get_weather", "get_time"]
 
 
@@ -159,3 +163,19 @@ def test_tool_calls_in_openai_shapes_whole_and_streamed():
     streamed = chunk.choices[0].delta.tool_calls
     assert streamed and streamed[0].function and streamed[0].function.name == "get_time"
     assert streamed[0].function.arguments == "{}"
+
+
+def test_a_call_carries_only_the_parameters_its_function_declares():
+    from edgedecode.daemon.output_rules import declared_only
+
+    schema = {
+        "type": "object",
+        "properties": {"where": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        "$defs": {"open": {"type": "object", "properties": {}, "additionalProperties": True}},
+        "enum": [{"properties": {}}],  # values, not schemas: left as they are
+    }
+    declared = declared_only(schema)
+    assert declared["additionalProperties"] is False
+    assert declared["properties"]["where"]["additionalProperties"] is False
+    assert declared["$defs"]["open"]["additionalProperties"] is True  # what a schema says is kept
+    assert declared["enum"] == [{"properties": {}}] and "additionalProperties" not in schema  # a copy

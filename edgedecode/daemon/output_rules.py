@@ -148,13 +148,29 @@ def _tools_lark(
     lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(tools))))
     for i, tool in enumerate(tools):
         lines.append(f"call_{i}: {json.dumps(form.header(tool.name))} args_{i} {json.dumps(form.tail())}")
-        lines.append(f"args_{i}: %json {_laid_out(tool.parameters)}")
+        lines.append(f"args_{i}: %json {_laid_out(declared_only(tool.parameters))}")
     if not optional:
         return "\n".join(["start: calls", *lines])
     if answer is not None:
         return "\n".join(["start: answer | calls", f"answer: %json {_laid_out(answer)}", *lines])
     text = f"TEXT: /(.|\\n)+/ & ~/{_regex_literal(call_marker(form))}(.|\\n)*/"
     return "\n".join(["start: TEXT | calls", text, *lines])
+
+
+def declared_only(schema: object) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that lists its properties and
+    says nothing of others: a call's arguments are the parameters the function declares (JSON
+    Schema's default would let a small model invent more)."""
+    if isinstance(schema, list):
+        return [declared_only(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    walked = {key: declared_only(value) if key not in ("enum", "const", "default", "examples") else value
+              for key, value in schema.items()}  # fmt: skip
+    if isinstance(schema.get("properties"), dict):
+        walked["properties"] = {name: declared_only(sub) for name, sub in schema["properties"].items()}
+        walked.setdefault("additionalProperties", False)
+    return walked
 
 
 def call_marker(form: ToolFormat) -> str:
