@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from edgedecode.daemon.output_rules import OutputRule, Tool, output_rule
+from edgedecode.daemon.output_rules import OutputRule, output_rule
 from edgedecode.daemon.tool_prompt import chat_messages, tool_format
 from edgedecode.errors import RequestError
 from edgedecode.model.loader import LoadedModel
@@ -265,6 +265,8 @@ def _number(value, name: str, kind: type, low: float, high: float | None):
 
 
 def _output_rule(body: dict, model: LoadedModel) -> OutputRule | None:
+    if not any(body.get(name) is not None for name in _CHAT_ONLY):
+        return None
     try:
         return output_rule(body, tool_format(model.tokenizer.chat_template))
     except RequestError as exc:
@@ -276,13 +278,12 @@ def _chat_prompt(body: dict, model: LoadedModel, allow_special_tokens: bool, out
     if not isinstance(messages, list) or not messages:
         raise APIRequestError("messages must be a non-empty list", "messages")
     checked = [_message(message, i) for i, message in enumerate(messages)]
-    tools: list[Tool] = list(output.tools) if output is not None else []
-    form = output.form if output is not None and output.form is not None else tool_format(model.tokenizer.chat_template)
-    specs = [tool.spec for tool in tools] or None
-    rendered = chat_messages(checked, specs, form)
-    ids = model.tokenizer.encode_chat(
-        rendered, special_in_content=allow_special_tokens, tools=specs if form.native else None
-    )
+    specs = [tool.spec for tool in output.tools] if output is not None and output.tools else None
+    native = False
+    if specs or any(m["role"] == "tool" or "tool_calls" in m for m in checked):  # the template's tool format matters
+        form = output.form if output is not None and output.form else tool_format(model.tokenizer.chat_template)
+        checked, native = chat_messages(checked, specs, form), form.native
+    ids = model.tokenizer.encode_chat(checked, special_in_content=allow_special_tokens, tools=specs if native else None)
     return np.asarray(ids, np.int64)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
+from functools import cached_property
 
 from edgedecode.config import Config
 from edgedecode.daemon.memory.ledger import MemoryLedger
@@ -68,7 +69,6 @@ class DecodeService:
         self.pool = SlotPool(engines, d.max_queue)
         self.worker = DecodeWorker()
         spec = model.spec
-        self.grammars = GrammarCompiler(model.tokenizer, spec.vocab_size, spec.stop_token_ids)
         self.planner = KVPlanner(d, spec.kv_bytes_per_token_fp16, spec.kv_contract, metrics)
         self.remote = PrefillRemote(prefill_url, prefill_token, d, self.planner, metrics)
         self.memory = MemoryLedger(
@@ -99,6 +99,12 @@ class DecodeService:
     def healthy(self) -> bool:
         """The worker thread is alive and not stuck (what the systemd watchdog pings on)."""
         return self.worker.healthy(WORKER_STALL_SECONDS)
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammars (made on the first request that asks for one)."""
+        spec = self.model.spec
+        return GrammarCompiler(self.model.tokenizer, spec.vocab_size, spec.stop_token_ids)
 
     async def constrained(self, request: CompletionRequest) -> CompletionRequest:
         """``request`` with its output rule's grammar compiled (on a thread: a complex schema takes a
