@@ -130,3 +130,70 @@ def test_the_decode_loop_under_a_schema_answers_valid_json(decoder, smollm2_mode
     scored = list(decoder.generate_scored(prompt, params, top=2, constraint=grammar.start()))
     assert [s.token for s in scored] == tokens  # log-probabilities change nothing of the pick
     assert all(s.logprob <= 0 and np.isfinite(s.logprob) for s in scored)
+
+
+# A chat template with a Hermes-style tool format, written for this test in the way Qwen 2/3's renders tools
+# (no model's template is copied): the tools as JSON in the system turn, past calls as <tool_call> blocks,
+# results as <tool_response> blocks in a user turn.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>"
+    '\nCall one as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% elif m.tool_calls %}<|im_start|>assistant\n{% for c in m.tool_calls %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_a_template_with_a_tool_format_renders_the_tools_and_the_calls_follow_it(
+    smollm2_reader, smollm2_spec, smollm2_model, decoder
+):
+    """The template renders the request's tools and the turn's past call and result itself; the answer's
+    call is written in its format and reads back as the OpenAI call."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from edgedecode.daemon.openai_api import parse_request
+    from edgedecode.daemon.tool_calls import ToolCallReader
+    from edgedecode.daemon.tool_prompt import HERMES
+    from edgedecode.model.tokenizer import Tokenizer
+
+    spec = dataclasses.replace(smollm2_spec, chat_template=HERMES_TEMPLATE)
+    tokenizer = Tokenizer.from_gguf(smollm2_reader, spec)
+    model = SimpleNamespace(record=smollm2_model.record, spec=spec, tokenizer=tokenizer)
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo, then Rome?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "rain"},
+        ],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+    }
+    request = parse_request(body, "chat", model, default_max_tokens=40, session_header=None)  # type: ignore[arg-type]
+    prompt = tokenizer.decode(request.prompt_ids.tolist(), skip_special=False)
+    assert json.dumps(WEATHER) in prompt  # the template's own rendering of the tools
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nrain\n</tool_response>" in prompt
+    assert request.output is not None and request.output.form is HERMES
+    grammars = GrammarCompiler(tokenizer, spec.vocab_size, spec.stop_token_ids)
+    grammar = grammars.compile(request.output.grammar or "")
+    tokens = list(decoder.generate(request.prompt_ids, request.params, constraint=grammar.start()))
+    text = tokenizer.decode(tokens)
+    assert text.startswith('<tool_call>\n{"name": "get_weather", "arguments": {') and text.endswith("}\n</tool_call>")
+    reader = ToolCallReader(HERMES, ["get_weather"])
+    reader.feed(text)
+    (read,) = reader.calls
+    assert read["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(read["function"]["arguments"]), WEATHER["function"]["parameters"])
