@@ -75,10 +75,10 @@ def decode(
             constraint.accept(token)
         stats.generated_tokens += 1
         yield token if score is None else score(logits, token)
-        if stats.generated_tokens == params.max_tokens:
-            break
-        if constraint is not None and constraint.finished:
+        if constraint is not None and constraint.finished:  # complete, even on the last token allowed
             stats.finish_reason = "stop"
+            break
+        if stats.generated_tokens == params.max_tokens:
             break
         if sequence.full:
             stats.finish_reason = "context"
