@@ -124,6 +124,10 @@ def test_the_decode_loop_under_a_schema_answers_valid_json(decoder, smollm2_mode
     tokens = list(decoder.generate(prompt, params, constraint=grammar.start()))
     assert decoder.stats.finish_reason == "stop"
     jsonschema.validate(json.loads(smollm2_model.tokenizer.decode(tokens)), SCHEMAS[0])
+    exact = list(decoder.generate(prompt, SamplingParams(max_tokens=len(tokens)), constraint=grammar.start()))
+    assert exact == tokens and decoder.stats.finish_reason == "stop"  # complete on the last token allowed
+    cut = list(decoder.generate(prompt, SamplingParams(max_tokens=len(tokens) - 1), constraint=grammar.start()))
+    assert cut == tokens[:-1] and decoder.stats.finish_reason == "length"
     free = smollm2_model.tokenizer.decode(list(decoder.generate(prompt, params)))
     with pytest.raises((json.JSONDecodeError, jsonschema.ValidationError)):
         jsonschema.validate(json.loads(free), SCHEMAS[0])
