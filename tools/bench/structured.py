@@ -9,7 +9,9 @@ the constraint's share of an unconstrained step, measured in the same process, o
 time and in CPU time (the process's, onnxruntime's threads included), which a loaded machine disturbs less.
 
 Sweep (``--answers N``): N answers, sampled (temperature 0.8, a seed each) over varied prompts and schemas with
-nested objects, arrays, enums and required fields; each must end by itself and parse and validate (jsonschema).
+nested objects, arrays, enums and required fields (every string and array bounded: a small model can run to
+max_tokens inside an unbounded string); each answer that ends by itself must parse and validate (jsonschema),
+and the answers ``--max-tokens`` cut are counted apart.
 
     python tools/bench/structured.py [--model NAME] [--runs 5] [--tokens 64] [--threads 2] [--answers 100]
         [--max-tokens 200] [--json F]
@@ -45,16 +47,16 @@ logger = logging.getLogger(__name__)
 PERSON = {
     "type": "object",
     "properties": {
-        "name": {"type": "string"},
+        "name": {"type": "string", "maxLength": 30},
         "age": {"type": "integer"},
         "role": {"enum": ["admin", "user", "guest"]},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+            "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
             "required": ["city", "country"],
             "additionalProperties": False,
         },
-        "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
     },
     "required": ["name", "age", "role", "address", "hobbies"],
     "additionalProperties": False,
@@ -96,11 +98,16 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "type": "object",
         "properties": {
             "name": {"type": "string", "maxLength": 30},
-            "when": {"type": "object", "properties": {"day": {"type": "integer"}, "month": {"type": "integer"}}},
+            "when": {
+                "type": "object",
+                "properties": {"day": {"type": "integer"}, "month": {"type": "integer"}},
+                "additionalProperties": False,
+            },
             "kind": {"enum": ["concert", "talk", "match"]},
             "tags": {"type": "array", "items": {"enum": ["free", "outdoor", "family"]}, "maxItems": 3},
         },
         "required": ["name", "when", "kind"],
+        "additionalProperties": False,
     },
 }
 PROMPTS = [
@@ -185,7 +192,8 @@ def sweep(engine: Engine, compiler: GrammarCompiler, model: Any, answers: int, m
     import jsonschema
 
     ended: Counter[str] = Counter()
-    failures: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []  # answers that ended by themselves and do not validate: none may
+    cut = 0
     names = sorted(SCHEMAS)
     for i in range(answers):
         name = names[i % len(names)]
@@ -195,13 +203,23 @@ def sweep(engine: Engine, compiler: GrammarCompiler, model: Any, answers: int, m
         params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i)
         text = model.tokenizer.decode(list(engine.generate(prompt, params, constraint=grammar.start())))
         ended[engine.stats.finish_reason] += 1
+        if engine.stats.finish_reason == "length":
+            cut += 1
+            continue
         try:
             jsonschema.validate(json.loads(text), SCHEMAS[name])
         except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
             failures.append(
                 {"schema": name, "finish_reason": engine.stats.finish_reason, "text": text, "error": str(exc)}
             )
-    return {"answers": answers, "finish_reasons": dict(ended), "invalid": len(failures), "failures": failures[:5]}
+    return {
+        "answers": answers,
+        "finish_reasons": dict(ended),
+        "valid": answers - cut - len(failures),
+        "cut_by_max_tokens": cut,
+        "invalid": len(failures),
+        "failures": failures[:5],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.answers:
         report["sweep"] = sweep(engine, compiler, model, args.answers, args.max_tokens)
         s = report["sweep"]
-        print(f"  sweep: {s['answers']} answers, ended {s['finish_reasons']}, invalid {s['invalid']}")
+        print(
+            f"  sweep: {s['answers']} answers: {s['valid']} valid, {s['cut_by_max_tokens']} cut by max_tokens, ", end=""
+        )
+        print(f"{s['invalid']} invalid (ended {s['finish_reasons']})")
         for failure in s["failures"]:
             print(f"    {failure['schema']} ({failure['finish_reason']}): {failure['error'][:80]!r}")
     if args.json is not None:
