@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,9 +24,11 @@ from edgedecode.daemon.output_rules import OutputRule, output_rule
 from edgedecode.daemon.tool_prompt import chat_messages, tool_format
 from edgedecode.errors import RequestError
 from edgedecode.model.loader import LoadedModel
-from edgedecode.runtime.constraint import Grammar
 from edgedecode.runtime.logprobs import MAX_TOP
 from edgedecode.runtime.sampler import SamplingParams
+
+if TYPE_CHECKING:  # the type only: llguidance is imported where grammars are made
+    from edgedecode.runtime.constraint import Grammar
 
 MAX_STOP_STRINGS = 4
 # Choices one request may ask for: they run one after the other in the request's slot (the prompt's

@@ -18,17 +18,19 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from edgedecode.errors import ServerBusyError
 from edgedecode.kv.snapshot import KVSnapshot
-from edgedecode.runtime.constraint import TokenMask
 from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.logprobs import ScoredRun, ScoredToken
 from edgedecode.runtime.sampler import SamplingParams
+
+if TYPE_CHECKING:  # the type only: llguidance is imported where grammars are made
+    from edgedecode.runtime.constraint import TokenMask
 
 
 class DecodeEngine(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,7 +22,6 @@ from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.window import tail_tokens
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
-from edgedecode.runtime.constraint import TokenMask
 from edgedecode.runtime.generation import GenerationStats, Score, decode
 from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.ingest import adopt_segments, inject_snapshot, injectable_count, restore_payload, segment_reader
@@ -31,6 +30,9 @@ from edgedecode.runtime.logprobs import LogprobScorer, ScoredRun, ScoredToken
 from edgedecode.runtime.runner import GraphSession, ModelRunner
 from edgedecode.runtime.sampler import SamplingParams
 from edgedecode.runtime.sequence import ContextOverflowError, Sequence
+
+if TYPE_CHECKING:  # the type only: llguidance is imported where grammars are made
+    from edgedecode.runtime.constraint import TokenMask
 
 # Rows of one prompt run. onnxruntime's working memory for a run grows with its rows (attention scores
 # rows x heads x past, the MLP's activations) and its arena keeps the largest: on the 0.5B shape, a

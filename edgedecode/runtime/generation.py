@@ -5,14 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgedecode.runtime.constraint import TokenMask
 from edgedecode.runtime.logprobs import ScoredToken
 from edgedecode.runtime.runner import ModelRunner
 from edgedecode.runtime.sampler import Sampler, SamplingParams
+
+if TYPE_CHECKING:  # the type only: llguidance is imported where grammars are made
+    from edgedecode.runtime.constraint import TokenMask
 
 Score = Callable[[np.ndarray, int], ScoredToken] | None
 """How a generation yields a token picked from a logits row: None, the bare id; else what it makes of both."""
