@@ -6,7 +6,9 @@ and once under a schema, alternating, ``--runs`` times (the free run never stops
 token's interval (yield to yield) is timed in both, and, under the schema, the constraint's own work per token
 (computing the mask, applying it to the logits row, taking the token) apart: the table gives their medians and
 the constraint's share of an unconstrained step, measured in the same process, one after the other; in wall
-time and in CPU time (the process's, onnxruntime's threads included), which a loaded machine disturbs less.
+time and in CPU time (the process's, onnxruntime's threads included, which a loaded machine disturbs less; the
+constraint's CPU time there counts onnxruntime's threads spinning after their last run too), and the
+constraint's CPU time on its own thread.
 
 Sweep (``--answers N``): N answers, sampled (temperature 0.8, a seed each) over varied prompts and schemas with
 nested objects, arrays, enums and required fields (every string and array bounded: a small model can run to
@@ -121,8 +123,8 @@ WHAT = {"person": "a person", "order": "a shop order", "review": "a product revi
 
 
 def clocks() -> np.ndarray:
-    """Wall time and this process's CPU time (every thread's: onnxruntime's too), in seconds."""
-    return np.array([time.perf_counter(), time.process_time()])
+    """Wall time, this process's CPU time (every thread's: onnxruntime's too) and this thread's, in seconds."""
+    return np.array([time.perf_counter(), time.process_time(), time.thread_time()])
 
 
 class TimedMask:
@@ -131,7 +133,7 @@ class TimedMask:
     def __init__(self, mask: TokenMask) -> None:
         self._mask = mask
         self.seconds: list[np.ndarray] = []
-        self._pending = np.zeros(2)
+        self._pending = np.zeros(3)
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
         started = clocks()
@@ -184,6 +186,9 @@ def cost(engine: Engine, compiler: GrammarCompiler, prompt: list[int], runs: int
             "constraint_over_step": mask / step,
             "constrained_over_unconstrained": constrained / step,
         }
+    own = statistics.median(float(x[2]) for x in mask_seconds)
+    report["constraint_thread_cpu_us"] = own * 1e6
+    report["constraint_thread_cpu_over_cpu_step"] = own / report["cpu"]["unconstrained_step_ms"] * 1e3
     return report
 
 
@@ -252,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{c['constrained_step_ms']:8.2f} ms ({c['constrained_over_unconstrained']:.3f}x), constraint per ", end=""
         )
         print(f"token {c['constraint_per_token_us']:7.1f} us ({100 * c['constraint_over_step']:.2f} % of a step)")
+    own, share = report["cost"]["constraint_thread_cpu_us"], report["cost"]["constraint_thread_cpu_over_cpu_step"]
+    print(f"  the constraint's CPU on its own thread: {own:.1f} us a token ({100 * share:.2f} % of a step's CPU)")
     if args.answers:
         report["sweep"] = sweep(engine, compiler, model, args.answers, args.max_tokens)
         s = report["sweep"]
