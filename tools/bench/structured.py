@@ -11,9 +11,9 @@ constraint's CPU time there counts onnxruntime's threads spinning after their la
 constraint's CPU time on its own thread.
 
 Sweep (``--answers N``): N answers, sampled (temperature 0.8, a seed each) over varied prompts and schemas with
-nested objects, arrays, enums and required fields (every string and array bounded: a small model can run to
-max_tokens inside an unbounded string); each answer that ends by itself must parse and validate (jsonschema),
-and the answers ``--max-tokens`` cut are counted apart.
+nested objects, arrays, enums and required fields (every string, number and array bounded: a small model can
+run to max_tokens inside an unbounded string or number); each answer that ends by itself must parse and validate
+(jsonschema), and the answers ``--max-tokens`` cut are counted apart.
 
     python tools/bench/structured.py [--model NAME] [--runs 5] [--tokens 64] [--threads 2] [--answers 100]
         [--max-tokens 200] [--json F]
@@ -50,7 +50,7 @@ PERSON = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 30},
-        "age": {"type": "integer"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
         "role": {"enum": ["admin", "user", "guest"]},
         "address": {
             "type": "object",
@@ -68,13 +68,16 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "order": {
         "type": "object",
         "properties": {
-            "id": {"type": "integer"},
+            "id": {"type": "integer", "minimum": 1, "maximum": 99999},
             "status": {"enum": ["open", "paid", "shipped"]},
             "lines": {
                 "type": "array",
                 "items": {
                     "type": "object",
-                    "properties": {"sku": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"}},
+                    "properties": {
+                        "sku": {"type": "string", "maxLength": 12},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                    },
                     "required": ["sku", "qty"],
                     "additionalProperties": False,
                 },
@@ -102,7 +105,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "name": {"type": "string", "maxLength": 30},
             "when": {
                 "type": "object",
-                "properties": {"day": {"type": "integer"}, "month": {"type": "integer"}},
+                "properties": {
+                    "day": {"type": "integer", "minimum": 1, "maximum": 31},
+                    "month": {"type": "integer", "minimum": 1, "maximum": 12},
+                },
                 "additionalProperties": False,
             },
             "kind": {"enum": ["concert", "talk", "match"]},
@@ -199,6 +205,7 @@ def sweep(engine: Engine, compiler: GrammarCompiler, model: Any, answers: int, m
     ended: Counter[str] = Counter()
     failures: list[dict[str, Any]] = []  # answers that ended by themselves and do not validate: none may
     cut = 0
+    examples: list[dict[str, Any]] = []  # answers max_tokens cut
     names = sorted(SCHEMAS)
     for i in range(answers):
         name = names[i % len(names)]
@@ -210,6 +217,7 @@ def sweep(engine: Engine, compiler: GrammarCompiler, model: Any, answers: int, m
         ended[engine.stats.finish_reason] += 1
         if engine.stats.finish_reason == "length":
             cut += 1
+            examples.append({"schema": name, "text": text})
             continue
         try:
             jsonschema.validate(json.loads(text), SCHEMAS[name])
@@ -224,6 +232,7 @@ def sweep(engine: Engine, compiler: GrammarCompiler, model: Any, answers: int, m
         "cut_by_max_tokens": cut,
         "invalid": len(failures),
         "failures": failures[:5],
+        "cut": examples[:5],
     }
 
 
