@@ -3,7 +3,10 @@ per-block functions.
 
 Two variants share every block but the linear layers, the embedding and the head:
 
-* ``decode``: the INT4 edge graph. Linear layers are MatMulNBits without zero points (the fast path),
+* ``decode``: the INT4 edge graph. With ``kernels="gguf"`` every quantized matrix is one of edgedecode's own
+  MatMulGGUF ops over the GGUF's blocks as stored, the embedding a GatherGGUF over its rows, and a tied
+  LM head reads the very same initializer (edgedecode/kernels; nothing below applies to them). With the
+  stock ops, linear layers are MatMulNBits without zero points (the fast path),
   4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
   for the asymmetric types (Q4_1, Q4_K, Q5_1, Q5_K), a per-block correction ``blocksum(x) @ C``
   computed once per distinct input (or, per ``GraphOptions.q4_1``, float zero points ``−m/d``, a
@@ -34,6 +37,7 @@ from edgedecode.errors import EdgeDecodeError
 from edgedecode.model.onnx_builder import (
     INT32,
     INT64,
+    KERNEL_DOMAIN,
     MS_DOMAIN,
     GraphBuilder,
     onnx_dtype,
@@ -46,7 +50,7 @@ from edgedecode.model.requant import (
     requantize_layers,
 )
 from edgedecode.model.spec import ModelSpec
-from edgedecode.model.weights import BlockQuantized, ModelTensors, concat_rows, n_blocks
+from edgedecode.model.weights import BlockQuantized, GGUFMatrix, ModelTensors, n_blocks, stack_rows
 
 GRAPH_KINDS = ("decode", "prefill")
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
@@ -71,6 +75,10 @@ BY_SIZE_CORRECTION_ELEMENTS = 30_000_000
 # The form each device's decode graph ships with. CUDA: by size (above). CPU: the correction, since
 # onnxruntime's CPU kernel takes a ~20x slower path with float zero points.
 DEVICE_Q4_1 = {"cpu": "correction", "cuda": "by_size"}
+# Which ops read the quantized weights: "stock" = onnxruntime's MatMulNBits and GatherBlockQuantized over the
+# weights re-laid in their form (above); "gguf" = edgedecode's own MatMulGGUF and GatherGGUF (edgedecode/kernels),
+# which read the GGUF's blocks as stored. The runtime picks "gguf" where its kernel library loads.
+KERNEL_FORMS = ("stock", "gguf")
 # The widths onnxruntime 1.31's CPU MatMulNBits takes float zero points at ("Only 2b and 4b quantization
 # is supported for unpacked compute"); 8-bit weights with offsets (Q5_1, Q5_K) keep the correction in every mode.
 FLOAT_ZERO_POINT_BITS = (2, 4)
@@ -96,15 +104,18 @@ class GraphOptions:
     weights: str = NATIVE
     # How the decode graph applies the blocks' offsets (Q4_1's m): one of Q4_1_MODES.
     q4_1: str = "correction"
+    # Which ops read the decode graph's quantized weights: one of KERNEL_FORMS.
+    kernels: str = "stock"
 
     @classmethod
-    def for_device(cls, kind: str, device: str, accuracy_level: int = 4) -> GraphOptions:
+    def for_device(cls, kind: str, device: str, accuracy_level: int = 4, kernels: str = "stock") -> GraphOptions:
         """The ``kind`` graph as it ships for ``device``: float16 on CUDA, float32 elsewhere; the decode
-        graph at ``accuracy_level`` with the device's Q4_1 form (DEVICE_Q4_1; "correction" for others).
-        The prefill graph has no MatMulNBits, so it takes neither."""
+        graph at ``accuracy_level`` with ``kernels`` and, for the stock ops, the device's Q4_1 form
+        (DEVICE_Q4_1; "correction" for others). The prefill graph has dense weights, so it takes none of them."""
         dtype = "float16" if device == "cuda" else "float32"
         if kind == "decode":
-            return cls(kind, dtype, accuracy_level, q4_1=DEVICE_Q4_1.get(device, "correction"))
+            q4_1 = DEVICE_Q4_1.get(device, "correction") if kernels == "stock" else "correction"
+            return cls(kind, dtype, accuracy_level, q4_1=q4_1, kernels=kernels)
         return cls(kind, dtype)
 
     def __post_init__(self) -> None:
@@ -128,6 +139,12 @@ class GraphOptions:
         if self.q4_1 != "correction" and self.kind != "decode":
             raise GraphOptionsError(
                 f"q4_1={self.q4_1!r} applies to the decode graph only; the {self.kind} graph uses dense float weights"
+            )
+        if self.kernels not in KERNEL_FORMS:
+            raise GraphOptionsError(f"kernels must be one of {KERNEL_FORMS}, not {self.kernels!r}")
+        if self.kernels != "stock" and self.kind != "decode":
+            raise GraphOptionsError(
+                f"kernels={self.kernels!r} applies to the decode graph only; the {self.kind} graph uses dense weights"
             )
         if self.kind == "prefill":  # no MatMulNBits in it: one prefill graph serves every accuracy level
             object.__setattr__(self, "accuracy_level", 0)
@@ -170,6 +187,7 @@ class _Emitter:
         self.residual_dt = np.dtype(np.float32) if not spec.traits.float16_residual else self.dt
         self.embed: BlockQuantized | None = None  # the block embedding table, whose codes a tied head shares
         self.embed_codes: np.ndarray | None = None  # its packed codes, which a tied head reads too
+        self.embed_rows: str | None = None  # a GGUF embedding table's initializer, which a tied head reads too
 
     def const(self, name: str, array: np.ndarray) -> str:
         return self.g.initializer(name, np.asarray(array))
@@ -184,22 +202,42 @@ class _Emitter:
         return self.const(name, np.asarray(array, dtype=self.dt))
 
     # ---- linear layers ---------------------------------------------------------------------
-    def linear(self, x: str, weight, name: str) -> str:
-        """y = x @ W.T for a weight [N, K] (dense) or a BlockQuantized one (decode graph)."""
+    def linear(self, x: str, weight, name: str, output: str | None = None) -> str:
+        """y = x @ W.T for a weight [N, K]: dense, or (decode graph) BlockQuantized or GGUFMatrix;
+        ``output`` names the result (else generated)."""
+        if isinstance(weight, GGUFMatrix):
+            return self._linear_gguf(x, self.const(f"{name}.rows", weight.rows), weight, name, output)
         if isinstance(weight, BlockQuantized):
-            return self._linear_nbits(x, weight, name)
-        return self.g.op1("MatMul", [x, self.weight(f"{name}.weight_t", weight.T)], name=name)
+            return self._linear_nbits(x, weight, name, output)
+        outputs = None if output is None else [output]
+        return self.g.op1("MatMul", [x, self.weight(f"{name}.weight_t", weight.T)], name=name, outputs=outputs)
+
+    def _linear_gguf(self, x: str, rows: str, w: GGUFMatrix, name: str, output: str | None) -> str:
+        """edgedecode's MatMulGGUF over the initializer ``rows`` (the GGUF's blocks of ``w``)."""
+        n, k = w.shape
+        return self.g.op1(
+            "MatMulGGUF",
+            [x, rows],
+            name=name,
+            domain=KERNEL_DOMAIN,
+            outputs=None if output is None else [output],
+            K=k,
+            N=n,
+            ggml_type=int(w.kind),
+            accuracy_level=self.opt.accuracy_level,
+        )
 
     def linear_fused(self, x: str, weights: list, name: str) -> str:
         """Weights stacked along N (QKV, gate+up): one matmul per run of neighbours in the same form.
 
-        A GGUF may store them in different types (Q4_K_M: Q4_K q/k, Q6_K v), and MatMulNBits takes
-        one bit width and block size, so each run gets its own matmul and a Concat joins them.
+        A GGUF may store them in different types (Q4_K_M: Q4_K q/k, Q6_K v), and a matmul reads one
+        type (MatMulGGUF) or one bit width and block size (MatMulNBits), so each run gets its own
+        matmul and a Concat joins them.
         """
         runs = [list(run) for _, run in groupby(weights, key=_weight_form)]
         if len(runs) == 1:
-            return self.linear(x, _stack(weights), name)
-        parts = [self.linear(x, _stack(run), f"{name}.{i}") for i, run in enumerate(runs)]
+            return self.linear(x, stack_rows(weights), name)
+        parts = [self.linear(x, stack_rows(run), f"{name}.{i}") for i, run in enumerate(runs)]
         return self.g.op1("Concat", parts, name=f"{name}.concat", axis=-1)
 
     def _linear_nbits(self, x: str, w: BlockQuantized, name: str, output: str | None = None) -> str:
@@ -295,11 +333,24 @@ class _Emitter:
 
     # ---- blocks ----------------------------------------------------------------------------
     def embedding(self, ids: str, table) -> str:
-        """The rows of ``ids``: Gather over a dense table, GatherBlockQuantized (plus offsets) over a block one.
+        """The rows of ``ids``: Gather over a dense table, GatherGGUF over a GGUF one, GatherBlockQuantized
+        (plus offsets) over a block one.
 
-        The block table's packed codes ([V, blocks, block_size·bits/8], MatMulNBits' layout) are kept
-        for a tied LM head; its offsets, where the type has them, are gathered and added per block.
+        A table's quantized bytes (GGUF rows, or packed codes [V, blocks, block_size·bits/8] in
+        MatMulNBits' layout) are kept for a tied LM head; a block table's offsets, where the type has
+        them, are gathered and added per block.
         """
+        if isinstance(table, GGUFMatrix):
+            self.embed_rows = self.const("embed.rows", table.rows)
+            return self.g.op1(
+                "GatherGGUF",
+                [self.embed_rows, ids],
+                name="embed",
+                domain=KERNEL_DOMAIN,
+                K=table.shape[1],
+                ggml_type=int(table.kind),
+                dtype=onnx_dtype(self.dt),
+            )
         if not isinstance(table, BlockQuantized):
             return self.g.op1("Gather", [self.weight("embed.weight", table), ids], name="embed", axis=0)
         hidden = table.shape[1]
@@ -326,6 +377,10 @@ class _Emitter:
 
     def lm_head(self, h: str, tensors: ModelTensors) -> str:
         table = tensors.embedding if tensors.lm_head is None else tensors.lm_head
+        if isinstance(table, GGUFMatrix):
+            tied_rows = self.embed_rows if tensors.lm_head is None else None  # a tied head reads the table's bytes
+            rows = tied_rows if tied_rows is not None else self.const("lm_head.rows", table.rows)
+            return self._linear_gguf(h, rows, table, "lm_head", output="logits")
         if isinstance(table, BlockQuantized):
             return self._linear_nbits(h, table, "lm_head", output="logits")
         weight = self.weight("lm_head.weight", table)  # tied: the embedding's bytes, stored once (see _qweight)
@@ -478,16 +533,12 @@ class _Emitter:
         return seqlens, total
 
 
-def _weight_form(weight) -> tuple[int, int] | None:
-    """What a matmul over the weight needs to share with others it is fused with: (bits, block size); None: dense."""
+def _weight_form(weight) -> tuple[int, int] | int | None:
+    """What a matmul over the weight needs to share with others it is fused with: the GGUF type (GGUFMatrix),
+    (bits, block size) (BlockQuantized); None: dense."""
+    if isinstance(weight, GGUFMatrix):
+        return int(weight.kind)
     return (weight.bits, weight.block_size) if isinstance(weight, BlockQuantized) else None
-
-
-def _stack(weights: list) -> BlockQuantized | np.ndarray:
-    """Weights of one form stacked along N."""
-    if len(weights) == 1:
-        return weights[0]
-    return concat_rows(weights) if isinstance(weights[0], BlockQuantized) else np.concatenate(weights)
 
 
 def offset_form_by_size(tensors: ModelTensors) -> str:
