@@ -191,12 +191,16 @@ class Engine:
     ):
         """(session, whether it captures CUDA graphs): capture where asked for and onnxruntime accepts it."""
         path = model.graph(options)
+        own = options.kernels == "gguf"
         if cuda_graph and device == "cuda" and not options.emit_queries and not profile:
             try:
-                return create_session(path, device=device, threads=threads, profile=profile, cuda_graph=True), True
+                session = create_session(
+                    path, device=device, threads=threads, profile=profile, cuda_graph=True, own_kernels=own
+                )
+                return session, True
             except Exception as exc:  # onnxruntime refuses capture, e.g. a compute node left on the CPU
                 logger.warning("decoding without CUDA graphs: onnxruntime refused capture (%s)", exc)
-        return create_session(path, device=device, threads=threads, profile=profile), False
+        return create_session(path, device=device, threads=threads, profile=profile, own_kernels=own), False
 
     @property
     def length(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import os
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import psutil
 
+from edgedecode import kernels
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.model.graph import GraphOptions
 from edgedecode.runtime.jetson import detect_jetson, onnxruntime_advice
 
 logger = logging.getLogger(__name__)
@@ -86,6 +89,34 @@ def spin_enabled() -> bool:
     return os.environ.get("EDGEDECODE_SPIN", "1") != "0"
 
 
+@functools.cache
+def kernel_form(device: str) -> str:
+    """Which ops the decode graph reads its quantized weights with on ``device`` (GraphOptions.kernels):
+    "gguf", edgedecode's own over the GGUF's blocks, where its kernel library loads and has that device's
+    ops; "stock" (onnxruntime's MatMulNBits) otherwise, said once in the log with the reason."""
+    library = kernels.load()
+    if library.available and (device != "cuda" or library.cuda):
+        logger.info("decode graphs on %s use edgedecode's own kernels (%s)", device, kernel_summary())
+        return "gguf"
+    reason = library.reason or "the library was built without CUDA ops"
+    logger.info("decode graphs on %s use onnxruntime's MatMulNBits: %s", device, reason)
+    return "stock"
+
+
+def decode_options(device: str, accuracy_level: int = 4) -> GraphOptions:
+    """The decode graph as it ships for ``device``: GraphOptions.for_device with this host's kernel form."""
+    return GraphOptions.for_device("decode", device, accuracy_level, kernels=kernel_form(device))
+
+
+def kernel_summary() -> str:
+    """One line on edgedecode's kernel library: where it is and which paths it runs, or why it is not used."""
+    library = kernels.load()
+    if not library.available:
+        return f"not used: {library.reason}"
+    cuda = "CUDA ops" if library.cuda else "no CUDA ops"
+    return f"{library.path}, CPU path {library.cpu_isa}, {cuda}"
+
+
 def create_session(
     path: Path | bytes,
     *,
@@ -93,16 +124,19 @@ def create_session(
     threads: int | None = None,
     profile: bool = False,
     cuda_graph: bool = False,
+    own_kernels: bool = False,
 ):
     """An InferenceSession for a built graph (a file, or a serialized model) on the given device.
 
-    ``profile`` turns on onnxruntime's profiler.
+    ``profile`` turns on onnxruntime's profiler. ``own_kernels``: the graph has edgedecode's own ops
+    (GraphOptions.kernels "gguf"), so their library is registered with the session.
 
     ``cuda_graph`` turns on the CUDA provider's graph capture (``enable_cuda_graph``): runs tagged
     with :func:`graph_run_options` capture once, then replay; runs tagged ``-1`` execute normally.
 
     Raises:
-        RuntimeSetupError: the device's execution provider is not available.
+        RuntimeSetupError: the device's execution provider is not available, or ``own_kernels`` and the
+            kernel library is not usable.
         onnxruntime's own error: graph capture was asked for and the graph cannot be captured
             (a compute node outside the CUDA provider).
     """
@@ -126,6 +160,11 @@ def create_session(
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin_enabled() else "0")
     options.enable_profiling = profile
+    if own_kernels and not kernels.register(options):
+        raise RuntimeSetupError(
+            f"the graph needs edgedecode's own kernels, which are not usable: {kernels.load().reason} "
+            "(rebuild the graph with the stock ops: EDGEDECODE_KERNELS=off)"
+        )
     capture = cuda_graph and device == "cuda"
     provider = (PROVIDERS[device], {"enable_cuda_graph": "1"}) if capture else PROVIDERS[device]
     providers = [provider] + ([PROVIDERS["cpu"]] if device != "cpu" else [])
