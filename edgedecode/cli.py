@@ -503,10 +503,10 @@ def doctor(
     provider, a Jetson's onnxruntime, the configuration. Exits 1 when something needs fixing, saying how."""
     import platform
 
+    from edgedecode import kernels
     from edgedecode.config import load_config
     from edgedecode.model.registry import model_home
     from edgedecode.runtime.jetson import detect_jetson, onnxruntime_advice
-    from edgedecode import kernels
     from edgedecode.runtime.session import PROVIDERS, import_onnxruntime, installed_onnxruntime, kernel_summary
 
     problems = 0

@@ -15,6 +15,7 @@ from edgedecode.runtime.sampler import SamplingParams
 
 GREEDY_32 = SamplingParams(max_tokens=32)
 NEAR_TIE = 0.5
+TOP = 5  # the most likely tokens each scored step reports
 
 
 def _first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -24,28 +25,36 @@ def _first_divergence(a: list[int], b: list[int]) -> int | None:
     return None
 
 
+def _margin(step, other: int) -> float:
+    """How far a greedy step's pick led ``other`` in its own logits (log-probabilities differ as logits do);
+    infinite where ``other`` was not among the step's top tokens."""
+    ranked = dict(zip(step.top_ids.tolist(), step.top_logprobs.tolist()))
+    return step.logprob - ranked[other] if other in ranked else float("inf")
+
+
 @pytest.mark.parametrize("prompt", ("prose", "code", "chat"))
 def test_handoff_from_prefill_graph_matches_local_prefill(prompt, decoder, prefiller, logit_vectors):
     """KV from the fp32 prefill graph, injected into the INT4 decoder, gives the same greedy tokens as
-    the INT4 decoder prefilling itself, except past a near-tie (top-2 logit margin < 0.5)."""
+    the INT4 decoder prefilling itself, except past a near-tie (top-2 logit margin < 0.5).
+
+    Each margin is read from the step that chose the token: recomputing that position in one batched pass
+    is a different computation at int8 activations (a last-bit difference can move an activation's code),
+    and measured up to 0.22 apart on these prompts with either kernel form."""
     ids = logit_vectors[f"{prompt}_ids"]
-    local = list(decoder.generate(ids, GREEDY_32))
+    local = list(decoder.generate_scored(ids, GREEDY_32, top=TOP))
     prefiller.prefill(ids)
     kv = prefiller.export_kv()
-    handed = list(decoder.generate(ids, GREEDY_32, kv=kv))
+    handed = list(decoder.generate_scored(ids, GREEDY_32, kv=kv, top=TOP))
     assert decoder.stats.injected_tokens == len(ids) - 1
-    split = _first_divergence(local, handed)
+    split = _first_divergence([s.token for s in local], [s.token for s in handed])
     if split is None:
-        assert local == handed
+        assert [s.token for s in local] == [s.token for s in handed]
         return
-    context = np.concatenate([ids, local[:split]])
-    local_logits = decoder.prefill(context).copy()
-    handed_logits = decoder.prefill(context, kv=kv).copy()
-    local_margin = local_logits[local[split]] - local_logits[handed[split]]
-    handed_margin = handed_logits[handed[split]] - handed_logits[local[split]]
+    local_margin = _margin(local[split], handed[split].token)
+    handed_margin = _margin(handed[split], local[split].token)
     print(
-        f"{prompt}: diverge at token {split}: local picks {local[split]} by {local_margin:.3f}, "
-        f"handoff picks {handed[split]} by {handed_margin:.3f}"
+        f"{prompt}: diverge at token {split}: local picks {local[split].token} by {local_margin:.3f}, "
+        f"handoff picks {handed[split].token} by {handed_margin:.3f}"
     )
     assert 0 <= local_margin < NEAR_TIE and 0 <= handed_margin < NEAR_TIE
 

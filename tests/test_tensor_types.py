@@ -39,6 +39,8 @@ GRAPH_FORMS = {
     QType.Q6_K: (8, 16, False),
     QType.Q8_0: (8, 32, False),
 }
+
+
 def test_the_mixes_cover_every_supported_type():
     used = {kind for mix in MIXES.values() for kind in mix.values()}
     assert used == SUPPORTED_TENSOR_TYPES and set(GRAPH_FORMS) == BLOCK_TYPES

@@ -29,7 +29,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.gguf_reader import ReaderTensor
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from edgedecode.model.gguf_file import ModelFileError, tensor_table
 from edgedecode.model.spec import ModelSpec
@@ -240,11 +240,16 @@ def load_block_quantized(tensor: ReaderTensor) -> BlockQuantized:
     return quantize_asymmetric(load_dense(tensor), 4)
 
 
-def load_quantized(tensor: ReaderTensor, as_stored: bool) -> BlockQuantized | GGUFMatrix:
-    """A GGUF matrix as its own blocks (``as_stored``, quantized types only) or in block form."""
+def load_quantized(
+    tensor: ReaderTensor, as_stored: bool, float_type: QType = QType.Q4_1
+) -> BlockQuantized | GGUFMatrix:
+    """A GGUF matrix in block form, or (``as_stored``) as GGUF blocks: its own where it is quantized, and
+    ``float_type``'s (gguf's own quantizer, llama.cpp's rule) where it is float and its rows are whole blocks."""
     kind = QType(tensor.tensor_type)
     if as_stored and kind in BLOCK_TYPES:
         return GGUFMatrix(np.asarray(tensor.data, np.uint8).reshape(int(tensor.shape[-1]), -1), kind)
+    if as_stored and int(tensor.shape[0]) % GGML_QUANT_SIZES[float_type][0] == 0:
+        return GGUFMatrix(quantize(load_dense(tensor), float_type), float_type)
     return load_block_quantized(tensor)
 
 
@@ -298,7 +303,8 @@ def load_tensors(
     (``spec.traits``) say which optional tensors (biases, QK and post norms) each layer must have.
 
     ``as_stored`` (block-quantized only) keeps each quantized matrix and table as the file's blocks
-    (``GGUFMatrix``); float ones still become ``BlockQuantized``.
+    (``GGUFMatrix``), and quantizes float ones into GGUF blocks as the block form would: layer matrices
+    to 4 bits (Q4_1), tables to 8 (Q8_0).
     ``advance(1)`` is called as each layer is loaded (after the embedding and the LM head, first).
     """
     check_tensor_types(reader)
@@ -330,8 +336,8 @@ def load_tensors(
         tensor = get(name)
         if dense:
             return load_dense(tensor)
-        if QType(tensor.tensor_type) in BLOCK_TYPES:
-            return load_quantized(tensor, as_stored)
+        if QType(tensor.tensor_type) in BLOCK_TYPES or as_stored:
+            return load_quantized(tensor, as_stored, float_type=QType.Q8_0)  # float tables: 8-bit, as below
         return _quantize_8bit_symmetric(load_dense(tensor))
 
     def optional(name: str, present: bool) -> np.ndarray | None:
