@@ -209,7 +209,7 @@ def prefill_peer(prefill_server):
     """(a ``PrefillPeer`` relaying to the session's prefill server until told a fault, its URL)."""
     from serving_helpers import PREFILL_TOKEN, ThreadedApp
 
-    from edgedecode.evaluation.prefill_peers import PrefillPeer
+    from edgedecode.testing.prefill_peers import PrefillPeer
 
     peer = PrefillPeer(prefill_server.url, PREFILL_TOKEN)
     served = ThreadedApp(peer.app())

@@ -14,8 +14,8 @@ from pathlib import Path
 from aiohttp import web
 
 from edgedecode.config import Config
-from edgedecode.evaluation.metrics_scrape import scrape_metrics
 from edgedecode.serving.process import ServerStartError, start_server, stop_server
+from edgedecode.testing.metrics_scrape import scrape_metrics
 
 START_TIMEOUT = 600
 PREFILL_TOKEN = "prefill-secret"  # the bearer token of the session's prefill server (conftest.py)

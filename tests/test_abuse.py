@@ -1,7 +1,7 @@
 """Hostile HTTP against both real servers (issue 15 item 2): every hostile request of the shared
 catalogue (``evaluation.hostile_http``) gets its precise 4xx in OpenAI's error shape, never a 5xx or
 a hang; slow clients, clients that leave and floods are bounded as configured; and the servers go on
-serving everyone else. ``tools/abuse.py`` runs the same catalogue and behaviours.
+serving everyone else. ``tools/adversarial/abuse.py`` runs the same catalogue and behaviours.
 
 The daemon (one slot, a queue of 2) pulls through a relaying peer in front of the session's prefill
 server (conftest.py). test_serving.py already covers the daemon's slow headers, slow body, 401/413.
@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from serving_helpers import PREFILL_SETTINGS, PREFILL_TOKEN, metric_samples
 
-from edgedecode.evaluation import hostile_clients, hostile_http
-from edgedecode.evaluation.hostile_http import Target
+from edgedecode.testing import hostile_clients, hostile_http
+from edgedecode.testing.hostile_http import Target
 
 BOUND_S = 60.0  # no single hostile request may take longer (a hang)
 

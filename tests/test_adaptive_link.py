@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 from serving_helpers import ByteUpstream, ServerProcess, lighthouse_chat, metric_samples, receive, server_config
 
-from edgedecode.evaluation.link_shaper import LinkShaper
+from edgedecode.testing.link_shaper import LinkShaper
 
 TOKEN, PREFILL_TOKEN = "daemon-secret", "prefill-secret"
 BUDGET = 0.3

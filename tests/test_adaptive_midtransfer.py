@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 from serving_helpers import ServerProcess, lighthouse_chat, server_config
 
-from edgedecode.evaluation.link_shaper import LinkShaper
+from edgedecode.testing.link_shaper import LinkShaper
 
 TOKEN, PREFILL_TOKEN = "daemon-secret", "prefill-secret"
 RATE = 1.25e6  # 10 Mbit/s

@@ -1,4 +1,4 @@
-"""tools/adaptive_report.py on synthetic results: censored requests count as slower than the cap,
+"""tools/bench/adaptive_report.py on synthetic results: censored requests count as slower than the cap,
 ratios with a censored side are bounds, the goals name the cells that miss them, and the docs are
 written."""
 
@@ -14,7 +14,7 @@ CAP_S, TARGET_MS = 10.0, 1500.0
 
 @pytest.fixture(scope="module")
 def report():
-    return import_tools("adaptive_report")[0]
+    return import_tools("bench.adaptive_report")[0]
 
 
 def _record(cell: str, trace: str, policy: str, ttft_ms: float, kv_used: str, decision: str | None = "remote") -> dict:

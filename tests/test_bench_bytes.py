@@ -1,4 +1,4 @@
-"""tools/bench_bytes.py (issue 17): the bytes a decode step reads, counted from the built graph and the GGUF."""
+"""tools/bench/step_bytes.py (issue 17): the bytes a decode step reads, counted from the built graph and the GGUF."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from edgedecode.model.loader import load_model
 
 @pytest.fixture(scope="module")
 def tools():
-    return import_tools("bench_bytes", "synth_gguf")
+    return import_tools("bench.step_bytes", "bench.synth_gguf")
 
 
 def test_a_decode_step_reads_every_weight_once_and_no_table_in_full(tools, smollm2_gguf, tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""tools/bench_decode.py and tools/bench_shapes.py on CUDA (issue 17 item 3): which engines run, the
+"""tools/bench/decode.py and tools/bench/shapes.py on CUDA (issue 17 item 3): which engines run, the
 memory each is charged with, and the table's cells. The GPU paths themselves run on a CUDA card only."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tool_modules import import_tools
 
 @pytest.fixture(scope="module")
 def tools():
-    return import_tools("bench_decode", "bench_shapes", "bench_cuda")
+    return import_tools("bench.decode", "bench.shapes", "bench.cuda")
 
 
 def options(**overrides) -> argparse.Namespace:

@@ -16,11 +16,11 @@ from aiohttp import web
 from serving_helpers import ThreadedApp
 from test_decode_pipeline import CONTRACT, HEAD_DIM, HEADS, LAYERS, FakeEngine, drive, fallbacks, make_service, run_turn
 
-from edgedecode.evaluation import peer_faults
-from edgedecode.evaluation.hostile_http import Target
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import TransferRef, encode_payload
+from edgedecode.testing import peer_faults
+from edgedecode.testing.hostile_http import Target
 
 # --- in process: a peer that breaks off every segment after its first chunk ------------------------
 
@@ -154,7 +154,7 @@ def test_a_peer_sending_another_prompts_payload_costs_one_turn_a_local_prefill_a
     hostile_daemon, prefill_peer
 ):
     """A well-formed payload from the real prefill server, for another prompt of the same length:
-    refused at its header, counted, the turn prefilled here. (Every other fault: tools/faults.py;
+    refused at its header, counted, the turn prefilled here. (Every other fault: tools/adversarial/faults.py;
     those that must be waited out, in process above.)"""
     peer, _ = prefill_peer
     daemon = Target("daemon", hostile_daemon.url, hostile_daemon.token)

@@ -30,12 +30,12 @@ else:
 from ray import serve
 
 from edgedecode.config import load_config
-from edgedecode.evaluation.link_shaper import LinkShaper
 from edgedecode.kv.policy import TierProfile, profile_path
 from edgedecode.model.graph import GraphOptions
 from edgedecode.prefill.fleet.app import APP_NAME, build_app, replica_actor, replica_names, start_fleet, stop_fleet
 from edgedecode.prefill.pipeline import prefill_and_score, through_wire
 from edgedecode.runtime.sampler import SamplingParams
+from edgedecode.testing.link_shaper import LinkShaper
 
 TOKEN, PREFILL_TOKEN = "daemon-secret", "fleet-secret"
 BUDGET = 0.3

@@ -1,6 +1,7 @@
-"""KV decoder fuzzing, the fast subset of ``tools/fuzz_kv.py`` (docs/reliability.md): real SmolLM2 payloads from
-the prefill pipeline, mutated as a broken link or a hostile sender would, fed in random slices through the decode
-engine's stream into its KV buffers; hypothesis draws the cases, derandomized so every run checks the same ones."""
+"""KV decoder fuzzing, the fast subset of ``tools/adversarial/fuzz_kv.py`` (docs/reliability.md): real SmolLM2
+payloads from the prefill pipeline, mutated as a broken link or a hostile sender would, fed in random slices through
+the decode engine's stream into its KV buffers; hypothesis draws the cases, derandomized so every run checks the same
+ones."""
 
 from __future__ import annotations
 

@@ -214,7 +214,7 @@ def test_declared_counts_sizes_and_odd_values_are_typed_errors(field, change, er
 
 def test_positions_whose_differences_wrap_around_int64_are_not_increasing() -> None:
     """A header whose last position was -2**63 passed as strictly increasing (np.diff wrapped to a positive step),
-    and the decode engine's prompt check then raised IndexError (found by tools/fuzz_kv.py)."""
+    and the decode engine's prompt check then raised IndexError (found by tools/adversarial/fuzz_kv.py)."""
     snap = snapshot(8)
     payload = encode(snap, np.full(8, Tier.INT4, np.uint8))
     positions = np.append(snap.positions[:-1], -(2**63)).astype("<i8")
@@ -265,8 +265,8 @@ def test_vectorised_chunk_sizes_match_the_chunk_plans(data, n, head_dim) -> None
 def test_a_dropped_reader_is_freed_at_once_not_by_the_cycle_collector() -> None:
     """Readers held themselves in reference cycles: through their table of bound stage handlers, and once a stream
     failed through its exception, whose traceback holds the reader's frames. Every dropped reader, with its chunk
-    buffers, lived until the cyclic garbage collector ran (found by tools/fuzz_kv.py: 34 dropped readers holding
-    31 MiB were still alive after 8,000 cases)."""
+    buffers, lived until the cyclic garbage collector ran (found by tools/adversarial/fuzz_kv.py: 34 dropped readers
+    holding 31 MiB were still alive after 8,000 cases)."""
     n = 16
     snap = snapshot(n)
     payload = encode(snap, np.full(n, Tier.INT4, np.uint8))
@@ -369,7 +369,7 @@ def test_finite_extremes_and_random_float16_bits_never_raise_untyped() -> None:
 
 def test_a_zstd_window_beyond_the_largest_chunk_is_refused_before_zstd_allocates_it() -> None:
     """A 5 KiB chunk whose frame asks for zstd's default maximum window made the decoder allocate 128 MiB (found
-    by tools/fuzz_kv.py); a window up to the chunk's size rounded up to a power of two is accepted."""
+    by tools/adversarial/fuzz_kv.py); a window up to the chunk's size rounded up to a power of two is accepted."""
     n = 16
     snap = snapshot(n)
     payload = encode(snap, np.full(n, Tier.INT4, np.uint8), chunk_tokens=n)

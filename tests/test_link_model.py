@@ -221,7 +221,7 @@ def test_link_models_export_goodput_and_rtt_per_endpoint(clock):
 
 # --- what the planner makes of a remembered link --------------------------------------------------
 
-FIRST_TURN_TOKENS = 316  # a 256-token system prompt and a user message (tools/sim_fleet.py's first turn)
+FIRST_TURN_TOKENS = 316  # a 256-token system prompt and a user message (tools/sim/fleet.py's first turn)
 FP16_BYTES_PER_TOKEN = 23040  # SmolLM2-135M
 SLOW, FAST = pull(5e6 / 8, 0.08, server=0.02), pull(200e6 / 8, 0.015, server=0.02)  # 5 and 200 Mbit/s
 

@@ -10,8 +10,8 @@ import time
 import pytest
 from serving_helpers import ByteUpstream, receive
 
-from edgedecode.evaluation.link_shaper import LinkShaper
-from edgedecode.evaluation.link_traces import MBIT, TracePlayer, constant, describe, random_walk, step
+from edgedecode.testing.link_shaper import LinkShaper
+from edgedecode.testing.link_traces import MBIT, TracePlayer, constant, describe, random_walk, step
 
 HIGH, LOW = 40e6, 10e6  # bytes/s: fast enough that the transfers below take milliseconds
 

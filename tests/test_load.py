@@ -1,4 +1,4 @@
-"""tools/load_test.py's fast subset (issue 15): eight streamed two-turn chats at once against one real
+"""tools/adversarial/load_test.py's fast subset (issue 15): eight streamed two-turn chats at once against one real
 daemon on two slots: conversations leave their slots between turns (compressed), under a KV memory
 budget large enough that none loses tokens. Every turn completes, every answer is the one the
 conversation gets alone (up to a near-tie: no KV crosses between conversations), and the KV memory
@@ -14,7 +14,7 @@ from tool_modules import import_tools
 
 @pytest.fixture(scope="module")
 def load_test():
-    return import_tools("load_test")[0]
+    return import_tools("adversarial.load_test")[0]
 
 
 def test_eight_concurrent_conversations_each_get_their_own_answers(load_test, smollm2_model):

@@ -14,7 +14,7 @@ from openai import OpenAI
 from serving_helpers import ServerProcess, metric_samples, server_config
 
 from edgedecode.daemon.openai_api import parse_request
-from edgedecode.evaluation.agreement import divergence_gap
+from edgedecode.testing.agreement import divergence_gap
 
 TOKEN = "daemon-secret"
 MODEL = "smollm2-135m-instruct"

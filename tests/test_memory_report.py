@@ -1,4 +1,4 @@
-"""tools/bench_memory.py's pure parts on synthetic data (no daemon, no model): the workload and its
+"""tools/bench/memory.py's pure parts on synthetic data (no daemon, no model): the workload and its
 budget, how a turn's resume is named, the store tiers a replay reproduces, which conversations are
 replayed, and the report: goals met or missed by how much, tables and docs."""
 
@@ -16,7 +16,7 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def tools():
-    return import_tools("memory_workload", "memory_quality", "memory_report", "memory_docs")
+    return import_tools("bench.memory_workload", "study.memory_quality", "bench.memory_report", "bench.memory_docs")
 
 
 def _conversations(workload, count: int, tokens: int, turns: int = 3, max_tokens: int = 8) -> list:

@@ -10,7 +10,7 @@ from tool_modules import import_tools
 
 
 def test_kv_quality_writes_tables_and_plot(smollm2_model, tmp_path):
-    (kv_quality,) = import_tools("kv_quality")
+    (kv_quality,) = import_tools("study.kv_quality")
     kv_quality.main(
         [
             "--contexts",
@@ -52,7 +52,7 @@ def test_kv_quality_writes_tables_and_plot(smollm2_model, tmp_path):
 
 
 def test_kv_quality_report_keeps_other_models_sections():
-    (kv_quality,) = import_tools("kv_quality")
+    (kv_quality,) = import_tools("study.kv_quality")
     report = kv_quality.merged_report("", "a", "## a\nold a")
     report = kv_quality.merged_report(report, "b", "## b\nfirst b")
     report = kv_quality.merged_report(report, "a", "## a\nnew a")
@@ -106,7 +106,7 @@ def _crossquant_part(cq, indices: list[int], targets: list[str], tokens: int = 1
 
 
 def test_crossquant_merges_runs_split_by_prompt_and_target():
-    (cq,) = import_tools("crossquant")
+    (cq,) = import_tools("study.crossquant")
     whole = _crossquant_part(cq, [0, 1, 2], ["a", "b"])
     merged = cq.merge(
         [

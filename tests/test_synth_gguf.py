@@ -1,4 +1,4 @@
-"""tools/synth_gguf.py (issue 17): a GGUF of a model's shape with random weights registers and decodes
+"""tools/bench/synth_gguf.py (issue 17): a GGUF of a model's shape with random weights registers and decodes
 in edgedecode (and llama.cpp, where installed) as a real file does, with the shape and types asked for."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from edgedecode.runtime.sampler import SamplingParams
 
 @pytest.fixture(scope="module")
 def synth_gguf():
-    return import_tools("synth_gguf")[0]
+    return import_tools("bench.synth_gguf")[0]
 
 
 @pytest.mark.parametrize("weight_type", ["Q4_0", "Q4_K_M"])  # the published SmolLM2 file covers Q4_1

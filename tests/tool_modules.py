@@ -1,4 +1,5 @@
-"""The benchmark and report tools under tools/ are scripts, not a package: tests import them by name."""
+"""The benchmark and report tools under tools/ are scripts, not part of the package: tests import them as
+``tools.<group>.<module>`` from the repo root, as the tools import each other (tools/common/cli.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def import_tools(*names: str) -> tuple[ModuleType, ...]:
-    """The modules ``tools/<name>.py``, imported with tools/ on the path (where they find each other)."""
-    sys.path.insert(0, str(TOOLS))
-    try:
-        return tuple(importlib.import_module(name) for name in names)
-    finally:
-        sys.path.remove(str(TOOLS))
+    """The modules ``tools/<group>/<name>.py``, each named ``"<group>.<name>"`` (``"bench.decode"``)."""
+    if str(ROOT) not in sys.path:
+        sys.path.append(str(ROOT))
+    return tuple(importlib.import_module(f"tools.{name}") for name in names)

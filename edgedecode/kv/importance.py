@@ -68,7 +68,7 @@ def drop_ranking(given: np.ndarray, positions: np.ndarray) -> np.ndarray:
     prefill side), where any did; tokens without one (computed or generated on this box) rank as
     an average token (1). A conversation with none at all ranks by ``position_importance``.
 
-    Measured (tools/drop_quality.py, docs/memory.md): dropping a quarter of a 512-token context by
+    Measured (tools/study/drop_quality.py, docs/memory.md): dropping a quarter of a 512-token context by
     attention costs about half the KL of dropping by position, and avoids its worst cases."""
     given = np.asarray(given, np.float32)
     known = ~np.isnan(given)

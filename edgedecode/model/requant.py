@@ -5,7 +5,7 @@ A weight format is ``native`` (the GGUF's own blocks, as shipped) or ``q{bits}b{
 dequantized and quantized again with asymmetric min/max blocks (``weights.quantize_asymmetric``).
 The result has the same ``scale·(code − 2^(bits−1)) + offset`` form as Q4_1, so the graph's exact
 MatMulNBits-plus-correction path applies unchanged. The embedding and the tied LM head stay native
-8-bit. This is how the cross-quant study (``tools/crossquant.py``) builds lower-precision decoders
+8-bit. This is how the cross-quant study (``tools/study/crossquant.py``) builds lower-precision decoders
 from the same weights as its higher-precision reference.
 """
 

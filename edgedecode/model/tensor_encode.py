@@ -4,7 +4,7 @@
 Q6_K) it only reads, so ``encode`` packs those itself with a plain min/max quantizer per sub-block
 (not llama.cpp's search, which only changes which codes are chosen, not how they are stored). Its
 bytes are held to gguf's own ``dequantize`` in tests/test_tensor_types.py. Used by the tests'
-synthetic models and tools/synth_gguf.py; the runtime only reads GGUFs.
+synthetic models and tools/bench/synth_gguf.py; the runtime only reads GGUFs.
 """
 
 from __future__ import annotations

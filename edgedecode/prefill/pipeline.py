@@ -25,7 +25,7 @@ from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_fre
 
 # Tokens per EDKV chunk of the payloads served: a pull cut short keeps whole chunks (kv-format.md §5),
 # so smaller chunks lose less. 128 rather than the format's default 256 costs ~1 % more bytes and
-# ~5 % more ingest CPU: `python tools/bench_kv.py --tokens 2048 --cpu-time --chunk-tokens 128|256`
+# ~5 % more ingest CPU: `python tools/bench/kv.py --tokens 2048 --cpu-time --chunk-tokens 128|256`
 # (one core): INT4 b_zstd 0.305 vs 0.302 and decode 37.5 vs 35.8 ms; the mix 0.356 vs 0.353, 48.6 vs 45.8 ms.
 PAYLOAD_CHUNK_TOKENS = 128
 _FIT_ATTEMPTS = 6

@@ -4,7 +4,7 @@ glibc's malloc serves a buffer above its mmap threshold with its own mapping, re
 free, but it raises that threshold (up to 32 MiB) each time such a buffer is freed, and keeps a heap
 arena per thread. A server that makes transient megabyte-sized copies on several threads (KV
 exports, EDKV payloads, activations) then keeps their high-water mark for good: the decode daemon's
-RSS rose 1.5–2× above its KV budget in ``tools/bench_memory.py``. Fixing the threshold at 128 KiB
+RSS rose 1.5–2× above its KV budget in ``tools/bench/memory.py``. Fixing the threshold at 128 KiB
 (what setting it does: no more raising) and capping the arenas makes freed buffers leave the
 process, for a few page faults per allocation.
 """

@@ -1,5 +1,5 @@
 """Where a fuzz case's choices come from: the mutations ask a ``Draw`` for integers, so the same code runs from a
-seeded numpy generator (``tools/fuzz_kv.py``: fast, every case replayable from its seed and index) or from
+seeded numpy generator (``tools/adversarial/fuzz_kv.py``: fast, every case replayable from its seed and index) or from
 hypothesis (``tests/test_kv_fuzz.py``: derandomized, and a failure shrinks to its simplest choices)."""
 
 from __future__ import annotations

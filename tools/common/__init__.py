@@ -1,0 +1,1 @@
+"""What the tools share: the main() skeleton (cli.py) and real servers on loopback (servers.py)."""
