@@ -11,6 +11,7 @@
  * that covers the weight block (32 elements for the first five types, 256 for the K-quants).
  */
 #include <math.h>
+#include <string.h>
 
 #include "cpu_kernels.h"
 #include "dequant_blocks.h"
@@ -61,7 +62,16 @@ void act_q8_sums(act_q8 *a, size_t k) {
         a->sum32[s] = (int16_t)(a->sum16[2 * s] + a->sum16[2 * s + 1]);
 }
 
-static void quantize_portable(const float *x, size_t k, int block, act_q8 *a) {
+void act_q8_pair(act_q8 *a, size_t k) {
+    int8_t swap[16];
+    for (size_t p = 0; p + 64 <= k; p += 64) {
+        memcpy(swap, a->q + p + 16, 16);
+        memcpy(a->q + p + 16, a->q + p + 32, 16);
+        memcpy(a->q + p + 32, swap, 16);
+    }
+}
+
+static void quantize_portable(const float *x, size_t k, int block, int layout, act_q8 *a) {
     for (size_t b = 0; b < k / (size_t)block; b++) {
         const float *xb = x + b * (size_t)block;
         float inverse;
@@ -70,6 +80,8 @@ static void quantize_portable(const float *x, size_t k, int block, act_q8 *a) {
             a->q[b * (size_t)block + (size_t)i] = (int8_t)nearbyintf(xb[i] * inverse);
     }
     act_q8_sums(a, k);
+    if (layout == ACT_PAIRED)
+        act_q8_pair(a, k);
 }
 
 /* ---- accuracy level 4: one row at a time ---- */
@@ -260,6 +272,7 @@ const cpu_isa cpu_isa_portable = {
     .name = "portable",
     .usable = always,
     .quantize = quantize_portable,
+    .act_layout = {ACT_NATURAL},
     .gemv_q8 = {gemv_q8_q4_0, gemv_q8_q4_1, gemv_q8_q5_0, gemv_q8_q5_1, gemv_q8_q8_0, gemv_q8_q4_k, gemv_q8_q5_k,
                 gemv_q8_q6_k},
     .gemv_f32 = {gemv_f32_q4_0, gemv_f32_q4_1, gemv_f32_q5_0, gemv_f32_q5_1, gemv_f32_q8_0, gemv_f32_q4_k,

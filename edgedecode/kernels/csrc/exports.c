@@ -95,7 +95,7 @@ int edgedecode_kernels_matmul(int ggml_type, int accuracy_level, int64_t k, int6
         if (accuracy_level == 4) {
             act_q8 quant;
             act_q8_bind(&quant, memory, (size_t)k);
-            isa->quantize(a + i * k, (size_t)k, act_block_of(qi), &quant);
+            act_q8_quantize(isa, qi, a + i * k, (size_t)k, &quant);
             isa->gemv_q8[qi](b, row_bytes, (size_t)n, (size_t)k, &quant, y + i * n);
         } else {
             isa->gemv_f32[qi](b, row_bytes, (size_t)n, (size_t)k, a + i * k, y + i * n);
@@ -113,7 +113,7 @@ int edgedecode_kernels_quantize(int ggml_type, int64_t k, const float *x, int8_t
         return -1;
     act_q8 quant;
     act_q8_bind(&quant, memory, (size_t)k);
-    cpu_isa_current()->quantize(x, (size_t)k, act_block_of(qi), &quant);
+    cpu_isa_current()->quantize(x, (size_t)k, act_block_of(qi), ACT_NATURAL, &quant);
     memcpy(q, quant.q, (size_t)k);
     memcpy(d, quant.d, (size_t)k / (size_t)act_block_of(qi) * sizeof(float));
     memcpy(sum16, quant.sum16, (size_t)k / 16 * sizeof(int16_t));

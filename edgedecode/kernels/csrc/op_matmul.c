@@ -110,7 +110,7 @@ typedef struct {
 static void quantize_task(void *user, size_t m) {
     const quantize_call *call = user;
     const size_t k = (size_t)call->kernel->k;
-    call->kernel->isa->quantize(call->a + m * k, k, act_block_of(call->kernel->qi), &call->quant[m]);
+    act_q8_quantize(call->kernel->isa, call->kernel->qi, call->a + m * k, k, &call->quant[m]);
 }
 
 static size_t rows_per_task(size_t n, size_t row_bytes, size_t m) {
@@ -164,7 +164,7 @@ static OrtStatus *compute(void *p, OrtKernelContext *context) {
                 act_q8_bind(&quant[i], (uint8_t *)memory + i * row_bytes, k);
         }
         if (m == 1) {
-            kernel->isa->quantize(a.data, k, act_block_of(kernel->qi), quant);
+            act_q8_quantize(kernel->isa, kernel->qi, a.data, k, quant);
         } else {
             quantize_call qcall = {kernel, a.data, quant};
             status = api->KernelContext_ParallelFor(context, quantize_task, m, 0, &qcall);
