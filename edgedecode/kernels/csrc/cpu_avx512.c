@@ -4,6 +4,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #define X86_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 #define X86_VNNI 1
+#define X86_TILE 4 /* activation rows a weight row is unpacked for (registers: 16 ymm, 32 with AVX-512) */
 #define X86_MASK 1
 #define X86_ISA cpu_isa_avx512vnni
 #define X86_NAME "avx512vnni"

@@ -44,8 +44,10 @@ static inline int act_block_of(int qi) { return qi >= QI_Q4_K ? 256 : 32; }
 enum { ACT_NATURAL = 0, ACT_PAIRED = 1 };
 
 typedef void (*quantize_fn)(const float *x, size_t k, int block, int layout, act_q8 *out);
-/* y[r] = dot(row r of B, a) for r in [0, n); rows are row_bytes apart; k elements a row. */
-typedef void (*gemv_q8_fn)(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a, float *y);
+/* y[i * y_stride + r] = dot(row r of B, a[i]) for r in [0, n), i in [0, m); rows are row_bytes apart, k elements
+ * a row. m = 1 is decode; a path may unpack a weight row once for several activation rows. */
+typedef void (*gemm_q8_fn)(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a, size_t m,
+                           float *y, size_t y_stride);
 typedef void (*gemv_f32_fn)(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const float *x, float *y);
 typedef void (*dequant_fn)(const uint8_t *row, size_t k, float *out);
 
@@ -53,8 +55,8 @@ typedef struct {
     const char *name; /* "portable", "avx2", "avx512vnni", "neon", "neondot" */
     int (*usable)(void); /* whether this CPU runs the path */
     quantize_fn quantize;
-    unsigned char act_layout[QI_COUNT]; /* the layout gemv_q8[type] reads */
-    gemv_q8_fn gemv_q8[QI_COUNT];
+    unsigned char act_layout[QI_COUNT]; /* the layout gemm_q8[type] reads */
+    gemm_q8_fn gemm_q8[QI_COUNT];
     gemv_f32_fn gemv_f32[QI_COUNT];
     dequant_fn dequant[QI_COUNT];
 } cpu_isa;

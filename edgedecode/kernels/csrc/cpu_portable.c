@@ -240,6 +240,22 @@ static void gemv_q8_q6_k(const uint8_t *rows, size_t row_bytes, size_t n, size_t
     }
 }
 
+/* The reference takes one activation row at a time. */
+#define PORTABLE_GEMM(name)                                                                                       \
+    static void gemm_q8_##name(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a,       \
+                               size_t m, float *y, size_t y_stride) {                                            \
+        for (size_t i = 0; i < m; i++)                                                                           \
+            gemv_q8_##name(rows, row_bytes, n, k, &a[i], y + i * y_stride);                                      \
+    }
+PORTABLE_GEMM(q4_0)
+PORTABLE_GEMM(q4_1)
+PORTABLE_GEMM(q5_0)
+PORTABLE_GEMM(q5_1)
+PORTABLE_GEMM(q8_0)
+PORTABLE_GEMM(q4_k)
+PORTABLE_GEMM(q5_k)
+PORTABLE_GEMM(q6_k)
+
 /* ---- accuracy level 0 and dequantization ---- */
 
 static float dot_portable(const float *a, const float *b, size_t n) {
@@ -273,8 +289,8 @@ const cpu_isa cpu_isa_portable = {
     .usable = always,
     .quantize = quantize_portable,
     .act_layout = {ACT_NATURAL},
-    .gemv_q8 = {gemv_q8_q4_0, gemv_q8_q4_1, gemv_q8_q5_0, gemv_q8_q5_1, gemv_q8_q8_0, gemv_q8_q4_k, gemv_q8_q5_k,
-                gemv_q8_q6_k},
+    .gemm_q8 = {gemm_q8_q4_0, gemm_q8_q4_1, gemm_q8_q5_0, gemm_q8_q5_1, gemm_q8_q8_0, gemm_q8_q4_k, gemm_q8_q5_k,
+                gemm_q8_q6_k},
     .gemv_f32 = {gemv_f32_q4_0, gemv_f32_q4_1, gemv_f32_q5_0, gemv_f32_q5_1, gemv_f32_q8_0, gemv_f32_q4_k,
                  gemv_f32_q5_k, gemv_f32_q6_k},
     .dequant = {dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1, dequant_q8_0, dequant_q4_k, dequant_q5_k,

@@ -1,8 +1,9 @@
 /* The x86 SIMD kernels, written once for two instruction sets and included by cpu_avx2.c and cpu_avx512.c.
  *
  * The including file defines X86_TARGET (the function target attribute), X86_VNNI (1: AVX-512 VNNI's dpbusd/dpwssd
- * on 256-bit vectors; 0: AVX2's maddubs + madd), X86_MASK (1: AVX-512BW mask registers for Q5's fifth bit) and
- * X86_ISA (the cpu_isa symbol and name). Every function carries the target attribute, so the library is built
+ * on 256-bit vectors; 0: AVX2's maddubs + madd), X86_MASK (1: AVX-512BW mask registers for Q5's fifth bit),
+ * X86_TILE (how many activation rows share one unpacking of a weight row when M > 1) and X86_ISA / X86_NAME (the
+ * cpu_isa symbol and name). Every function carries the target attribute, so the library is built
  * without -m flags and runs on any x86-64; cpu_dispatch.c picks a path the CPU has.
  *
  * Shapes: a weight row is nb blocks; vectors are 256-bit (32 codes, one 32-element block or sub-block, per vector).
@@ -175,50 +176,30 @@ typedef struct {
     int type, bytes, codes_at, qh_at, offset, has_min;
 } legacy_layout;
 
-/* Two Q4/Q5 blocks w and w + bytes against their 64 activation codes in ACT_PAIRED order: 8 int32 lanes, the low four
- * summing to block 0's dot product and the high four to block 1's. */
-KERNEL __m256i legacy_pair(legacy_layout t, const uint8_t *w, const int8_t *q) {
-    const __m256i m4 = _mm256_set1_epi8(15);
-    const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(w + t.codes_at))),
-                                              _mm_loadu_si128((const __m128i *)(w + t.bytes + t.codes_at)), 1);
-    __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-    if (t.qh_at) { /* bit j of a block's qh is element j's fifth bit: elements 0..15 are the low nibbles */
-        const uint32_t h0 = load_u32(w + t.qh_at), h1 = load_u32(w + t.bytes + t.qh_at);
-        lo = fifth_bit(lo, (h0 & 0xffffu) | h1 << 16);
-        hi = fifth_bit(hi, h0 >> 16 | (h1 & 0xffff0000u));
-    }
-    return dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo, load256(q)), hi, load256(q + 32));
-}
-
-/* Q8_0 block against its 32 codes (element order): 8 int32 lanes summing to the dot product. The sign moves from
- * the weight onto the activation, so the unsigned operand is |w| <= 128 and AVX2's int16 pair sums cannot saturate. */
-KERNEL __m256i q8_block(const uint8_t *w, const int8_t *q) {
-    const __m256i v = load256(w + 2);
-    return dot_u8s8(_mm256_setzero_si256(), _mm256_sign_epi8(v, v), _mm256_sign_epi8(load256(q), v));
-}
-
 KERNEL int sum_i32x4(__m128i v) {
     v = _mm_add_epi32(v, _mm_unpackhi_epi64(v, v));
     return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 1)));
 }
 
+/* Blocks b..b+7's weight scales (and Q4_1/Q5_1's mins) in the lane order of their dot products. */
+KERNEL void legacy_weight_scales(legacy_layout t, const uint8_t *w, __m256 *dw, __m256 *mw) {
+    const size_t s = (size_t)t.bytes;
+    if (t.has_min) { /* d and m side by side: one 32-bit load a block */
+        f16_pairs(u32_x8_at(w, w + s, s), dw, mw);
+    } else {
+        *dw = t.type == LEGACY_Q8_0 ? f16_x8(w, s) : f16_x8_at(w, w + s, s);
+        *mw = *dw;
+    }
+}
+
 /* Blocks b..b+7's float contribution from their 8 integer dot products in `order` (lane i = block b + order[i]). */
-KERNEL __m256 legacy_scale(legacy_layout t, const uint8_t *w, const act_q8 *a, size_t b, __m256i isum, __m256i order,
-                           __m256 acc) {
+KERNEL __m256 legacy_scale(legacy_layout t, const act_q8 *a, size_t b, __m256i isum, __m256i order, __m256 dw,
+                           __m256 mw, __m256 acc) {
     const __m256i sums = _mm256_permutevar8x32_epi32(
         _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(a->sum32 + b))), order);
     if (t.offset)
         isum = _mm256_sub_epi32(isum, _mm256_mullo_epi32(sums, _mm256_set1_epi32(t.offset)));
     const __m256 da = _mm256_permutevar8x32_ps(_mm256_loadu_ps(a->d + b), order);
-    /* the weight scales (and Q4_1/Q5_1's mins beside them) of the 8 blocks, gathered in the same order */
-    const size_t s = (size_t)t.bytes;
-    __m256 dw, mw;
-    if (t.has_min) { /* d and m side by side: one 32-bit load a block */
-        f16_pairs(u32_x8_at(w, w + s, s), &dw, &mw);
-    } else {
-        dw = t.type == LEGACY_Q8_0 ? f16_x8(w, s) : f16_x8_at(w, w + s, s);
-        mw = dw;
-    }
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, da), acc);
     if (t.has_min)
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(mw, da), acc);
@@ -233,68 +214,103 @@ KERNEL float legacy_one(legacy_layout t, const uint8_t *w, const act_q8 *a, size
     return y;
 }
 
-KERNEL void gemv_legacy(legacy_layout t, const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a,
-                        float *y) {
-    const size_t nb = k / 32, s = (size_t)t.bytes;
-    const __m256i paired_order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    const __m256i natural_order = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (size_t r = 0; r < n; r++) {
-        const uint8_t *w = rows + r * row_bytes;
-        __m256 acc = _mm256_setzero_ps();
-        size_t b = 0;
-        for (; b + 8 <= nb; b += 8, w += 8 * s) {
-            const int8_t *q = a->q + 32 * b;
-            if (t.type == LEGACY_Q8_0) {
-                __m256i dots[8];
-                for (int j = 0; j < 8; j++)
-                    dots[j] = q8_block(w + (size_t)j * s, q + 32 * j);
-                acc = legacy_scale(t, w, a, b, sum_lanes_8x8(dots), natural_order, acc);
-            } else {
-                /* four pairs; three horizontal adds leave lane i = block [0,2,4,6,1,3,5,7][i] */
-                const __m256i v0 = legacy_pair(t, w, q), v1 = legacy_pair(t, w + 2 * s, q + 64);
-                const __m256i v2 = legacy_pair(t, w + 4 * s, q + 128), v3 = legacy_pair(t, w + 6 * s, q + 192);
-                const __m256i isum = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
-                acc = legacy_scale(t, w, a, b, isum, paired_order, acc);
-            }
-        }
-        float tail = 0.0f;
-        for (; b < nb; w += s) {
-            const int8_t *q = a->q + 32 * b;
-            if (t.type != LEGACY_Q8_0 && b + 2 <= nb) {
-                const __m256i v = legacy_pair(t, w, q);
-                tail += legacy_one(t, w, a, b, sum_i32x4(_mm256_castsi256_si128(v)));
-                tail += legacy_one(t, w + s, a, b + 1, sum_i32x4(_mm256_extracti128_si256(v, 1)));
-                w += s;
-                b += 2;
-            } else { /* Q8_0, or an odd last block, whose codes stay in element order */
-                __m256i v;
-                if (t.type == LEGACY_Q8_0) {
-                    v = q8_block(w, q);
-                } else {
-                    const __m256i x = nibbles_32(w + t.codes_at);
-                    v = dot_u8s8(_mm256_setzero_si256(),
-                                 t.qh_at ? fifth_bit(x, load_u32(w + t.qh_at)) : x, load256(q));
-                }
-                tail += legacy_one(t, w, a, b, sum_i32x4(_mm_add_epi32(_mm256_castsi256_si128(v),
-                                                                       _mm256_extracti128_si256(v, 1))));
-                b += 1;
-            }
-        }
-        y[r] = sum_f32x8(acc) + tail;
+/* Two Q4/Q5 blocks' codes, side by side (ACT_PAIRED's order): lo = both blocks' elements 0..15, hi = 16..31. */
+KERNEL void legacy_pair_codes(legacy_layout t, const uint8_t *w, __m256i *lo, __m256i *hi) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i x = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(w + t.codes_at))),
+                                              _mm_loadu_si128((const __m128i *)(w + t.bytes + t.codes_at)), 1);
+    *lo = _mm256_and_si256(x, m4);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+    if (t.qh_at) { /* bit j of a block's qh is element j's fifth bit: elements 0..15 are the low nibbles */
+        const uint32_t h0 = load_u32(w + t.qh_at), h1 = load_u32(w + t.bytes + t.qh_at);
+        *lo = fifth_bit(*lo, (h0 & 0xffffu) | h1 << 16);
+        *hi = fifth_bit(*hi, h0 >> 16 | (h1 & 0xffff0000u));
     }
 }
 
-#define LEGACY_ENTRY(name, ...)                                                                                    \
-    ENTRY void gemv_q8_##name(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a,        \
-                              float *y) {                                                                        \
-        gemv_legacy((legacy_layout){__VA_ARGS__}, rows, row_bytes, n, k, a, y);                                  \
+/* One weight row of a 32-element type against mt activation rows (mt a constant where this is inlined): out[i]. */
+KERNEL void legacy_row(legacy_layout t, const uint8_t *w, size_t nb, const act_q8 *a, const int mt, float *out) {
+    const size_t s = (size_t)t.bytes;
+    const __m256i paired_order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256i natural_order = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 acc[X86_TILE];
+    float tail[X86_TILE];
+    for (int i = 0; i < mt; i++) {
+        acc[i] = _mm256_setzero_ps();
+        tail[i] = 0.0f;
     }
-/*                  type          bytes codes qh  offset min */
-LEGACY_ENTRY(q4_0, LEGACY_Q4_0, 18, 2, 0, 8, 0)
-LEGACY_ENTRY(q4_1, LEGACY_Q4_1, 20, 4, 0, 0, 1)
-LEGACY_ENTRY(q5_0, LEGACY_Q5_0, 22, 6, 2, 16, 0)
-LEGACY_ENTRY(q5_1, LEGACY_Q5_1, 24, 8, 4, 0, 1)
-LEGACY_ENTRY(q8_0, LEGACY_Q8_0, 34, 2, 0, 0, 0)
+    size_t b = 0;
+    for (; b + 8 <= nb; b += 8, w += 8 * s) {
+        __m256 dw, mw;
+        legacy_weight_scales(t, w, &dw, &mw);
+        if (t.type == LEGACY_Q8_0) {
+            /* the sign moves from the weight onto the activation, so the unsigned operand is |w| <= 128 and
+             * AVX2's int16 pair sums cannot saturate */
+            __m256i v[8], magnitude[8];
+            for (int j = 0; j < 8; j++) {
+                v[j] = load256(w + (size_t)j * s + 2);
+                magnitude[j] = _mm256_sign_epi8(v[j], v[j]);
+            }
+            for (int i = 0; i < mt; i++) {
+                const int8_t *q = a[i].q + 32 * b;
+                __m256i dots[8];
+                for (int j = 0; j < 8; j++)
+                    dots[j] = dot_u8s8(_mm256_setzero_si256(), magnitude[j], _mm256_sign_epi8(load256(q + 32 * j), v[j]));
+                acc[i] = legacy_scale(t, &a[i], b, sum_lanes_8x8(dots), natural_order, dw, mw, acc[i]);
+            }
+        } else {
+            __m256i lo[4], hi[4];
+            for (int p = 0; p < 4; p++)
+                legacy_pair_codes(t, w + 2 * (size_t)p * s, &lo[p], &hi[p]);
+            for (int i = 0; i < mt; i++) {
+                const int8_t *q = a[i].q + 32 * b;
+                __m256i v[4];
+                for (int p = 0; p < 4; p++)
+                    v[p] = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo[p], load256(q + 64 * p)), hi[p],
+                                    load256(q + 64 * p + 32));
+                /* three horizontal adds leave lane j = block [0,2,4,6,1,3,5,7][j] */
+                const __m256i isum = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                acc[i] = legacy_scale(t, &a[i], b, isum, paired_order, dw, mw, acc[i]);
+            }
+        }
+    }
+    while (b < nb) {
+        if (t.type != LEGACY_Q8_0 && b + 2 <= nb) {
+            __m256i lo, hi;
+            legacy_pair_codes(t, w, &lo, &hi);
+            for (int i = 0; i < mt; i++) {
+                const int8_t *q = a[i].q + 32 * b;
+                const __m256i v = dot_u8s8(dot_u8s8(_mm256_setzero_si256(), lo, load256(q)), hi, load256(q + 32));
+                tail[i] += legacy_one(t, w, &a[i], b, sum_i32x4(_mm256_castsi256_si128(v)));
+                tail[i] += legacy_one(t, w + s, &a[i], b + 1, sum_i32x4(_mm256_extracti128_si256(v, 1)));
+            }
+            w += 2 * s;
+            b += 2;
+        } else { /* Q8_0, or an odd last block, whose codes stay in element order */
+            __m256i u, v = _mm256_setzero_si256();
+            if (t.type == LEGACY_Q8_0) {
+                v = load256(w + 2);
+                u = _mm256_sign_epi8(v, v);
+            } else {
+                u = nibbles_32(w + t.codes_at);
+                if (t.qh_at)
+                    u = fifth_bit(u, load_u32(w + t.qh_at));
+            }
+            for (int i = 0; i < mt; i++) {
+                __m256i q = load256(a[i].q + 32 * b);
+                if (t.type == LEGACY_Q8_0)
+                    q = _mm256_sign_epi8(q, v);
+                const __m256i d = dot_u8s8(_mm256_setzero_si256(), u, q);
+                tail[i] += legacy_one(t, w, &a[i], b,
+                                      sum_i32x4(_mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1))));
+            }
+            w += s;
+            b += 1;
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        out[i] = sum_f32x8(acc[i]) + tail[i];
+}
 
 /* ---- accuracy level 4, K-quants (one activation scale per 256-element super-block) ---- */
 
@@ -314,98 +330,137 @@ KERNEL __m256i spread_i16(__m256i x, int i) {
     return _mm256_shuffle_epi8(x, _mm256_set1_epi16((short)(2 * i | (2 * i + 1) << 8)));
 }
 
-KERNEL float hsum_i32x8_f(__m256i v) { return sum_f32x8(_mm256_cvtepi32_ps(v)); }
-
-/* Q4_K (qh NULL) and Q5_K: y += (d*d_a) * sum_j sc_j sum q*a - (dmin*d_a) * sum_j m_j S32_j. */
-KERNEL void gemv_k45(int bytes, int five, const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a,
-                     float *y) {
-    const size_t nb = k / 256;
-    const __m256i m4 = _mm256_set1_epi8(15);
-    for (size_t r = 0; r < n; r++) {
-        const uint8_t *w = rows + r * row_bytes;
-        __m256 acc = _mm256_setzero_ps();
-        __m128 acc_min = _mm_setzero_ps();
-        for (size_t b = 0; b < nb; b++, w += bytes) {
-            __m128i sc16, m16;
-            k_scales(w + 4, &sc16, &m16);
-            const __m256i scales = _mm256_broadcastsi128_si256(sc16);
-            const int8_t *q = a->q + 256 * b;
-            const uint8_t *qs = w + (five ? 48 : 16), *qh = w + 16;
-            const __m256i high = five ? load256(qh) : _mm256_setzero_si256();
-            /* two accumulators (even and odd sub-blocks), so the dot products do not wait on each other */
-            __m256i isum = _mm256_setzero_si256(), isum_odd = _mm256_setzero_si256();
-            for (int i = 0; i < 4; i++) {
-                const __m256i x = load256(qs + 32 * i);
-                __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
-                if (five) { /* bit 2i / 2i+1 of each qh byte is the fifth bit of sub-block 2i / 2i+1 */
-                    const __m256i one = _mm256_set1_epi8(1);
-                    lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * i), one), 4));
-                    hi = _mm256_or_si256(hi,
-                                         _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * i + 1), one), 4));
-                }
-                const __m256i p_lo = _mm256_maddubs_epi16(lo, load256(q + 64 * i));
-                const __m256i p_hi = _mm256_maddubs_epi16(hi, load256(q + 64 * i + 32));
-                isum = dot_s16(isum, p_lo, spread_i16(scales, 2 * i));
-                isum_odd = dot_s16(isum_odd, p_hi, spread_i16(scales, 2 * i + 1));
+/* Q4_K (five 0) and Q5_K against mt activation rows:
+ * y += (d*d_a) * sum_j sc_j sum q*a - (dmin*d_a) * sum_j m_j S32_j. */
+KERNEL void k45_row(int bytes, int five, const uint8_t *w, size_t nb, const act_q8 *a, const int mt, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    __m256 acc[X86_TILE];
+    __m128 acc_min[X86_TILE];
+    for (int i = 0; i < mt; i++) {
+        acc[i] = _mm256_setzero_ps();
+        acc_min[i] = _mm_setzero_ps();
+    }
+    for (size_t b = 0; b < nb; b++, w += bytes) {
+        __m128i sc16, m16;
+        k_scales(w + 4, &sc16, &m16);
+        const __m256i scales = _mm256_broadcastsi128_si256(sc16);
+        const uint8_t *qs = w + (five ? 48 : 16);
+        const __m256i high = five ? load256(w + 16) : _mm256_setzero_si256();
+        /* two accumulators a row (even and odd sub-blocks), so the dot products do not wait on each other */
+        __m256i even[X86_TILE], odd[X86_TILE];
+        for (int i = 0; i < mt; i++)
+            even[i] = odd[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            const __m256i x = load256(qs + 32 * c);
+            __m256i lo = _mm256_and_si256(x, m4), hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), m4);
+            if (five) { /* bit 2c / 2c+1 of each qh byte is the fifth bit of sub-block 2c / 2c+1 */
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(high, 2 * c + 1), one), 4));
             }
-            isum = _mm256_add_epi32(isum, isum_odd);
-            const __m128i msum = _mm_madd_epi16(m16, _mm_loadu_si128((const __m128i *)(a->sum32 + 8 * b)));
-            const float da = a->d[b];
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(f16(w) * da), acc);
-            acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(msum), _mm_set1_ps(f16(w + 2) * da), acc_min);
+            const __m256i sc_lo = spread_i16(scales, 2 * c), sc_hi = spread_i16(scales, 2 * c + 1);
+            for (int i = 0; i < mt; i++) {
+                const int8_t *q = a[i].q + 256 * b + 64 * c;
+                even[i] = dot_s16(even[i], _mm256_maddubs_epi16(lo, load256(q)), sc_lo);
+                odd[i] = dot_s16(odd[i], _mm256_maddubs_epi16(hi, load256(q + 32)), sc_hi);
+            }
         }
-        __m128 mins = _mm_add_ps(acc_min, _mm_movehl_ps(acc_min, acc_min));
+        const float d = f16(w), dmin = f16(w + 2);
+        for (int i = 0; i < mt; i++) {
+            const __m128i msum = _mm_madd_epi16(m16, _mm_loadu_si128((const __m128i *)(a[i].sum32 + 8 * b)));
+            const float da = a[i].d[b];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(even[i], odd[i])), _mm256_set1_ps(d * da),
+                                     acc[i]);
+            acc_min[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(msum), _mm_set1_ps(dmin * da), acc_min[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        __m128 mins = _mm_add_ps(acc_min[i], _mm_movehl_ps(acc_min[i], acc_min[i]));
         mins = _mm_add_ss(mins, _mm_movehdup_ps(mins));
-        y[r] = sum_f32x8(acc) - _mm_cvtss_f32(mins);
+        out[i] = sum_f32x8(acc[i]) - _mm_cvtss_f32(mins);
     }
 }
 
-ENTRY void gemv_q8_q4_k(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a, float *y) {
-    gemv_k45(144, 0, rows, row_bytes, n, k, a, y);
-}
-
-ENTRY void gemv_q8_q5_k(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a, float *y) {
-    gemv_k45(176, 1, rows, row_bytes, n, k, a, y);
-}
-
-/* Q6_K: y += (d*d_a) * sum_s sc_s (sum_s q*a - 32 S16_s), q 0..63 unsigned. */
-ENTRY void gemv_q8_q6_k(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a, float *y) {
-    const size_t nb = k / 256;
+/* Q6_K against mt activation rows: y += (d*d_a) * sum_s sc_s (sum_s q*a - 32 S16_s), q 0..63 unsigned. */
+KERNEL void q6k_row(const uint8_t *w, size_t nb, const act_q8 *a, const int mt, float *out) {
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
-    for (size_t r = 0; r < n; r++) {
-        const uint8_t *w = rows + r * row_bytes;
-        __m256 acc = _mm256_setzero_ps();
-        for (size_t b = 0; b < nb; b++, w += 210) {
-            const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
-            const __m256i sc = _mm256_cvtepi8_epi16(sc8);
-            /* even groups' scales in the low half, odd groups' in the high half (int16): the pair sums of a
-             * 32-code vector cover groups g (low half) and g + 1 (high half), so one shuffle spreads both */
-            const __m256i paired = _mm256_cvtepi8_epi16(
-                _mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
-            const int8_t *q = a->q + 256 * b;
+    __m256 acc[X86_TILE];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_setzero_ps();
+    for (size_t b = 0; b < nb; b++, w += 210) {
+        const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
+        const __m256i sc = _mm256_cvtepi8_epi16(sc8);
+        /* even groups' scales in the low half, odd groups' in the high half (int16): the pair sums of a 32-code
+         * vector cover groups g (low half) and g + 1 (high half), so one shuffle spreads both */
+        const __m256i paired = _mm256_cvtepi8_epi16(
+            _mm_shuffle_epi8(sc8, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15)));
+        __m256i part[X86_TILE][2]; /* two chains a row, as in Q4_K */
+        for (int i = 0; i < mt; i++) {
             /* -32 * sum_s sc_s S16_s, lane-wise (only the total matters) */
-            __m256i isum = _mm256_madd_epi16(sc, _mm256_loadu_si256((const __m256i *)(a->sum16 + 16 * b)));
-            isum = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(isum, 5));
-            __m256i part[2] = {isum, _mm256_setzero_si256()}; /* two chains, as in Q4_K */
-            for (int h = 0; h < 2; h++) {
-                const __m256i ql0 = load256(w + 64 * h), ql1 = load256(w + 64 * h + 32), qh = load256(w + 128 + 32 * h);
-                const __m256i q1 = _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-                const __m256i q2 = _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-                const __m256i q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30));
-                const __m256i q4 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                                                   _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-                const __m256i codes[4] = {q1, q2, q3, q4};
-                for (int t = 0; t < 4; t++) {
-                    const __m256i scale = spread_i16(paired, 4 * h + t); /* groups 8h+2t and 8h+2t+1 */
-                    part[t & 1] = dot_s16(part[t & 1], _mm256_maddubs_epi16(codes[t], load256(q + 128 * h + 32 * t)), scale);
-                }
-            }
-            isum = _mm256_add_epi32(part[0], part[1]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(f16(w + 208) * a->d[b]), acc);
+            const __m256i offset = _mm256_madd_epi16(sc, _mm256_loadu_si256((const __m256i *)(a[i].sum16 + 16 * b)));
+            part[i][0] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+            part[i][1] = _mm256_setzero_si256();
         }
-        y[r] = sum_f32x8(acc);
+        for (int h = 0; h < 2; h++) {
+            const __m256i ql0 = load256(w + 64 * h), ql1 = load256(w + 64 * h + 32), qh = load256(w + 128 + 32 * h);
+            const __m256i codes[4] = {
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), _mm256_and_si256(qh, m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30)),
+            };
+            for (int t = 0; t < 4; t++) {
+                const __m256i scale = spread_i16(paired, 4 * h + t); /* groups 8h+2t and 8h+2t+1 */
+                for (int i = 0; i < mt; i++)
+                    part[i][t & 1] = dot_s16(part[i][t & 1],
+                                             _mm256_maddubs_epi16(codes[t], load256(a[i].q + 256 * b + 128 * h + 32 * t)),
+                                             scale);
+            }
+        }
+        const float d = f16(w + 208);
+        for (int i = 0; i < mt; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(part[i][0], part[i][1])),
+                                     _mm256_set1_ps(d * a[i].d[b]), acc[i]);
     }
+    for (int i = 0; i < mt; i++)
+        out[i] = sum_f32x8(acc[i]);
 }
+
+/* The entry points: all weight rows against activation rows in tiles of X86_TILE (the weights' codes unpacked once
+ * per tile), then one at a time. */
+#define GEMM_ENTRY(name, call)                                                                                     \
+    ENTRY void gemm_q8_##name(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a,        \
+                              size_t m, float *y, size_t y_stride) {                                              \
+        float out[X86_TILE];                                                                                     \
+        size_t i = 0;                                                                                            \
+        for (; i + X86_TILE <= m; i += X86_TILE)                                                                 \
+            for (size_t r = 0; r < n; r++) {                                                                     \
+                const uint8_t *w = rows + r * row_bytes;                                                         \
+                const act_q8 *acts = a + i;                                                                      \
+                const int mt = X86_TILE;                                                                         \
+                call;                                                                                            \
+                for (int j = 0; j < X86_TILE; j++)                                                               \
+                    y[(i + (size_t)j) * y_stride + r] = out[j];                                                  \
+            }                                                                                                    \
+        for (; i < m; i++)                                                                                       \
+            for (size_t r = 0; r < n; r++) {                                                                     \
+                const uint8_t *w = rows + r * row_bytes;                                                         \
+                const act_q8 *acts = a + i;                                                                      \
+                const int mt = 1;                                                                                \
+                call;                                                                                            \
+                y[i * y_stride + r] = out[0];                                                                    \
+            }                                                                                                    \
+    }
+
+/*                                          type         bytes codes qh offset min */
+GEMM_ENTRY(q4_0, legacy_row((legacy_layout){LEGACY_Q4_0, 18, 2, 0, 8, 0}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q4_1, legacy_row((legacy_layout){LEGACY_Q4_1, 20, 4, 0, 0, 1}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q5_0, legacy_row((legacy_layout){LEGACY_Q5_0, 22, 6, 2, 16, 0}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q5_1, legacy_row((legacy_layout){LEGACY_Q5_1, 24, 8, 4, 0, 1}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q8_0, legacy_row((legacy_layout){LEGACY_Q8_0, 34, 2, 0, 0, 0}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q4_k, k45_row(144, 0, w, k / 256, acts, mt, out))
+GEMM_ENTRY(q5_k, k45_row(176, 1, w, k / 256, acts, mt, out))
+GEMM_ENTRY(q6_k, q6k_row(w, k / 256, acts, mt, out))
 
 /* ---- accuracy level 0 and dequantization: the portable block decoders, vectorized by the compiler here ---- */
 
@@ -439,8 +494,8 @@ const cpu_isa X86_ISA = {
     .usable = usable,
     .quantize = quantize,
     .act_layout = {ACT_PAIRED, ACT_PAIRED, ACT_PAIRED, ACT_PAIRED, ACT_NATURAL, ACT_NATURAL, ACT_NATURAL, ACT_NATURAL},
-    .gemv_q8 = {gemv_q8_q4_0, gemv_q8_q4_1, gemv_q8_q5_0, gemv_q8_q5_1, gemv_q8_q8_0, gemv_q8_q4_k, gemv_q8_q5_k,
-                gemv_q8_q6_k},
+    .gemm_q8 = {gemm_q8_q4_0, gemm_q8_q4_1, gemm_q8_q5_0, gemm_q8_q5_1, gemm_q8_q8_0, gemm_q8_q4_k, gemm_q8_q5_k,
+                gemm_q8_q6_k},
     .gemv_f32 = {gemv_f32_q4_0, gemv_f32_q4_1, gemv_f32_q5_0, gemv_f32_q5_1, gemv_f32_q8_0, gemv_f32_q4_k,
                  gemv_f32_q5_k, gemv_f32_q6_k},
     .dequant = {dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1, dequant_q8_0, dequant_q4_k, dequant_q5_k,

@@ -5,7 +5,8 @@
  * each thread streams its own contiguous rows of B once. At accuracy level 4 the activations are quantized once per
  * call, before the split, into a buffer sized at kernel creation for one row (M = 1, decode: no allocation per call;
  * a second concurrent call on the same kernel, or M > 1, allocates). For M > 1 every task runs all M rows over its
- * rows of B, which stay in cache meanwhile (32 KiB of B a task). */
+ * rows of B, which stay in cache meanwhile (32 KiB of B a task); the SIMD paths unpack each weight row once for a
+ * tile of activation rows. */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -92,13 +93,12 @@ static void run_task(void *user, size_t task) {
     const size_t first = task * call->rows_per_task;
     const size_t rows = first + call->rows_per_task <= n ? call->rows_per_task : n - first;
     const uint8_t *b = call->b + first * kernel->row_bytes;
-    for (size_t m = 0; m < call->m; m++) {
-        float *y = call->y + m * n + first;
-        if (kernel->accuracy == 4)
-            kernel->isa->gemv_q8[kernel->qi](b, kernel->row_bytes, rows, k, &call->quant[m], y);
-        else
-            kernel->isa->gemv_f32[kernel->qi](b, kernel->row_bytes, rows, k, call->a + m * k, y);
+    if (kernel->accuracy == 4) {
+        kernel->isa->gemm_q8[kernel->qi](b, kernel->row_bytes, rows, k, call->quant, call->m, call->y + first, n);
+        return;
     }
+    for (size_t m = 0; m < call->m; m++)
+        kernel->isa->gemv_f32[kernel->qi](b, kernel->row_bytes, rows, k, call->a + m * k, call->y + m * n + first);
 }
 
 typedef struct {
