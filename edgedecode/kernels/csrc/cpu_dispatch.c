@@ -27,6 +27,10 @@ static const cpu_isa *const ALL[] = {
     &cpu_isa_avx512vnni,
     &cpu_isa_avx2,
 #endif
+#if defined(__aarch64__)
+    &cpu_isa_neondot,
+    &cpu_isa_neon,
+#endif
     &cpu_isa_portable,
     NULL,
 };
