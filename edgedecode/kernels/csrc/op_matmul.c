@@ -14,7 +14,16 @@
 #include "cpu_kernels.h"
 #include "ops.h"
 
-enum { TASK_BYTES_DECODE = 64 << 10, TASK_BYTES_PROMPT = 32 << 10, MIN_TASKS = 8, ROW_MULTIPLE = 4 };
+/* Task sizes: a decode task streams 64 KiB of B (a few microseconds), a prompt task keeps 32 KiB of B in cache
+ * for all M rows; at least MIN_TASKS tasks so threads share the work evenly; below INLINE_BYTES of B the whole
+ * product is one task on the calling thread, where waking the pool costs more than it saves. */
+enum {
+    TASK_BYTES_DECODE = 64 << 10,
+    TASK_BYTES_PROMPT = 32 << 10,
+    INLINE_BYTES = 16 << 10,
+    MIN_TASKS = 8,
+    ROW_MULTIPLE = 4,
+};
 
 typedef struct {
     const OrtApi *api;
@@ -114,6 +123,8 @@ static void quantize_task(void *user, size_t m) {
 }
 
 static size_t rows_per_task(size_t n, size_t row_bytes, size_t m) {
+    if (n * row_bytes * m <= INLINE_BYTES)
+        return n;
     size_t rows = (m == 1 ? TASK_BYTES_DECODE : TASK_BYTES_PROMPT) / row_bytes;
     const size_t spread = (n + MIN_TASKS - 1) / MIN_TASKS;
     if (rows > spread)
@@ -171,9 +182,11 @@ static OrtStatus *compute(void *p, OrtKernelContext *context) {
         }
         call.quant = quant;
     }
-    if (!status)
-        status = api->KernelContext_ParallelFor(context, run_task, (n + call.rows_per_task - 1) / call.rows_per_task,
-                                                0, &call);
+    const size_t tasks = (n + call.rows_per_task - 1) / call.rows_per_task;
+    if (!status && tasks == 1)
+        run_task(&call, 0);
+    else if (!status)
+        status = api->KernelContext_ParallelFor(context, run_task, tasks, 0, &call);
     if (holds_scratch)
         atomic_flag_clear(&kernel->scratch_busy);
     free(memory);
