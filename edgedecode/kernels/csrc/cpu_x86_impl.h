@@ -17,7 +17,6 @@
 #include <math.h>
 
 #include "cpu_kernels.h"
-#include "dequant_blocks.h"
 
 #define KERNEL static inline __attribute__((target(X86_TARGET), always_inline))
 #define ENTRY static __attribute__((target(X86_TARGET)))
@@ -462,32 +461,129 @@ GEMM_ENTRY(q4_k, k45_row(144, 0, w, k / 256, acts, mt, out))
 GEMM_ENTRY(q5_k, k45_row(176, 1, w, k / 256, acts, mt, out))
 GEMM_ENTRY(q6_k, q6k_row(w, k / 256, acts, mt, out))
 
-/* ---- accuracy level 0 and dequantization: the portable block decoders, vectorized by the compiler here ---- */
+/* ---- accuracy level 0 and dequantization ---- */
 
-ENTRY float dot_f32(const float *x, const float *w, size_t n) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (size_t i = 0; i < n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), acc1);
+/* 32 codes -> 32 float weights scale * code + bias (codes 0..15 with s0, b0; 16..31 with s1, b1) in w[0..3], each
+ * rounded once by the fused multiply-add: the very values the portable decoders (dequant_blocks.h) compute, whose
+ * products of a float16-derived scale and a small code are exact. */
+KERNEL void weights_32(__m256i codes, int is_signed, __m256 s0, __m256 b0, __m256 s1, __m256 b1, __m256 w[4]) {
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int g = 0; g < 4; g++) {
+        const __m256i c = is_signed ? _mm256_cvtepi8_epi32(part[g]) : _mm256_cvtepu8_epi32(part[g]);
+        w[g] = _mm256_fmadd_ps(g < 2 ? s0 : s1, _mm256_cvtepi32_ps(c), g < 2 ? b0 : b1);
     }
-    return sum_f32x8(_mm256_add_ps(acc0, acc1));
 }
 
-#define X86_TYPE(name, dq, elements, bytes)                                                                       \
+/* The 32 weights of chunk `sub` (0 for the 32-element types; 0..7 for the K-quants, 32 elements each) of a block. */
+KERNEL void block_weights(int qi, const uint8_t *w, int sub, __m256 out[4]) {
+    __m256i codes;
+    float scale, bias, scale1 = 0.0f, bias1 = 0.0f;
+    int is_signed = 0;
+    switch (qi) {
+    case QI_Q4_0:
+    case QI_Q5_0:
+        scale = f16(w);
+        codes = qi == QI_Q4_0 ? nibbles_32(w + 2) : fifth_bit(nibbles_32(w + 6), load_u32(w + 2));
+        bias = scale * (qi == QI_Q4_0 ? -8.0f : -16.0f); /* exact: a float16 times a power of two */
+        break;
+    case QI_Q4_1:
+    case QI_Q5_1:
+        scale = f16(w);
+        bias = f16(w + 2);
+        codes = qi == QI_Q4_1 ? nibbles_32(w + 4) : fifth_bit(nibbles_32(w + 8), load_u32(w + 4));
+        break;
+    case QI_Q8_0:
+        scale = f16(w);
+        bias = 0.0f;
+        codes = load256(w + 2);
+        is_signed = 1;
+        break;
+    case QI_Q4_K:
+    case QI_Q5_K: {
+        int sc, m;
+        k_scale_min(w + 4, sub, &sc, &m);
+        scale = f16(w) * (float)sc;
+        bias = -(f16(w + 2) * (float)m);
+        const uint8_t *qs = w + (qi == QI_Q5_K ? 48 : 16) + 32 * (sub / 2);
+        const __m256i x = load256(qs);
+        codes = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(x, 4) : x, _mm256_set1_epi8(15));
+        if (qi == QI_Q5_K) /* bit `sub` of qh[l] is element l's fifth bit */
+            codes = _mm256_or_si256(codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load256(w + 16), sub),
+                                                                                _mm256_set1_epi8(1)),
+                                                             4));
+        break;
+    }
+    default: { /* Q6_K: chunk sub = quarter t of half h; its two 16-element groups have their own scales */
+        const int h = sub / 4, t = sub % 4;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const float d = f16(w + 208);
+        scale = d * (float)sc[8 * h + 2 * t];
+        scale1 = d * (float)sc[8 * h + 2 * t + 1];
+        bias = -32.0f * scale;
+        bias1 = -32.0f * scale1;
+        const __m256i low = load256(w + 64 * h + 32 * (t & 1)), qh = load256(w + 128 + 32 * h);
+        const __m256i nibbles = _mm256_and_si256(t < 2 ? low : _mm256_srli_epi16(low, 4), _mm256_set1_epi8(15));
+        const __m256i two = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
+        codes = _mm256_or_si256(nibbles, _mm256_slli_epi16(two, 4));
+        break;
+    }
+    }
+    if (qi != QI_Q6_K) {
+        scale1 = scale;
+        bias1 = bias;
+    }
+    weights_32(codes, is_signed, _mm256_set1_ps(scale), _mm256_set1_ps(bias), _mm256_set1_ps(scale1),
+               _mm256_set1_ps(bias1), out);
+}
+
+KERNEL void gemv_f32_type(int qi, int elements, int bytes, const uint8_t *rows, size_t row_bytes, size_t n, size_t k,
+                          const float *x, float *y) {
+    const int subs = elements / 32;
+    for (size_t r = 0; r < n; r++) {
+        const uint8_t *w = rows + r * row_bytes;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (size_t b = 0; b < k / (size_t)elements; b++, w += bytes)
+            for (int sub = 0; sub < subs; sub++) {
+                __m256 v[4];
+                block_weights(qi, w, sub, v);
+                const float *xs = x + b * (size_t)elements + 32 * (size_t)sub;
+                acc0 = _mm256_fmadd_ps(v[0], _mm256_loadu_ps(xs), acc0);
+                acc1 = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(xs + 8), acc1);
+                acc0 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xs + 16), acc0);
+                acc1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xs + 24), acc1);
+            }
+        y[r] = sum_f32x8(_mm256_add_ps(acc0, acc1));
+    }
+}
+
+KERNEL void dequant_type(int qi, int elements, int bytes, const uint8_t *row, size_t k, float *out) {
+    for (size_t b = 0; b < k / (size_t)elements; b++, row += bytes)
+        for (int sub = 0; sub < elements / 32; sub++) {
+            __m256 v[4];
+            block_weights(qi, row, sub, v);
+            for (int g = 0; g < 4; g++)
+                _mm256_storeu_ps(out + b * (size_t)elements + 32 * (size_t)sub + 8 * g, v[g]);
+        }
+}
+
+#define X86_TYPE(name, qi, elements, bytes)                                                                       \
     ENTRY void gemv_f32_##name(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const float *x,       \
                                float *y) {                                                                       \
-        gemv_f32_rows(rows, row_bytes, n, k, x, y, dq, elements, bytes, dot_f32);                                \
+        gemv_f32_type(qi, elements, bytes, rows, row_bytes, n, k, x, y);                                         \
     }                                                                                                           \
-    ENTRY void dequant_##name(const uint8_t *row, size_t k, float *out) { dq_row(row, k, out, dq, elements, bytes); }
+    ENTRY void dequant_##name(const uint8_t *row, size_t k, float *out) {                                         \
+        dequant_type(qi, elements, bytes, row, k, out);                                                          \
+    }
 
-X86_TYPE(q4_0, dq_q4_0, 32, 18)
-X86_TYPE(q4_1, dq_q4_1, 32, 20)
-X86_TYPE(q5_0, dq_q5_0, 32, 22)
-X86_TYPE(q5_1, dq_q5_1, 32, 24)
-X86_TYPE(q8_0, dq_q8_0, 32, 34)
-X86_TYPE(q4_k, dq_q4_k, 256, 144)
-X86_TYPE(q5_k, dq_q5_k, 256, 176)
-X86_TYPE(q6_k, dq_q6_k, 256, 210)
+X86_TYPE(q4_0, QI_Q4_0, 32, 18)
+X86_TYPE(q4_1, QI_Q4_1, 32, 20)
+X86_TYPE(q5_0, QI_Q5_0, 32, 22)
+X86_TYPE(q5_1, QI_Q5_1, 32, 24)
+X86_TYPE(q8_0, QI_Q8_0, 32, 34)
+X86_TYPE(q4_k, QI_Q4_K, 256, 144)
+X86_TYPE(q5_k, QI_Q5_K, 256, 176)
+X86_TYPE(q6_k, QI_Q6_K, 256, 210)
 
 const cpu_isa X86_ISA = {
     .name = X86_NAME,
