@@ -183,6 +183,25 @@ KERNEL int sum_i32x4(__m128i v) {
 /* Blocks b..b+7's weight scales (and Q4_1/Q5_1's mins) in the lane order of their dot products. */
 KERNEL void legacy_weight_scales(legacy_layout t, const uint8_t *w, __m256 *dw, __m256 *mw) {
     const size_t s = (size_t)t.bytes;
+#if X86_VNNI
+    if (t.bytes <= 20) { /* Q4_0, Q4_1: four blocks' fields lie in 64 bytes, and w + 4s + 64 <= the group's end */
+        const __m512i first = _mm512_loadu_si512(w), second = _mm512_loadu_si512(w + 4 * s);
+        if (t.has_min) { /* 32-bit words (d | m): block j at dword j*s/4; second's at 16 + j*s/4; paired order */
+            const int q = t.bytes / 4;
+            const __m512i idx = _mm512_setr_epi32(0, 2 * q, 16, 16 + 2 * q, q, 3 * q, 16 + q, 16 + 3 * q, 0, 0, 0, 0, 0,
+                                                  0, 0, 0);
+            f16_pairs(_mm512_castsi512_si256(_mm512_permutex2var_epi32(first, idx, second)), dw, mw);
+        } else { /* 16-bit words: block j's d at word j*s/2 */
+            const short h = (short)(t.bytes / 2);
+            const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                 (short)(32 + 3 * h), (short)(32 + h), 3 * h, h, (short)(32 + 2 * h), 32,
+                                                 2 * h, 0);
+            *dw = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutex2var_epi16(first, idx, second)));
+            *mw = *dw;
+        }
+        return;
+    }
+#endif
     if (t.has_min) { /* d and m side by side: one 32-bit load a block */
         f16_pairs(u32_x8_at(w, w + s, s), dw, mw);
     } else {
