@@ -47,7 +47,7 @@ setup(
             LIBRARY,
             sources=sorted(str(path) for path in CSRC.glob("*.c")),
             depends=sorted(str(path) for path in CSRC.glob("*.h")),
-            extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-fno-math-errno", "-Wall"],
+            extra_compile_args=["-std=c11", "-O3", "-g0", "-fvisibility=hidden", "-fno-math-errno", "-Wall"],
             libraries=["m", "pthread"],
             optional=True,
         )

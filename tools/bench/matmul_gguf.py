@@ -16,10 +16,11 @@ cache) that every node streams its weights from memory, as a decode step does; a
 is a run's time over its copies, onnxruntime's per-node overhead included. GB/s counts the GGUF's bytes of the
 matrix (what MatMulGGUF reads; MatMulNBits reads its own prepacked copy, larger for every type but Q4_0 and Q8_0),
 and "of bw" divides it by this machine's read bandwidth with the same threads (tools/membw.py), measured first.
-Weights are random valid blocks: speed does not depend on values. On a shared machine the figures are indicative.
+Weights are random valid blocks: speed does not depend on values. On a shared machine the figures are indicative;
+``--cpu-time --threads 1`` compares the two forms' work by CPU time, which other processes disturb far less.
 
     python tools/bench/matmul_gguf.py [--shapes qwen2.5-0.5b llama3.2-1b llama3.2-3b] [--types Q4_0 Q4_1 Q4_K_M]
-        [--m 1 64] [--runs 7] [--threads 2] [--matrices qkv o gate_up down lm_head] [--json OUT]
+        [--m 1 64] [--runs 7] [--threads 2] [--matrices qkv o gate_up down lm_head] [--cpu-time] [--json OUT]
 """
 
 from __future__ import annotations
@@ -186,7 +187,16 @@ class Row:
     gguf_of_bandwidth: float
 
 
-def measure(case: Case, ms: list[int], runs: int, threads: int, mib: int, accuracy: int, bandwidth: float) -> list[Row]:
+def measure(
+    case: Case,
+    ms: list[int],
+    runs: int,
+    threads: int,
+    mib: int,
+    accuracy: int,
+    bandwidth: float,
+    clock=time.perf_counter,
+) -> list[Row]:
     rng = np.random.default_rng(0)
     rows = random_rows(QType[case.kind], case.n, case.k, rng)
     copies = max(1, min(64, (mib << 20) // case.gguf_bytes))
@@ -201,10 +211,10 @@ def measure(case: Case, ms: list[int], runs: int, threads: int, mib: int, accura
         times: dict[str, list[float]] = {name: [] for name in engines}
         for run in range(runs + 1):  # the first run of each warms up and is not counted
             for name, engine in engines.items():
-                started = time.perf_counter()
+                started = clock()
                 engine.run(None, feed)
                 if run:
-                    times[name].append((time.perf_counter() - started) / copies)
+                    times[name].append((clock() - started) / copies)
         ours, theirs = statistics.median(times["gguf"]), statistics.median(times["nbits"])
         gb_s = case.gguf_bytes / ours / 1e9
         found.append(
@@ -237,6 +247,12 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=192, help="weights per graph, MiB (several times the LLC)")
     parser.add_argument("--accuracy", type=int, default=4, choices=[0, 4])
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by the process's CPU time, not the wall clock: with --threads 1, a comparison of the two forms' "
+        "work that other processes on a shared machine disturb far less (GB/s and 'of bw' then mean per CPU second)",
+    )
     args = parser.parse_args()
     library = kernels.load()
     if not library.available:
@@ -244,6 +260,7 @@ def main() -> None:
     bandwidth = read_bandwidth_gb_s(args.threads)
     print(
         f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads); kernels: {library.cpu_isa}; "
+        f"{'CPU' if args.cpu_time else 'wall'} time; "
         f"onnxruntime {ort.__version__}; accuracy level {args.accuracy}"
     )
     header = f"{'shape':<13} {'matrix':<8} {'type':<5} {'N x K':>13} {'M':>3} {'gguf us':>9} {'nbits us':>9} "
@@ -256,7 +273,8 @@ def main() -> None:
                 if case in seen:  # Q4_K_M shares its Q8_0 head with the other presets
                     continue
                 seen.add(case)
-                for row in measure(case, args.m, args.runs, args.threads, args.mib, args.accuracy, bandwidth):
+                clock = time.process_time if args.cpu_time else time.perf_counter
+                for row in measure(case, args.m, args.runs, args.threads, args.mib, args.accuracy, bandwidth, clock):
                     found.append(row)
                     print(
                         f"{row.shape:<13} {row.matrix:<8} {row.kind:<5} {f'{row.n} x {row.k}':>13} {row.m:>3} "

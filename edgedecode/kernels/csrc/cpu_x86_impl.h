@@ -332,15 +332,19 @@ KERNEL void legacy_row(legacy_layout t, const uint8_t *w, size_t nb, const act_q
 
 /* ---- accuracy level 4, K-quants (one activation scale per 256-element super-block) ---- */
 
-/* Q4_K/Q5_K's eight 6-bit scales and mins, as int16 [sc0..sc7] and [m0..m7]. */
+/* Q4_K/Q5_K's eight 6-bit scales and mins, as int16 [sc0..sc7] and [m0..m7], in vector registers throughout.
+ * With the 12 bytes as dwords D0, D1, D2: sc0..3 = D0 & 63 (per byte), m0..3 = D1 & 63,
+ * sc4..7 = (D2 & 15) | (D0 >> 6) << 4, m4..7 = (D2 >> 4 & 15) | (D1 >> 6) << 4. The 16-byte load reads 4 bytes of
+ * the block's codes too, which are ignored. */
 KERNEL void k_scales(const uint8_t *s12, __m128i *sc, __m128i *mins) {
-    uint32_t s[3];
-    memcpy(s, s12, 12);
-    const uint32_t sc_lo = s[0] & 0x3f3f3f3fu, m_lo = s[1] & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (s[2] & 0x0f0f0f0fu) | (((s[0] >> 6) & 0x03030303u) << 4);
-    const uint32_t m_hi = ((s[2] >> 4) & 0x0f0f0f0fu) | (((s[1] >> 6) & 0x03030303u) << 4);
-    *sc = _mm_cvtepu8_epi16(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0));
-    *mins = _mm_cvtepu8_epi16(_mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0));
+    const __m128i v = _mm_loadu_si128((const __m128i *)s12);
+    const __m128i low = _mm_and_si128(v, _mm_set1_epi8(63));                             /* [sc0..3, m0..3, ...] */
+    const __m128i d2 = _mm_srlv_epi32(_mm_shuffle_epi32(v, 0xaa), _mm_setr_epi32(0, 4, 0, 0)); /* [D2, D2 >> 4] */
+    const __m128i high = _mm_or_si128(_mm_and_si128(d2, _mm_set1_epi8(15)),
+                                      _mm_and_si128(_mm_srli_epi32(v, 2), _mm_set1_epi8(0x30))); /* [sc4..7, m4..7] */
+    const __m128i both = _mm_unpacklo_epi32(low, high); /* [sc0..3, sc4..7, m0..3, m4..7] */
+    *sc = _mm_cvtepu8_epi16(both);
+    *mins = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
 }
 
 /* int16 lane `i` of x, in every int16 lane (x repeated in both 128-bit halves). */
