@@ -71,6 +71,5 @@ ED_DEV int block_dim() { return emu::block_dim(); }
 ED_DEV int grid_x() { return emu::grid_x(); }
 ED_DEV int grid_y() { return emu::grid_y(); }
 ED_DEV float exp_f(float v) { return std::exp(v); }
-ED_DEV float tanh_f(float v) { return std::tanh(v); }
 ED_DEV float sqrt_f(float v) { return std::sqrt(v); }
 ED_DEV float *dynamic_shared() { return emu::dynamic_shared(); }

@@ -89,8 +89,10 @@ ED_DEV void stage_x(const EdGemvArgs &a, int col0, float *xs, float *sums, float
 
 ED_DEV float gate_act(float g, int gate) {
     if (gate == ED_GATE_SILU) return g / (1.0f + exp_f(-g));
-    // GELU, tanh form: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
-    return 0.5f * g * (1.0f + tanh_f(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    // GELU, tanh form: 0.5 g (1 + tanh(z)), z = sqrt(2/pi) (g + 0.044715 g^3), computed as g * sigmoid(2z), the
+    // same function without 1 + tanh(z)'s cancellation for negative z
+    const float z = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    return g / (1.0f + exp_f(-2.0f * z));
 }
 
 // R weight rows per group (gated: R/2 gate rows, then the R/2 up rows of the same outputs), MT columns.

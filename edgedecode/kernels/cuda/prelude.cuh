@@ -39,7 +39,6 @@ ED_DEV int block_dim() { return blockDim.x; }
 ED_DEV int grid_x() { return gridDim.x; }
 ED_DEV int grid_y() { return gridDim.y; }
 ED_DEV float exp_f(float v) { return expf(v); }
-ED_DEV float tanh_f(float v) { return tanhf(v); }
 ED_DEV float sqrt_f(float v) { return sqrtf(v); }
 extern __shared__ __align__(16) float ed_dynamic_shared[];
 ED_DEV float *dynamic_shared() { return ed_dynamic_shared; }
