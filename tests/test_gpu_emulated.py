@@ -141,7 +141,7 @@ def test_matmul_equals_the_reference_to_float16_rounding(emulator, kind, m):
     "tuning",
     [(lanes, rows, threads) for lanes in (8, 16, 32, 64, 128, 256) for rows in (1, 2, 4) for threads in (128, 256)
      if threads >= lanes],
-    ids=lambda t: "lanes%d-rows%d-threads%d" % t,
+    ids=lambda t: "lanes{}-rows{}-threads{}".format(*t),
 )  # fmt: skip
 def test_every_launch_shape_gives_the_same_product(emulator, kind, tuning):
     rng = np.random.default_rng(5)

@@ -68,4 +68,4 @@ def test_a_source_change_changes_the_cache_key(compiler, monkeypatch):
 
 def test_a_compile_error_carries_nvrtcs_log(compiler):
     with pytest.raises(nvrtc.KernelBuildError, match=r"(?s)could not compile broken.cu.*undeclared.* is undefined"):
-        compiler.compile("extern \"C\" __global__ void k() { undeclared(); }", "broken.cu", {}, ["-arch=sm_90"])
+        compiler.compile('extern "C" __global__ void k() { undeclared(); }', "broken.cu", {}, ["-arch=sm_90"])

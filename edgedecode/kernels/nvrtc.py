@@ -83,7 +83,12 @@ class Nvrtc:
         lib.nvrtcGetErrorString.argtypes = [ctypes.c_int]
         lib.nvrtcVersion.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
         lib.nvrtcCreateProgram.argtypes = [
-            ctypes.POINTER(handle), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, strings, strings
+            ctypes.POINTER(handle),
+            ctypes.c_char_p,
+            ctypes.c_char_p,
+            ctypes.c_int,
+            strings,
+            strings,
         ]
         lib.nvrtcCompileProgram.argtypes = [handle, ctypes.c_int, strings]
         lib.nvrtcDestroyProgram.argtypes = [ctypes.POINTER(handle)]
@@ -132,7 +137,8 @@ class Nvrtc:
 
 def sources() -> dict[str, str]:
     """The kernel sources by file name: ``kernels.cu`` and the headers it includes."""
-    return {path.name: path.read_text() for path in sorted(SOURCE_DIR.iterdir()) if path.suffix in (".cu", ".cuh", ".h")}
+    files = sorted(SOURCE_DIR.iterdir())
+    return {path.name: path.read_text() for path in files if path.suffix in (".cu", ".cuh", ".h")}
 
 
 def compile_options(arch: int) -> list[str]:
