@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(REASON), reason=REASON)]
 def cubin(tmp_path_factory) -> nvrtc.Cubin:
     ort.preload_dlls()
     library = kernels.open_library(kernels.load().path)
-    return nvrtc.prepare(library, tmp_path_factory.mktemp("cubins"))
+    return nvrtc.prepare(tmp_path_factory.mktemp("cubins"), library=library)
 
 
 def _model(nodes, inputs, outputs, initializers) -> bytes:

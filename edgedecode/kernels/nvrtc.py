@@ -211,12 +211,20 @@ def device_arch(ordinal: int = 0) -> int:
     return major.value * 10 + minor.value
 
 
-def prepare(library: ctypes.CDLL, cache_dir: Path, device: int = 0) -> Cubin:
-    """Compile (or find cached) the kernels for ``device`` and hand them to the opened kernels ``library``.
+def prepare(cache_dir: Path, device: int = 0, library: ctypes.CDLL | None = None) -> Cubin:
+    """Compile (or find cached) the kernels for CUDA ``device`` and hand them to the kernels library.
 
-    Call before creating a session that uses the CUDA ops; ``library`` is the library onnxruntime loads (ctypes and
-    onnxruntime's dlopen of one path share one instance). Raises KernelBuildError when it cannot.
+    Call before creating a session that uses the CUDA ops. ``library`` defaults to this install's
+    (``edgedecode.kernels.load()``), opened through ctypes: ctypes and onnxruntime's dlopen of one path share one
+    instance, so the image reaches the ops onnxruntime creates. Raises KernelBuildError when it cannot.
     """
+    if library is None:
+        from edgedecode import kernels  # the package imports this module only on demand
+
+        found = kernels.load()
+        if not found.available or found.path is None:
+            raise KernelBuildError(f"the kernels library is unusable: {found.reason}")
+        library = kernels.open_library(found.path)
     arch = device_arch(device)
     image = cubin(arch, cache_dir)
     data = image.path.read_bytes()
