@@ -38,6 +38,7 @@ def fused(
     residual: np.ndarray | None = None,
     gate: int = 0,
     eps: float = 1e-6,
+    bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FusedMatMulGGUF exactly (float64) and the error a float32-summing, float16-writing kernel may add."""
     a = rms_normalized(x, gamma, eps)
@@ -59,6 +60,9 @@ def fused(
     else:
         exact = np.concatenate(products, -1)
         bound = np.concatenate(sizes, -1) + relative * np.abs(exact)
+        if bias is not None:
+            exact = exact + np.asarray(bias, np.float64)
+            bound = bound + UNIT * np.abs(exact)
     if residual is not None:
         exact = exact + np.asarray(residual, np.float64)
         bound = bound + UNIT * np.abs(exact)

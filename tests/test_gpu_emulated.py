@@ -35,6 +35,7 @@ class GemvArgs(ctypes.Structure):
         ("x", _Pointer),
         ("gamma", _Pointer),
         ("residual", _Pointer),
+        ("bias", _Pointer),
         ("y", _Pointer),
         ("w", _Pointer * 3),
         ("rows", ctypes.c_int * 3),
@@ -100,6 +101,7 @@ def run_gemv(
     gate: int = 0,
     eps: float = 1e-6,
     tuning: tuple[int, int, int] = (0, 0, 0),
+    bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, str]:
     """The emulated GEMV's output and the kernel the planner chose."""
     k = x.shape[-1]
@@ -107,6 +109,7 @@ def run_gemv(
     y = np.full((len(x), n_out), np.nan, np.float16)
     args = GemvArgs()
     args.x, args.gamma, args.residual, args.y = _address(x), _address(gamma), _address(residual), _address(y)
+    args.bias = _address(bias)
     for s, (data, kind) in enumerate(matrices):
         args.w[s], args.rows[s], args.type[s], args.row_bytes[s] = _address(data), data.shape[0], kind, data.shape[1]
     args.k, args.m, args.gate, args.eps = k, len(x), gate, eps
@@ -154,8 +157,10 @@ def test_every_launch_shape_gives_the_same_product(emulator, kind, tuning):
 
 
 @pytest.mark.parametrize("m", (1, 2))
-def test_norm_three_matrices_of_mixed_types_and_a_residual(emulator, m):
-    """The attention input of a Q4_K_M layer: Q and K in Q4_K, V in Q6_K, after RMSNorm, plus a residual."""
+@pytest.mark.parametrize("with_bias", (False, True), ids=("no_bias", "bias"))
+def test_norm_three_matrices_of_mixed_types_and_a_residual(emulator, m, with_bias):
+    """The attention input of a Q4_K_M layer: Q and K in Q4_K, V in Q6_K, after RMSNorm (and Qwen's bias), plus a
+    residual."""
     rng = np.random.default_rng(11)
     k = 512
     matrices = [(random_rows(QType.Q4_K, 40, k, rng), QType.Q4_K), (random_rows(QType.Q4_K, 9, k, rng), QType.Q4_K),
@@ -163,8 +168,9 @@ def test_norm_three_matrices_of_mixed_types_and_a_residual(emulator, m):
     x = (_activations(rng, m, k) * 3).astype(np.float16)
     gamma = rng.uniform(0.5, 2.0, k).astype(np.float16)
     residual = rng.standard_normal((m, 58)).astype(np.float16)
-    y, _ = run_gemv(emulator, x, matrices, gamma, residual, eps=1e-5)
-    assert_float16_close(y, fused(x, matrices, gamma, residual, eps=1e-5))
+    bias = rng.standard_normal(58).astype(np.float16) if with_bias else None
+    y, _ = run_gemv(emulator, x, matrices, gamma, residual, eps=1e-5, bias=bias)
+    assert_float16_close(y, fused(x, matrices, gamma, residual, eps=1e-5, bias=bias))
 
 
 @pytest.mark.parametrize("m", (1, 5))

@@ -74,22 +74,27 @@ def _input(name: str, dtype: int, shape):
     return helper.make_tensor_value_info(name, dtype, shape)
 
 
-def _fused_node(matrices, k: int, *, norm: bool = False, residual: bool = False, gate: int = 0, eps: float = 1e-6):
-    """A FusedMatMulGGUF node over weights W0.. (initializers named so), A, and optionally gamma and R."""
+def _fused_node(
+    matrices, k: int, *, norm: bool = False, residual: bool = False, gate: int = 0, eps: float = 1e-6, bias=False
+):
+    """A FusedMatMulGGUF node over weights W0.. (initializers named so), A, and optionally gamma, R and bias."""
     n = matrices[0][0].shape[0] if gate else sum(data.shape[0] for data, _ in matrices)
     attributes = {"K": k, "N": n, "activation": gate, "epsilon": eps}
     for s, (data, kind) in enumerate(matrices):
         attributes[f"N{s}"], attributes[f"ggml_type{s}"] = data.shape[0], int(kind)
     names = ["A", *(f"W{s}" if s < len(matrices) else "" for s in range(3)), "gamma" if norm else ""]
-    names += ["R"] if residual else []
+    names += ["R" if residual else "", "bias"] if bias else ["R"] if residual else []
     return helper.make_node("FusedMatMulGGUF", names, ["Y"], domain=kernels.KERNEL_DOMAIN, **attributes), n
 
 
-def _run_fused(x, matrices, gamma=None, residual=None, gate=0, eps=1e-6) -> np.ndarray:
+def _run_fused(x, matrices, gamma=None, residual=None, gate=0, eps=1e-6, bias=None) -> np.ndarray:
     m, k = x.shape
-    node, n = _fused_node(matrices, k, norm=gamma is not None, residual=residual is not None, gate=gate, eps=eps)
+    node, n = _fused_node(
+        matrices, k, norm=gamma is not None, residual=residual is not None, gate=gate, eps=eps, bias=bias is not None
+    )
     inits = [_bytes(f"W{s}", data) for s, (data, _) in enumerate(matrices)]
     inits += [_half("gamma", gamma)] if gamma is not None else []
+    inits += [_half("bias", bias)] if bias is not None else []
     inputs = [_input("A", TensorProto.FLOAT16, [1, m, k])]
     feeds = {"A": x.reshape(1, m, k)}
     if residual is not None:
@@ -142,8 +147,10 @@ def test_gather_is_exact(kind):
 
 
 @pytest.mark.parametrize("m", (1, 3))
-def test_norm_qkv_of_mixed_types_plus_residual(m):
-    """A Q4_K_M layer's attention input: RMSNorm, Q and K in Q4_K and V in Q6_K, one kernel; plus a residual."""
+@pytest.mark.parametrize("with_bias", (False, True), ids=("no_bias", "bias"))
+def test_norm_qkv_of_mixed_types_plus_residual(m, with_bias):
+    """A Q4_K_M layer's attention input: RMSNorm, Q and K in Q4_K and V in Q6_K (and Qwen's bias), one kernel;
+    plus a residual."""
     rng = np.random.default_rng(17)
     k = 2048
     matrices = [(random_rows(QType.Q4_K, 2048, k, rng), QType.Q4_K), (random_rows(QType.Q4_K, 512, k, rng), QType.Q4_K),
@@ -151,8 +158,9 @@ def test_norm_qkv_of_mixed_types_plus_residual(m):
     x = (rng.standard_normal((m, k)) * 4).astype(np.float16)
     gamma = rng.uniform(0.02, 0.1, k).astype(np.float16)
     residual = rng.standard_normal((m, 3072)).astype(np.float16)
-    y = _run_fused(x, matrices, gamma, residual, eps=1e-5)
-    assert_float16_close(y, fused(x, matrices, gamma, residual, eps=1e-5))
+    bias = rng.standard_normal(3072).astype(np.float16) if with_bias else None
+    y = _run_fused(x, matrices, gamma, residual, eps=1e-5, bias=bias)
+    assert_float16_close(y, fused(x, matrices, gamma, residual, eps=1e-5, bias=bias))
 
 
 @pytest.mark.parametrize("m", (1, 5))

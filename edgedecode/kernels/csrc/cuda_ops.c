@@ -5,14 +5,14 @@
  *
  * FusedMatMulGGUF, in the contract's form:
  *   inputs   A float16 [..., K]; B0 uint8 [N0, row bytes]; B1, B2 (optional) uint8 [N1|N2, row bytes];
- *            norm_weight (optional) float16 [K]; residual (optional) float16 [..., N]
+ *            norm_weight (optional) float16 [K]; residual (optional) float16 [..., N]; bias (optional) float16 [N]
  *   attrs    K, N (the output width), N0, ggml_type0, N1, ggml_type1, N2, ggml_type2 (0 / absent: no such matrix),
  *            activation (0 none, 1 SiLU, 2 GELU tanh form), epsilon (float, default 1e-6)
  *   output   float16 [..., N]:
  *            a = norm_weight ? A / sqrt(mean(A^2) + epsilon) * norm_weight : A     (per row of A, float32)
  *            activation 0: Y = concat(a . dequant(B0)^T, a . dequant(B1)^T, a . dequant(B2)^T)   N = N0 + N1 + N2
  *            activation 1, 2: Y = act(a . dequant(B0)^T) * (a . dequant(B1)^T)   B0, B1 of one type, N = N0 = N1
- *            plus residual when given. */
+ *            plus bias (activation 0 only), then residual, when given. */
 #include "cuda_ops.h"
 
 #include <stdio.h>
@@ -174,8 +174,8 @@ static OrtStatus *compute_gemv(void *p, OrtKernelContext *context) {
     const gemv_kernel *kernel = p;
     const OrtApi *api = kernel->api;
     const char *op = kernel->fused ? "FusedMatMulGGUF" : "MatMulGGUF";
-    tensor_view a, w, gamma, residual;
-    int has_gamma = 0, has_residual = 0;
+    tensor_view a, w, gamma, residual, bias;
+    int has_gamma = 0, has_residual = 0, has_bias = 0;
     OrtStatus *status = op_input(api, context, 0, &a);
     if (status)
         return status;
@@ -199,8 +199,12 @@ static OrtStatus *compute_gemv(void *p, OrtKernelContext *context) {
     dims[a.rank - 1] = kernel->n_out;
     if (kernel->fused) {
         if ((status = optional_input(api, context, 4, &gamma, &has_gamma)) ||
-            (status = optional_input(api, context, 5, &residual, &has_residual)))
+            (status = optional_input(api, context, 5, &residual, &has_residual)) ||
+            (status = optional_input(api, context, 6, &bias, &has_bias)))
             return status;
+        if (has_bias && (kernel->gate || bias.elements != (size_t)kernel->n_out))
+            return op_error(api, ORT_INVALID_ARGUMENT, "FusedMatMulGGUF '%s': bias must hold N = %d values (and "
+                            "the product not be gated)", kernel->node, kernel->n_out);
         if (has_gamma && (gamma.elements != (size_t)kernel->k))
             return op_error(api, ORT_INVALID_ARGUMENT, "FusedMatMulGGUF '%s': norm_weight must hold K = %d values",
                             kernel->node, kernel->k);
@@ -218,6 +222,7 @@ static OrtStatus *compute_gemv(void *p, OrtKernelContext *context) {
     args.x = a.data;
     args.gamma = has_gamma ? gamma.data : NULL;
     args.residual = has_residual ? residual.data : NULL;
+    args.bias = has_bias ? bias.data : NULL;
     args.k = kernel->k, args.m = (int)m, args.gate = kernel->gate, args.eps = kernel->eps;
     EdLaunch plan;
     if (ed_plan_gemv(&args, kernel->segments, kernel->gate != 0, &kernel->tuning, kernel->module->sm_count,
@@ -343,7 +348,7 @@ static ONNXTensorElementDataType fused_input(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i >= 1 && i <= 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
 }
-static size_t six(const OrtCustomOp *op) { (void)op; return 6; }
+static size_t seven(const OrtCustomOp *op) { (void)op; return 7; }
 static OrtCustomOpInputOutputCharacteristic fused_characteristic(const OrtCustomOp *op, size_t index) {
     (void)op;
     return index <= 1 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
@@ -384,7 +389,7 @@ OrtCustomOp op_fused_matmul_gguf_cuda = {
     .GetName = fused_name,
     .GetExecutionProviderType = cuda_provider,
     .GetInputType = fused_input,
-    .GetInputTypeCount = six,
+    .GetInputTypeCount = seven,
     .GetOutputType = half_output,
     .GetOutputTypeCount = op_one_count,
     .KernelDestroy = destroy,

@@ -21,12 +21,13 @@
 #define ED_GATE_SILU 1
 #define ED_GATE_GELU_TANH 2
 
-/* y[m, :] = concat over segments s of (norm(x[m]) · W_s^T) (+ residual[m, :]), float16 in and out, float32
- * accumulation. Gated: y[m, j] = act(norm(x[m]) · W_0[j]) * (norm(x[m]) · W_1[j]) (+ residual[m, j]). */
+/* y[m, :] = concat over segments s of (norm(x[m]) · W_s^T) (+ bias) (+ residual[m, :]), float16 in and out,
+ * float32 accumulation. Gated: y[m, j] = act(norm(x[m]) · W_0[j]) * (norm(x[m]) · W_1[j]) (+ residual[m, j]). */
 typedef struct EdGemvArgs {
     const void *x;        /* float16 [m, k] */
     const void *gamma;    /* float16 [k]: RMSNorm weight applied to x first, or NULL for no norm */
     const void *residual; /* float16 [m, n_out] added to the result, or NULL */
+    const void *bias;     /* float16 [n_out] added to the product before the residual (not gated), or NULL */
     void *y;              /* float16 [m, n_out] */
     const void *w[ED_MAX_SEGMENTS]; /* uint8 [rows[s], row_bytes[s]]: GGUF rows as stored */
     int rows[ED_MAX_SEGMENTS];      /* rows of each segment, 0 past the last */

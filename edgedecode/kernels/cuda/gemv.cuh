@@ -192,6 +192,7 @@ ED_DEV void gemv_rows(const EdGemvArgs &a, int seg, int out_row0, int col0, cons
             int out_col = j;
             if (!GATED)
                 for (int s = 0; s < seg; ++s) out_col += a.rows[s];
+            if (!GATED && a.bias) v += h2f(reinterpret_cast<const u16 *>(a.bias)[out_col]);
             const u64 at = (u64)col * a.n_out + out_col;
             if (a.residual) v += h2f(reinterpret_cast<const u16 *>(a.residual)[at]);
             reinterpret_cast<u16 *>(a.y)[at] = f2h(v);
