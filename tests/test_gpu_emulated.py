@@ -80,7 +80,7 @@ def emulator(tmp_path_factory) -> ctypes.CDLL:
         check=True,
     )  # fmt: skip
     emu = ctypes.CDLL(str(library))
-    emu.emu_gemv.argtypes = [ctypes.POINTER(GemvArgs)] + [ctypes.c_int] * 6 + [ctypes.c_char_p]
+    emu.emu_gemv.argtypes = [ctypes.POINTER(GemvArgs)] + [ctypes.c_int] * 7 + [ctypes.c_char_p]
     emu.emu_gather.argtypes = [ctypes.POINTER(GatherArgs)]
     return emu
 
@@ -100,7 +100,7 @@ def run_gemv(
     residual: np.ndarray | None = None,
     gate: int = 0,
     eps: float = 1e-6,
-    tuning: tuple[int, int, int] = (0, 0, 0),
+    tuning: tuple[int, int, int, int] = (0, 0, 0, 0),
     bias: np.ndarray | None = None,
 ) -> tuple[np.ndarray, str]:
     """The emulated GEMV's output and the kernel the planner chose."""
@@ -142,9 +142,9 @@ def test_matmul_equals_the_reference_to_float16_rounding(emulator, kind, m):
 @pytest.mark.parametrize("kind", (QType.Q4_0, QType.Q4_K, QType.Q6_K), ids=lambda kind: kind.name)
 @pytest.mark.parametrize(
     "tuning",
-    [(lanes, rows, threads) for lanes in (8, 16, 32, 64, 128, 256) for rows in (1, 2, 4) for threads in (128, 256)
-     if threads >= lanes],
-    ids=lambda t: "lanes{}-rows{}-threads{}".format(*t),
+    [(lanes, rows, threads, blocks_per_sm) for lanes in (8, 16, 32, 64, 128, 256) for rows in (1, 2, 4)
+     for threads in (128, 256) for blocks_per_sm in (0, 1) if threads >= lanes],
+    ids=lambda t: "lanes{}-rows{}-threads{}-per_sm{}".format(*t),
 )  # fmt: skip
 def test_every_launch_shape_gives_the_same_product(emulator, kind, tuning):
     rng = np.random.default_rng(5)
@@ -204,7 +204,7 @@ def test_the_planner_refuses_what_the_kernels_cannot_read(emulator):
     args = GemvArgs()
     args.x, args.w[0], args.rows[0], args.type[0], args.row_bytes[0] = x.ctypes.data, data.ctypes.data, 4, 12, 54
     args.k, args.m = 96, 1  # Q4_K rows need K a multiple of 256
-    assert emulator.emu_gemv(ctypes.byref(args), 1, 0, 0, 0, 0, SM_COUNT, ctypes.create_string_buffer(32)) == -1
+    assert emulator.emu_gemv(ctypes.byref(args), 1, 0, 0, 0, 0, 0, SM_COUNT, ctypes.create_string_buffer(32)) == -1
 
 
 @pytest.mark.parametrize("out_float32", (0, 1), ids=("float16", "float32"))

@@ -235,8 +235,8 @@ def prepare(cache_dir: Path, device: int = 0, library: ctypes.CDLL | None = None
     return image
 
 
-def set_tuning(library: ctypes.CDLL, lanes: int = 0, rows: int = 0, threads: int = 0) -> None:
+def set_tuning(library: ctypes.CDLL, lanes: int = 0, rows: int = 0, threads: int = 0, blocks_per_sm: int = 0) -> None:
     """Override the GEMV launch shape for kernels created from now on (benchmarks; 0 keeps the default rule)."""
-    library.edgedecode_cuda_set_tuning.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    library.edgedecode_cuda_set_tuning.argtypes = [ctypes.c_int] * 4
     library.edgedecode_cuda_set_tuning.restype = None
-    library.edgedecode_cuda_set_tuning(lanes, rows, threads)
+    library.edgedecode_cuda_set_tuning(lanes, rows, threads, blocks_per_sm)

@@ -11,7 +11,7 @@
 #define ED_DEV inline
 #define ED_KERNEL extern "C"
 #define ED_SHARED static
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 
 struct uint4 {
     unsigned x, y, z, w;

@@ -140,9 +140,9 @@ void gather_body() { ed_gather(gather_args); }
 }  // namespace
 
 // Plan (with the library's planner) and run one GEMV. Returns 0, -1 (planner refused), -2 (deadlock).
-extern "C" int emu_gemv(EdGemvArgs *args, int segments, int gated, int lanes, int rows, int threads_, int sm_count,
-                        char *kernel_out) {
-    EdTuning tuning = {lanes, rows, threads_};
+extern "C" int emu_gemv(EdGemvArgs *args, int segments, int gated, int lanes, int rows, int threads_,
+                        int blocks_per_sm, int sm_count, char *kernel_out) {
+    EdTuning tuning = {lanes, rows, threads_, blocks_per_sm};
     EdLaunch launch;
     if (ed_plan_gemv(args, segments, gated, &tuning, sm_count, 200 * 1024, &launch)) return -1;
     std::strcpy(kernel_out, launch.kernel);

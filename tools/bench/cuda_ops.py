@@ -304,31 +304,34 @@ def device_name() -> str:
 
 
 def tune(timer: Timer, library, out: dict, shapes, file_type: str, roles, budget: int, write) -> None:
-    """ours_fused per role over a grid of launch shapes (lanes, rows, threads); the defaults are (0, 0, 0)."""
-    grid = [(0, 0, 0)] + [(lanes, rows, threads) for lanes in (16, 32, 64, 128) for rows in (1, 2, 4)
-                          for threads in (128, 256) if threads >= lanes]  # fmt: skip
+    """ours_fused per role over a grid of launch shapes (lanes, rows, threads, blocks per SM; 0: the default)."""
+    grid = [(0, 0, 0, 0)] + [(lanes, rows, threads, 0) for lanes in (16, 32, 64, 128) for rows in (1, 2, 4)
+                             for threads in (128, 256) if threads >= lanes]  # fmt: skip
+    grid += [(0, 0, 0, per_sm) for per_sm in (1, 2, 8, 16)]
     for shape, role in itertools.product(shapes, roles):
         entries = []
-        for lanes, rows, threads in grid:
+        for lanes, rows, threads, per_sm in grid:
             if role == "gate_up" and rows == 1:
                 continue
             try:
-                nvrtc.set_tuning(library, lanes, rows, threads)
+                nvrtc.set_tuning(library, lanes, rows, threads, per_sm)
                 copies = max(1, min(16, budget // weight_bytes(role, shape, file_type)))
                 model, inputs, outputs = build("ours_fused", role, shape, file_type, copies, np.random.default_rng(1))
-                entries.append({"lanes": lanes, "rows": rows, "threads": threads,
+                entries.append({"lanes": lanes, "rows": rows, "threads": threads, "blocks_per_sm": per_sm,
                                 **timer.measure(model, inputs, outputs, copies)})  # fmt: skip
                 entries[-1].pop("by_kernel", None)
             except Exception as error:
-                entries.append({"lanes": lanes, "rows": rows, "threads": threads, "error": str(error)[:300]})
-        nvrtc.set_tuning(library, 0, 0, 0)
+                entries.append({"lanes": lanes, "rows": rows, "threads": threads, "blocks_per_sm": per_sm,
+                                "error": str(error)[:300]})  # fmt: skip
+        nvrtc.set_tuning(library)
         key = "gpu_us" if any("gpu_us" in e for e in entries) else "wall_us"
         ok = [e for e in entries if key in e]
         best = min(ok, key=lambda e: e[key]) if ok else None
         out["tuning"].append({"shape": shape, "type": file_type, "role": role, "best": best, "grid": entries})
         if best:
             print(f"tune {shape} {file_type} {role}: best lanes {best['lanes']} rows {best['rows']} threads "
-                  f"{best['threads']} {best[key]} µs (default {entries[0].get(key)})", flush=True)  # fmt: skip
+                  f"{best['threads']} per SM {best['blocks_per_sm']}: {best[key]} µs (default {entries[0].get(key)})",
+                  flush=True)  # fmt: skip
         write()
 
 

@@ -144,9 +144,9 @@ EXPORT int edgedecode_cuda_has_image(int arch) {
     return found;
 }
 
-EXPORT void edgedecode_cuda_set_tuning(int lanes, int rows, int threads) {
+EXPORT void edgedecode_cuda_set_tuning(int lanes, int rows, int threads, int blocks_per_sm) {
     pthread_mutex_lock(&lock);
-    tuning.lanes = lanes, tuning.rows = rows, tuning.threads = threads;
+    tuning.lanes = lanes, tuning.rows = rows, tuning.threads = threads, tuning.blocks_per_sm = blocks_per_sm;
     pthread_mutex_unlock(&lock);
 }
 

@@ -26,6 +26,10 @@ int ed_block_bytes(int type) {
     }
 }
 
+/* Blocks per SM the grid is capped at: enough warps in flight to cover memory latency (4 blocks of 4 warps), few
+ * enough that each block's staging of x serves several tiles of rows where there are many (the LM head). */
+enum { DEFAULT_BLOCKS_PER_SM = 4 };
+
 static int pow2_floor(int v) {
     int p = 1;
     while (p * 2 <= v) p *= 2;
@@ -91,7 +95,9 @@ int ed_plan_gemv(EdGemvArgs *a, int segments, int gated, const EdTuning *tuning,
     a->lanes = lanes;
 
     snprintf(launch->kernel, sizeof launch->kernel, "ed_gemv%s_r%d_m%d", gated ? "_gated" : "", rows, mt);
-    launch->grid_x = (unsigned)start;
+    const int per_sm = tuning && tuning->blocks_per_sm > 0 ? tuning->blocks_per_sm : DEFAULT_BLOCKS_PER_SM;
+    const long long cap = (long long)(sm_count > 0 ? sm_count : 1) * per_sm;
+    launch->grid_x = (unsigned)(start < cap ? start : cap);
     launch->grid_y = (unsigned)((a->m + mt - 1) / mt);
     launch->threads = (unsigned)threads;
     launch->shared_bytes = shared_for(a->k, mt);

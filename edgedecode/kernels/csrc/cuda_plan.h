@@ -10,6 +10,7 @@ typedef struct EdTuning {
     int lanes;   /* threads per row group: 8..256, a power of two */
     int rows;    /* weight rows per group: 1, 2 or 4 (gated: 2 or 4) */
     int threads; /* threads per block: 64..256, a multiple of 32 */
+    int blocks_per_sm; /* the grid's cap, in blocks per multiprocessor: blocks then take several tiles of rows */
 } EdTuning;
 
 typedef struct EdLaunch {

@@ -173,6 +173,7 @@ ED_DEV void gemv_rows(const EdGemvArgs &a, int seg, int out_row0, int col0, cons
                 for (int w = 0; w < warps_per_group; ++w) t += reduce[((first + w) * R + i) * MT + c];
                 acc[i][c] = t;
             }
+        sync_threads();  // the block's next tile writes `reduce` again
     }
 
     // Lane o * MT + c of the group writes output row o, column c.
@@ -200,24 +201,10 @@ ED_DEV void gemv_rows(const EdGemvArgs &a, int seg, int out_row0, int col0, cons
     }
 }
 
+// One tile of rows: the type is the tile's segment's, one switch per tile.
 template <int R, int MT, bool GATED>
-ED_DEV void gemv(const EdGemvArgs &a) {
-    ED_SHARED float scratch[ED_MAX_THREADS / 32];
-    ED_SHARED float reduce[ED_MAX_THREADS / 32 * R * MT];
-    const int bx = block_x();
-    int seg = 0;
-    while (seg + 1 < ED_MAX_SEGMENTS && a.rows[seg + 1] > 0 && bx >= a.cta_start[seg + 1]) ++seg;
-    constexpr int RO = GATED ? R / 2 : R;
-    const int groups = block_dim() / a.lanes, group = thread_x() / a.lanes;
-    const int out_row0 = ((bx - a.cta_start[seg]) * groups + group) * RO;
-    const int col0 = block_y() * MT;
-
-    float *xs = dynamic_shared();               // [MT][k]
-    float *sums = xs + (u64)MT * a.k;           // [MT][k / 16]
-    float *inv = sums + (u64)MT * (a.k / 16);   // [MT]
-    stage_x<MT>(a, col0, xs, sums, inv, scratch);
-    sync_threads();
-
+ED_DEV void gemv_tile(const EdGemvArgs &a, int seg, int out_row0, int col0, const float *xs, const float *sums,
+                      const float *inv, float *reduce) {
     switch (a.type[seg]) {
     case ED_Q4_0: gemv_rows<ED_Q4_0, R, MT, GATED>(a, seg, out_row0, col0, xs, sums, inv, reduce); break;
     case ED_Q4_1: gemv_rows<ED_Q4_1, R, MT, GATED>(a, seg, out_row0, col0, xs, sums, inv, reduce); break;
@@ -228,5 +215,30 @@ ED_DEV void gemv(const EdGemvArgs &a) {
     case ED_Q5_K: gemv_rows<ED_Q5_K, R, MT, GATED>(a, seg, out_row0, col0, xs, sums, inv, reduce); break;
     case ED_Q6_K: gemv_rows<ED_Q6_K, R, MT, GATED>(a, seg, out_row0, col0, xs, sums, inv, reduce); break;
     default: break;
+    }
+}
+
+// A block stages its columns of x once, then takes tiles of rows (cta_start: the first tile of each segment; its
+// last entry, the number of tiles) blockIdx.x, blockIdx.x + gridDim.x, ...: a grid smaller than the tiles
+// (the LM head's thousands) stages x a few hundred times rather than once per tile.
+template <int R, int MT, bool GATED>
+ED_DEV void gemv(const EdGemvArgs &a) {
+    ED_SHARED float scratch[ED_MAX_THREADS / 32];
+    ED_SHARED float reduce[ED_MAX_THREADS / 32 * R * MT];
+    constexpr int RO = GATED ? R / 2 : R;
+    const int groups = block_dim() / a.lanes, group = thread_x() / a.lanes;
+    const int col0 = block_y() * MT;
+
+    float *xs = dynamic_shared();               // [MT][k]
+    float *sums = xs + (u64)MT * a.k;           // [MT][k / 16]
+    float *inv = sums + (u64)MT * (a.k / 16);   // [MT]
+    stage_x<MT>(a, col0, xs, sums, inv, scratch);
+    sync_threads();
+
+    for (int tile = block_x(); tile < a.cta_start[ED_MAX_SEGMENTS]; tile += grid_x()) {
+        int seg = 0;
+        while (seg + 1 < ED_MAX_SEGMENTS && a.rows[seg + 1] > 0 && tile >= a.cta_start[seg + 1]) ++seg;
+        const int out_row0 = ((tile - a.cta_start[seg]) * groups + group) * RO;
+        gemv_tile<R, MT, GATED>(a, seg, out_row0, col0, xs, sums, inv, reduce);
     }
 }

@@ -5,7 +5,7 @@
 #include "gemv.cuh"
 
 #define ED_GEMV(NAME, R, MT, GATED) \
-    ED_KERNEL void __launch_bounds__(ED_MAX_THREADS) NAME(const EdGemvArgs a) { gemv<R, MT, GATED>(a); }
+    ED_KERNEL void __launch_bounds__(ED_MAX_THREADS, 1) NAME(const EdGemvArgs a) { gemv<R, MT, GATED>(a); }
 
 ED_GEMV(ed_gemv_r1_m1, 1, 1, false)
 ED_GEMV(ed_gemv_r2_m1, 2, 1, false)
@@ -18,4 +18,4 @@ ED_GEMV(ed_gemv_gated_r4_m1, 4, 1, true)
 ED_GEMV(ed_gemv_gated_r2_m4, 2, 4, true)
 ED_GEMV(ed_gemv_gated_r4_m4, 4, 4, true)
 
-ED_KERNEL void __launch_bounds__(ED_MAX_THREADS) ed_gather(const EdGatherArgs a) { gather(a); }
+ED_KERNEL void __launch_bounds__(ED_MAX_THREADS, 1) ed_gather(const EdGatherArgs a) { gather(a); }
