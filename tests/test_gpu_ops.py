@@ -229,7 +229,8 @@ def test_a_captured_cuda_graph_replays_what_plain_runs_compute():
     io.bind_ortvalue_output("logits", logits)
     options = ort.RunOptions()
     options.add_run_config_entry("gpu_graph_id", "1")
-    for token in (5, 2999, 0, 17, 5):  # the first run captures the graph, the others replay it
+    # onnxruntime runs the first step(s) normally, then captures (and replays) the graph, then replays it
+    for token in (5, 2999, 0, 17, 5, 2999, 0, 17):
         ids.update_inplace(np.array([[token]], np.int64))
         io.synchronize_inputs()
         captured.run_with_iobinding(io, options)
