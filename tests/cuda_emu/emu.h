@@ -6,6 +6,8 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #define ED_DEV inline
@@ -32,8 +34,13 @@ float shuffle_xor(float v, int offset);
 float *dynamic_shared();
 }  // namespace emu
 
+// A load as the GPU does it: from an address aligned to its width (a misaligned one faults on the device).
 template <class T>
 static inline T emu_load(const unsigned char *p) {
+    if (reinterpret_cast<unsigned long long>(p) % sizeof(T)) {
+        std::fprintf(stderr, "emu: misaligned %zu-byte load at %p\n", sizeof(T), static_cast<const void *>(p));
+        std::abort();
+    }
     T v;
     std::memcpy(&v, p, sizeof v);
     return v;
