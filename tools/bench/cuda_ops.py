@@ -18,8 +18,8 @@ PyTorch is importable, by CUPTI (torch.profiler): kernels and GPU µs per instan
 tests/test_gpu_ops.py checks the values). One failing form or role is recorded and the rest go on; the JSON is
 rewritten after every role, so a run cut short keeps what it measured.
 
-    python tools/bench/cuda_ops.py OUT_DIR [--shapes 0.5b 1b 3b] [--types Q4_0 Q4_1 Q4_K_M] [--runs 200]
-        [--roles qkv o gate_up down head] [--budget-mb 768] [--tune]
+    python tools/bench/cuda_ops.py OUT_DIR [--shapes 0.5b 1b 3b] [--types Q4_0 Q4_1 Q4_K_M] [--runs 100]
+        [--roles qkv o gate_up down head] [--budget-mb 256] [--tune]
 
 Needs numpy, onnx, onnxruntime-gpu, NVRTC (nvidia-cuda-nvrtc, or EDGEDECODE_NVRTC) and this checkout's edgedecode
 (only edgedecode.kernels is imported); PyTorch is optional.
@@ -341,8 +341,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--types", nargs="+", default=["Q4_0", "Q4_1", "Q4_K_M"], choices=["Q4_0", "Q4_1", "Q4_K_M"])
     parser.add_argument("--roles", nargs="+", default=list(ROLES), choices=list(ROLES))
-    parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--budget-mb", type=int, default=768, help="weights per model (sets the copies)")
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--budget-mb", type=int, default=256, help="weights per model (sets the copies, 1 to 16)")
     parser.add_argument("--cache", type=Path, default=None, help="cubin cache (default OUT/cubins)")
     parser.add_argument("--tune", action="store_true", help="also sweep ours_fused's launch shapes (Q4_K_M)")
     args = parser.parse_args()
