@@ -64,7 +64,7 @@ int ed_plan_gemv(EdGemvArgs *a, int segments, int gated, const EdTuning *tuning,
     if (threads < lanes) threads = lanes;
     if (lanes < 8 || lanes > 256 || (lanes & (lanes - 1)) || threads % 32 || threads > 256 || threads % lanes)
         return -1;
-    const int groups = threads / lanes;
+    int groups = threads / lanes;
 
     const int mt = a->m > 1 && shared_for(a->k, 4) <= (unsigned)max_shared ? 4 : 1;
     if (shared_for(a->k, mt) > (unsigned)max_shared) return -1;
@@ -81,6 +81,10 @@ int ed_plan_gemv(EdGemvArgs *a, int segments, int gated, const EdTuning *tuning,
         }
     }
     if (!(rows == 1 || rows == 2 || rows == 4) || (gated && rows == 1)) return -1;
+    /* A small matrix (the 0.5B shape's 896 rows) still fills few blocks: smaller blocks, more of them. */
+    while (!(tuning && tuning->threads) && threads > 32 && threads / 2 >= lanes &&
+           blocks_for(a, segments, gated, groups * (gated ? rows / 2 : rows)) < 2 * sm_count)
+        threads /= 2, groups = threads / lanes;
     const int per_block = groups * (gated ? rows / 2 : rows);
 
     int start = 0;
