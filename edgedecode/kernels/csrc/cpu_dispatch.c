@@ -23,6 +23,14 @@ const qtype_info *qtype_lookup(int ggml_type, int *index) {
 }
 
 static const cpu_isa *const ALL[] = {
+#if defined(__x86_64__) || defined(__i386__)
+    &cpu_isa_avx512vnni,
+    &cpu_isa_avx2,
+#endif
+#if defined(__aarch64__)
+    &cpu_isa_neondot,
+    &cpu_isa_neon,
+#endif
     &cpu_isa_portable,
     NULL,
 };

@@ -28,15 +28,26 @@ typedef struct {
  * (64-byte aligned, act_q8_bytes(k) long). K is a multiple of 32. */
 size_t act_q8_bytes(size_t k);
 void act_q8_bind(act_q8 *a, void *mem, size_t k);
-/* Fill sum16 and sum32 from the codes. */
+/* Fill sum16 and sum32 from the codes (in element order). */
 void act_q8_sums(act_q8 *a, size_t k);
+/* Reorder element-order codes into ACT_PAIRED (in place). */
+void act_q8_pair(act_q8 *a, size_t k);
 
 /* The activation block QA of a type index: 256 for the K-quants, else 32. */
 static inline int act_block_of(int qi) { return qi >= QI_Q4_K ? 256 : 32; }
 
-typedef void (*quantize_fn)(const float *x, size_t k, int block, act_q8 *out);
-/* y[r] = dot(row r of B, a) for r in [0, n); rows are row_bytes apart; k elements a row. */
-typedef void (*gemv_q8_fn)(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a, float *y);
+/* The order the codes are stored in, which a path's kernels may choose per type (the sums and scales are always in
+ * element order): ACT_NATURAL, element order; ACT_PAIRED, within each pair of 32-element blocks (64 codes), the
+ * first 16 codes of both blocks, then the last 16 of both: [b0 0..15, b1 0..15, b0 16..31, b1 16..31], so the
+ * nibbles of two Q4/Q5 blocks, loaded side by side, meet their activations without a shuffle. An odd last block
+ * stays in element order. */
+enum { ACT_NATURAL = 0, ACT_PAIRED = 1 };
+
+typedef void (*quantize_fn)(const float *x, size_t k, int block, int layout, act_q8 *out);
+/* y[i * y_stride + r] = dot(row r of B, a[i]) for r in [0, n), i in [0, m); rows are row_bytes apart, k elements
+ * a row. m = 1 is decode; a path may unpack a weight row once for several activation rows. */
+typedef void (*gemm_q8_fn)(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a, size_t m,
+                           float *y, size_t y_stride);
 typedef void (*gemv_f32_fn)(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const float *x, float *y);
 typedef void (*dequant_fn)(const uint8_t *row, size_t k, float *out);
 
@@ -44,10 +55,16 @@ typedef struct {
     const char *name; /* "portable", "avx2", "avx512vnni", "neon", "neondot" */
     int (*usable)(void); /* whether this CPU runs the path */
     quantize_fn quantize;
-    gemv_q8_fn gemv_q8[QI_COUNT];
+    unsigned char act_layout[QI_COUNT]; /* the layout gemm_q8[type] reads */
+    gemm_q8_fn gemm_q8[QI_COUNT];
     gemv_f32_fn gemv_f32[QI_COUNT];
     dequant_fn dequant[QI_COUNT];
 } cpu_isa;
+
+/* Quantize one row for type index qi as `isa`'s kernels read it. */
+static inline void act_q8_quantize(const cpu_isa *isa, int qi, const float *x, size_t k, act_q8 *out) {
+    isa->quantize(x, k, act_block_of(qi), isa->act_layout[qi], out);
+}
 
 extern const cpu_isa cpu_isa_portable;
 #if defined(__x86_64__) || defined(__i386__)

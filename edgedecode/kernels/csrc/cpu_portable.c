@@ -11,6 +11,7 @@
  * that covers the weight block (32 elements for the first five types, 256 for the K-quants).
  */
 #include <math.h>
+#include <string.h>
 
 #include "cpu_kernels.h"
 #include "dequant_blocks.h"
@@ -61,7 +62,16 @@ void act_q8_sums(act_q8 *a, size_t k) {
         a->sum32[s] = (int16_t)(a->sum16[2 * s] + a->sum16[2 * s + 1]);
 }
 
-static void quantize_portable(const float *x, size_t k, int block, act_q8 *a) {
+void act_q8_pair(act_q8 *a, size_t k) {
+    int8_t swap[16];
+    for (size_t p = 0; p + 64 <= k; p += 64) {
+        memcpy(swap, a->q + p + 16, 16);
+        memcpy(a->q + p + 16, a->q + p + 32, 16);
+        memcpy(a->q + p + 32, swap, 16);
+    }
+}
+
+static void quantize_portable(const float *x, size_t k, int block, int layout, act_q8 *a) {
     for (size_t b = 0; b < k / (size_t)block; b++) {
         const float *xb = x + b * (size_t)block;
         float inverse;
@@ -70,6 +80,8 @@ static void quantize_portable(const float *x, size_t k, int block, act_q8 *a) {
             a->q[b * (size_t)block + (size_t)i] = (int8_t)nearbyintf(xb[i] * inverse);
     }
     act_q8_sums(a, k);
+    if (layout == ACT_PAIRED)
+        act_q8_pair(a, k);
 }
 
 /* ---- accuracy level 4: one row at a time ---- */
@@ -228,6 +240,22 @@ static void gemv_q8_q6_k(const uint8_t *rows, size_t row_bytes, size_t n, size_t
     }
 }
 
+/* The reference takes one activation row at a time. */
+#define PORTABLE_GEMM(name)                                                                                       \
+    static void gemm_q8_##name(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a,       \
+                               size_t m, float *y, size_t y_stride) {                                            \
+        for (size_t i = 0; i < m; i++)                                                                           \
+            gemv_q8_##name(rows, row_bytes, n, k, &a[i], y + i * y_stride);                                      \
+    }
+PORTABLE_GEMM(q4_0)
+PORTABLE_GEMM(q4_1)
+PORTABLE_GEMM(q5_0)
+PORTABLE_GEMM(q5_1)
+PORTABLE_GEMM(q8_0)
+PORTABLE_GEMM(q4_k)
+PORTABLE_GEMM(q5_k)
+PORTABLE_GEMM(q6_k)
+
 /* ---- accuracy level 0 and dequantization ---- */
 
 static float dot_portable(const float *a, const float *b, size_t n) {
@@ -260,8 +288,9 @@ const cpu_isa cpu_isa_portable = {
     .name = "portable",
     .usable = always,
     .quantize = quantize_portable,
-    .gemv_q8 = {gemv_q8_q4_0, gemv_q8_q4_1, gemv_q8_q5_0, gemv_q8_q5_1, gemv_q8_q8_0, gemv_q8_q4_k, gemv_q8_q5_k,
-                gemv_q8_q6_k},
+    .act_layout = {ACT_NATURAL},
+    .gemm_q8 = {gemm_q8_q4_0, gemm_q8_q4_1, gemm_q8_q5_0, gemm_q8_q5_1, gemm_q8_q8_0, gemm_q8_q4_k, gemm_q8_q5_k,
+                gemm_q8_q6_k},
     .gemv_f32 = {gemv_f32_q4_0, gemv_f32_q4_1, gemv_f32_q5_0, gemv_f32_q5_1, gemv_f32_q8_0, gemv_f32_q4_k,
                  gemv_f32_q5_k, gemv_f32_q6_k},
     .dequant = {dequant_q4_0, dequant_q4_1, dequant_q5_0, dequant_q5_1, dequant_q8_0, dequant_q4_k, dequant_q5_k,

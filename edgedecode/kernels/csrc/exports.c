@@ -88,20 +88,26 @@ int edgedecode_kernels_matmul(int ggml_type, int accuracy_level, int64_t k, int6
     const qtype_info *qt = qtype_lookup(ggml_type, NULL);
     const size_t row_bytes = (size_t)(k / qt->block_elements) * (size_t)qt->block_bytes;
     const cpu_isa *isa = cpu_isa_current();
-    void *memory = accuracy_level == 4 ? aligned_alloc(64, act_q8_bytes((size_t)k)) : NULL;
-    if (accuracy_level == 4 && !memory)
-        return -1;
-    for (int64_t i = 0; i < m; i++) {
-        if (accuracy_level == 4) {
-            act_q8 quant;
-            act_q8_bind(&quant, memory, (size_t)k);
-            isa->quantize(a + i * k, (size_t)k, act_block_of(qi), &quant);
-            isa->gemv_q8[qi](b, row_bytes, (size_t)n, (size_t)k, &quant, y + i * n);
-        } else {
+    if (accuracy_level == 0) {
+        for (int64_t i = 0; i < m; i++)
             isa->gemv_f32[qi](b, row_bytes, (size_t)n, (size_t)k, a + i * k, y + i * n);
-        }
+        return 0;
     }
+    const size_t row = act_q8_bytes((size_t)k);
+    void *memory = aligned_alloc(64, (size_t)m * row + 64);
+    act_q8 *quant = malloc((size_t)m * sizeof(act_q8) + 1);
+    if (!memory || !quant) {
+        free(memory);
+        free(quant);
+        return -1;
+    }
+    for (int64_t i = 0; i < m; i++) {
+        act_q8_bind(&quant[i], (uint8_t *)memory + (size_t)i * row, (size_t)k);
+        act_q8_quantize(isa, qi, a + i * k, (size_t)k, &quant[i]);
+    }
+    isa->gemm_q8[qi](b, row_bytes, (size_t)n, (size_t)k, quant, (size_t)m, y, (size_t)n);
     free(memory);
+    free(quant);
     return 0;
 }
 
@@ -113,7 +119,7 @@ int edgedecode_kernels_quantize(int ggml_type, int64_t k, const float *x, int8_t
         return -1;
     act_q8 quant;
     act_q8_bind(&quant, memory, (size_t)k);
-    cpu_isa_current()->quantize(x, (size_t)k, act_block_of(qi), &quant);
+    cpu_isa_current()->quantize(x, (size_t)k, act_block_of(qi), ACT_NATURAL, &quant);
     memcpy(q, quant.q, (size_t)k);
     memcpy(d, quant.d, (size_t)k / (size_t)act_block_of(qi) * sizeof(float));
     memcpy(sum16, quant.sum16, (size_t)k / 16 * sizeof(int16_t));

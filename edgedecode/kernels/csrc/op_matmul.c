@@ -5,7 +5,8 @@
  * each thread streams its own contiguous rows of B once. At accuracy level 4 the activations are quantized once per
  * call, before the split, into a buffer sized at kernel creation for one row (M = 1, decode: no allocation per call;
  * a second concurrent call on the same kernel, or M > 1, allocates). For M > 1 every task runs all M rows over its
- * rows of B, which stay in cache meanwhile (32 KiB of B a task). */
+ * rows of B, which stay in cache meanwhile (32 KiB of B a task); the SIMD paths unpack each weight row once for a
+ * tile of activation rows. */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,7 +14,19 @@
 #include "cpu_kernels.h"
 #include "ops.h"
 
-enum { TASK_BYTES_DECODE = 64 << 10, TASK_BYTES_PROMPT = 32 << 10, MIN_TASKS = 8, ROW_MULTIPLE = 4 };
+/* Task sizes. A decode task streams at least 64 KiB of B (a few microseconds) and, in a big matrix, 1/32 of it, so
+ * each thread reads long runs of consecutive rows (the hardware prefetchers restart at every jump) while 32 tasks
+ * still balance the threads; a prompt task keeps 32 KiB of B in cache for all M rows. Every matrix is split into at
+ * least MIN_TASKS tasks; below INLINE_BYTES of work the whole product runs on the calling thread, where waking the
+ * pool costs more than it saves. */
+enum {
+    TASK_BYTES_DECODE = 64 << 10,
+    DECODE_TASKS = 32,
+    TASK_BYTES_PROMPT = 32 << 10,
+    INLINE_BYTES = 16 << 10,
+    MIN_TASKS = 8,
+    ROW_MULTIPLE = 4,
+};
 
 typedef struct {
     const OrtApi *api;
@@ -92,13 +105,12 @@ static void run_task(void *user, size_t task) {
     const size_t first = task * call->rows_per_task;
     const size_t rows = first + call->rows_per_task <= n ? call->rows_per_task : n - first;
     const uint8_t *b = call->b + first * kernel->row_bytes;
-    for (size_t m = 0; m < call->m; m++) {
-        float *y = call->y + m * n + first;
-        if (kernel->accuracy == 4)
-            kernel->isa->gemv_q8[kernel->qi](b, kernel->row_bytes, rows, k, &call->quant[m], y);
-        else
-            kernel->isa->gemv_f32[kernel->qi](b, kernel->row_bytes, rows, k, call->a + m * k, y);
+    if (kernel->accuracy == 4) {
+        kernel->isa->gemm_q8[kernel->qi](b, kernel->row_bytes, rows, k, call->quant, call->m, call->y + first, n);
+        return;
     }
+    for (size_t m = 0; m < call->m; m++)
+        kernel->isa->gemv_f32[kernel->qi](b, kernel->row_bytes, rows, k, call->a + m * k, call->y + m * n + first);
 }
 
 typedef struct {
@@ -110,11 +122,15 @@ typedef struct {
 static void quantize_task(void *user, size_t m) {
     const quantize_call *call = user;
     const size_t k = (size_t)call->kernel->k;
-    call->kernel->isa->quantize(call->a + m * k, k, act_block_of(call->kernel->qi), &call->quant[m]);
+    act_q8_quantize(call->kernel->isa, call->kernel->qi, call->a + m * k, k, &call->quant[m]);
 }
 
 static size_t rows_per_task(size_t n, size_t row_bytes, size_t m) {
+    if (n * row_bytes * m <= INLINE_BYTES)
+        return n;
     size_t rows = (m == 1 ? TASK_BYTES_DECODE : TASK_BYTES_PROMPT) / row_bytes;
+    if (m == 1 && rows < n / DECODE_TASKS)
+        rows = n / DECODE_TASKS;
     const size_t spread = (n + MIN_TASKS - 1) / MIN_TASKS;
     if (rows > spread)
         rows = spread;
@@ -164,16 +180,18 @@ static OrtStatus *compute(void *p, OrtKernelContext *context) {
                 act_q8_bind(&quant[i], (uint8_t *)memory + i * row_bytes, k);
         }
         if (m == 1) {
-            kernel->isa->quantize(a.data, k, act_block_of(kernel->qi), quant);
+            act_q8_quantize(kernel->isa, kernel->qi, a.data, k, quant);
         } else {
             quantize_call qcall = {kernel, a.data, quant};
             status = api->KernelContext_ParallelFor(context, quantize_task, m, 0, &qcall);
         }
         call.quant = quant;
     }
-    if (!status)
-        status = api->KernelContext_ParallelFor(context, run_task, (n + call.rows_per_task - 1) / call.rows_per_task,
-                                                0, &call);
+    const size_t tasks = (n + call.rows_per_task - 1) / call.rows_per_task;
+    if (!status && tasks == 1)
+        run_task(&call, 0);
+    else if (!status)
+        status = api->KernelContext_ParallelFor(context, run_task, tasks, 0, &call);
     if (holds_scratch)
         atomic_flag_clear(&kernel->scratch_busy);
     free(memory);
