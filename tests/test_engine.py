@@ -14,7 +14,6 @@ from edgedecode.runtime.kvcache import KVInjectionError
 from edgedecode.runtime.sampler import SamplingParams
 
 GREEDY_32 = SamplingParams(max_tokens=32)
-NEAR_TIE = 0.5
 TOP = 5  # the most likely tokens each scored step reports
 EXACT_NEAR_TIE = 0.01  # float32 summation-order noise of one logit in exact arithmetic
 
