@@ -11,12 +11,13 @@ by run, medians of ``--runs``:
   ``load_block_quantized`` converts it (5- to 8-bit types become 8-bit codes), plus the per-block correction
   (ReduceSum of the input's blocks, MatMul, Add) for the types with offsets (Q4_1, Q4_K, Q5_K ...).
 
-Each graph holds enough distinct copies of the matrix (``--mib``, default 192 MiB, several times this CPU's last-level
-cache) that every node streams its weights from memory, as a decode step does; a run executes them all, so a figure
-is a run's time over its copies, onnxruntime's per-node overhead included. GB/s counts the GGUF's bytes of the
-matrix (what MatMulGGUF reads; MatMulNBits reads its own prepacked copy, larger for every type but Q4_0 and Q8_0),
-and "of bw" divides it by this machine's read bandwidth with the same threads (tools/membw.py), measured first.
-Weights are random valid blocks: speed does not depend on values. On a shared machine the figures are indicative;
+Each graph holds enough copies of the matrix (``--mib``, default 192 MiB, several times this CPU's last-level cache;
+one byte differs in each, so onnxruntime cannot share one prepacked copy) that every node streams its weights from
+memory, as a decode step does; a run executes them all, so a figure is a run's time over its copies,
+onnxruntime's per-node overhead included. GB/s counts the GGUF's bytes of the matrix (what MatMulGGUF reads;
+MatMulNBits reads its own prepacked copy, larger for every type but Q4_0 and Q8_0), and "of bw" divides it by this
+machine's read bandwidth with the same threads (tools/membw.py), measured first. Weights are random valid blocks:
+speed does not depend on values. On a shared machine the figures are indicative;
 ``--cpu-time --threads 1`` compares the two forms' work by CPU time, which other processes disturb far less.
 
     python tools/bench/matmul_gguf.py [--shapes qwen2.5-0.5b llama3.2-1b llama3.2-3b] [--types Q4_0 Q4_1 Q4_K_M]
@@ -104,6 +105,20 @@ def random_rows(kind: QType, n: int, k: int, rng: np.random.Generator) -> np.nda
     return rows.reshape(n, -1)
 
 
+def distinct(array: np.ndarray, copy: int, at: int) -> np.ndarray:
+    """The copy-th copy of a weight, one code byte (flat index ``at``) changed after the first.
+
+    onnxruntime prepacks identical MatMulNBits weights once and shares the result, so identical copies would be
+    read from cache, not memory (measured: 79 against 200 us a 2048 x 2048 Q4_0 node). Byte 10 of a GGUF row is a
+    code or a 6-bit scale in every type, so any value keeps the blocks valid.
+    """
+    if copy == 0:  # the first copy is the weight itself, in both forms
+        return array
+    changed = array.copy()
+    changed.reshape(-1)[at] ^= np.uint8(copy % 255)
+    return changed
+
+
 def _finish(g: GraphBuilder, outputs: list[str], domain: str | None) -> bytes:
     for name in outputs:
         g.output(name, TensorProto.FLOAT, None)
@@ -118,7 +133,7 @@ def gguf_graph(rows: np.ndarray, case: Case, copies: int, accuracy: int) -> byte
     x = g.input("A", TensorProto.FLOAT, [1, "M", case.k])
     outputs = []
     for i in range(copies):
-        b = g.initializer(f"B{i}", rows)
+        b = g.initializer(f"B{i}", distinct(rows, i, 10))
         outputs.append(
             g.op1(
                 "MatMulGGUF",
@@ -144,7 +159,7 @@ def nbits_graph(w: BlockQuantized, case: Case, copies: int, accuracy: int) -> by
         blocksum = g.op1("ReduceSum", [grouped, g.initializer("axes", np.array([-1], np.int64))], keepdims=0)
     outputs = []
     for i in range(copies):
-        inputs = [x, g.initializer(f"B{i}", packed), g.initializer(f"S{i}", scales)]
+        inputs = [x, g.initializer(f"B{i}", distinct(packed, i, 0)), g.initializer(f"S{i}", scales)]
         y = g.op1(
             "MatMulNBits",
             inputs,
