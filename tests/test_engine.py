@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from greedy_helpers import TOP, first_divergence, step_margin
 
 from edgedecode.model.registry import UnknownModelError
 from edgedecode.model.spec import KVLayout
@@ -14,22 +15,7 @@ from edgedecode.runtime.kvcache import KVInjectionError
 from edgedecode.runtime.sampler import SamplingParams
 
 GREEDY_32 = SamplingParams(max_tokens=32)
-TOP = 5  # the most likely tokens each scored step reports
 EXACT_NEAR_TIE = 0.01  # float32 summation-order noise of one logit in exact arithmetic
-
-
-def _first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None
-
-
-def _margin(step, other: int) -> float:
-    """How far a greedy step's pick led ``other`` in its own logits (log-probabilities differ as logits do);
-    infinite where ``other`` was not among the step's top tokens."""
-    ranked = dict(zip(step.top_ids.tolist(), step.top_logprobs.tolist()))
-    return step.logprob - ranked[other] if other in ranked else float("inf")
 
 
 @pytest.mark.parametrize("prompt", ("prose", "code", "chat"))
@@ -47,12 +33,12 @@ def test_handoff_from_prefill_graph_matches_local_prefill(prompt, exact_decoder,
     kv = prefiller.export_kv()
     handed = list(exact_decoder.generate_scored(ids, GREEDY_32, kv=kv, top=TOP))
     assert exact_decoder.stats.injected_tokens == len(ids) - 1
-    split = _first_divergence([s.token for s in local], [s.token for s in handed])
+    split = first_divergence([s.token for s in local], [s.token for s in handed])
     if split is None:
         assert [s.token for s in local] == [s.token for s in handed]
         return
-    local_margin = _margin(local[split], handed[split].token)
-    handed_margin = _margin(handed[split], local[split].token)
+    local_margin = step_margin(local[split], handed[split].token)
+    handed_margin = step_margin(handed[split], local[split].token)
     print(
         f"{prompt}: diverge at token {split}: local picks {local[split].token} by {local_margin:.3f}, "
         f"handoff picks {handed[split].token} by {handed_margin:.3f}"
