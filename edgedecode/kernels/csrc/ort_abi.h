@@ -49,6 +49,7 @@ typedef enum ONNXTensorElementDataType {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED = 0,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 = 2,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 = 6,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 = 7,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 = 10,
 } ONNXTensorElementDataType;
@@ -123,8 +124,10 @@ struct OrtApi {
     OrtStatus *(*GetTensorShapeElementCount)(const OrtTensorTypeAndShapeInfo *info, size_t *out);
     OrtStatus *(*GetTensorTypeAndShape)(const OrtValue *value, OrtTensorTypeAndShapeInfo **out);
 
-    /* slots 66-85 (API 1): type info, memory info, allocators, maps/sequences, float attributes. Unused. */
-    void *unused_66_85[20];
+    /* slots 66-84 (API 1): type info, memory info, allocators, maps/sequences. Unused. */
+    void *unused_66_84[19];
+    /* slot 85 (API 1): a kernel's float attribute (DecodeAttention's scale). */
+    OrtStatus *(*KernelInfoGetAttribute_float)(const OrtKernelInfo *info, const char *name, float *out);
 
     /* slots 86-91 (API 1): a kernel's integer attributes and its inputs and outputs at compute time. */
     OrtStatus *(*KernelInfoGetAttribute_int64)(const OrtKernelInfo *info, const char *name, int64_t *out);
@@ -230,6 +233,7 @@ _Static_assert(EDGEDECODE_ORT_SLOT(AddCustomOpDomain) == 28, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(GetTensorMutableData) == 51, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(CreateTensorTypeAndShapeInfo) == 57, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(GetTensorTypeAndShape) == 65, "OrtApi slot");
+_Static_assert(EDGEDECODE_ORT_SLOT(KernelInfoGetAttribute_float) == 85, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(KernelInfoGetAttribute_int64) == 86, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(KernelContext_GetOutput) == 91, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(ReleaseStatus) == 93, "OrtApi slot");
