@@ -9,6 +9,7 @@
 static const OrtCustomOp *const OPS[] = {
     &op_matmul_gguf_cpu,
     &op_gather_gguf_cpu,
+    &op_decode_attention_cpu,
     NULL,
 };
 
