@@ -342,11 +342,20 @@ def test_matches_onnxruntimes_group_query_attention_over_the_same_values():
     np.testing.assert_allclose(output, expected, rtol=0, atol=0.01)
 
 
-@pytest.mark.parametrize("name", ["group3-d64", "group4-d128", "group12-d128"])
-def test_a_row_is_the_same_in_a_run_of_any_size_and_on_any_threads(isa, name):
-    """Bit for bit: a decode row alone, the same row last in a prompt run, on one thread and on two (prefix reuse
-    and split prompts give the same KV and logits)."""
-    shape = SHAPES[name]
+@pytest.mark.parametrize(
+    "shape",
+    [
+        SHAPES["group1-d64"],
+        SHAPES["group3-d64"],
+        SHAPES["group4-d128"],
+        SHAPES["group12-d128"],
+        Shape(4, 2, 64, window=37),
+    ],
+    ids=["group1", "group3", "group4", "group12", "group2-window"],
+)
+def test_a_row_is_the_same_in_a_run_of_any_size_and_on_any_threads(isa, shape):
+    """Bit for bit: a decode row alone, the same row last in a prompt run (tiled with other rows and heads), on one
+    thread and on two (prefix reuse and split prompts give the same KV and logits)."""
     run_case = make_case(shape, [270], 30, seed=9)
     whole, cache_k, cache_v = run(run_case, threads=2)
     alone = Case(

@@ -23,6 +23,8 @@
 enum {
     ATTN_CHUNK = 128,    /* keys a chunk holds at most (its K and V stay in L1/L2 while the queries use them) */
     ATTN_QUERIES = 8,    /* query vectors one chunk call serves */
+    ATTN_PAIRED = 4,     /* calls of at most this many queries may take another kernel than larger ones: a query
+                          * must meet the same one in every call (the op keeps each subgroup's size) */
     ATTN_MAX_DIM = 256,  /* the largest head_dim */
 };
 

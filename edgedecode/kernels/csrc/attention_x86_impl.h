@@ -61,9 +61,10 @@ AK int value_block(const int n) {
     return (4 * (n + 1) <= ATTN_REGISTERS - 2) ? 4 : (2 * (n + 1) <= ATTN_REGISTERS - 2) ? 2 : 1;
 }
 
-/* a[q][d0 .. d0 + 8 DB) = sum over keys [begin, end) of st[key][q] * v[key][d0 ..]. */
+/* a[q][d0 .. d0 + 8 DB) = sum over keys [begin, end) of w[key][q] * v[key][d0 ..], key j's weights at
+ * w + (j - base) * stride. */
 AK void values_block(const int n, const int DB, const uint16_t *v, size_t dim, size_t d0, int64_t begin, int64_t end,
-                     const float *st, float *a) {
+                     const float *w, int64_t base, size_t stride, float *a) {
     __m256 acc[ATTN_QUERIES][4];
     for (int q = 0; q < n; q++)
         for (int b = 0; b < DB; b++)
@@ -73,7 +74,7 @@ AK void values_block(const int n, const int DB, const uint16_t *v, size_t dim, s
         __m256 vv[4];
         for (int b = 0; b < DB; b++)
             vv[b] = load_h8(row + 8 * b);
-        const float *p = st + (size_t)(j - begin) * ATTN_QUERIES;
+        const float *p = w + (size_t)(j - base) * stride;
         for (int q = 0; q < n; q++) {
             const __m256 weight = _mm256_broadcast_ss(p + q);
             for (int b = 0; b < DB; b++)
@@ -85,41 +86,151 @@ AK void values_block(const int n, const int DB, const uint16_t *v, size_t dim, s
             _mm256_storeu_ps(a + (size_t)q * dim + d0 + 8 * b, acc[q][b]);
 }
 
-AK void chunk_n(const int n, const uint16_t *k, const uint16_t *v, int64_t first, size_t count,
-                const attn_queries *queries, float *m, float *l, float *a) {
+AK void values(const int n, const uint16_t *v, size_t dim, int64_t begin, int64_t end, const float *w, int64_t base,
+               size_t stride, float *a) {
+    const int DB = value_block(n);
+    size_t d0 = 0;
+    for (; d0 + 8 * (size_t)DB <= dim; d0 += 8 * (size_t)DB)
+        values_block(n, DB, v, dim, d0, begin, end, w, base, stride, a);
+    for (; d0 < dim; d0 += 8)
+        values_block(n, 1, v, dim, d0, begin, end, w, base, stride, a);
+}
+
+/* The keys of [first, first + count) each query sees, as chunk-relative bounds (a query that sees none gets
+ * lo = count, hi = -1), and the range any query sees [*begin, *end) and all queries see [*inner_lo, *inner_hi]. */
+AK void chunk_bounds(const int n, int64_t first, size_t count, const attn_queries *queries, int32_t lo[8],
+                     int32_t hi[8], int64_t *begin, int64_t *end, int64_t *inner_lo, int64_t *inner_hi) {
+    *begin = (int64_t)count;
+    *end = 0;
+    *inner_lo = 0;
+    *inner_hi = (int64_t)count - 1;
+    for (int i = 0; i < n; i++) {
+        int64_t l = queries->lo[i] - first, h = queries->hi[i] - first;
+        l = l < 0 ? 0 : l;
+        h = h > (int64_t)count - 1 ? (int64_t)count - 1 : h;
+        if (l > h) {
+            l = (int64_t)count;
+            h = -1;
+        } else {
+            *begin = l < *begin ? l : *begin;
+            *end = h + 1 > *end ? h + 1 : *end;
+        }
+        *inner_lo = l > *inner_lo ? l : *inner_lo;
+        *inner_hi = h < *inner_hi ? h : *inner_hi;
+        lo[i] = (int32_t)l;
+        hi[i] = (int32_t)h;
+    }
+    for (int i = n; i < 8; i++) {
+        lo[i] = (int32_t)count;
+        hi[i] = -1;
+    }
+}
+
+AK void chunk_empty(const int n, size_t dim, float *m, float *l, float *a) {
+    for (int i = 0; i < n; i++) {
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+        memset(a + (size_t)i * dim, 0, dim * sizeof(float));
+    }
+}
+
+/* Lanes whose (key, query) is hidden become -inf: key index per lane against the lanes' bounds. */
+AK __m256 hide(__m256 s, __m256i index, __m256i lo, __m256i hi) {
+    const __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(lo, index), _mm256_cmpgt_epi32(index, hi));
+    return _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(hidden));
+}
+
+/* n <= 4 queries, keys in pairs: lanes 0-3 are the first key's queries, lanes 4-7 the second's. Scores, their exp
+ * and their sums take a vector per pair; a query's l is the sum of its two lanes' sums (each over every other key,
+ * in key order: the same two sequences, whichever key the pairs start at). Weights are kept as w[key][4]. */
+AK void chunk_pairs(const int n, const uint16_t *k, const uint16_t *v, int64_t first, size_t count,
+                    const attn_queries *queries, float *m, float *l, float *a) {
     const size_t dim = queries->dim;
     const float *q = queries->q;
-    /* the keys any query sees, and each query's bounds as lanes (unused lanes see nothing) */
-    int64_t begin = first + (int64_t)count, end = first;
-    int32_t lo_lane[8], hi_lane[8];
-    for (int i = 0; i < 8; i++) {
-        int64_t lo = i < n ? queries->lo[i] : first + (int64_t)count, hi = i < n ? queries->hi[i] : first - 1;
-        lo = lo < first ? first : lo;
-        hi = hi > first + (int64_t)count - 1 ? first + (int64_t)count - 1 : hi;
-        if (lo <= hi) {
-            begin = lo < begin ? lo : begin;
-            end = hi + 1 > end ? hi + 1 : end;
-        }
-        lo_lane[i] = (int32_t)(lo - first);
-        hi_lane[i] = (int32_t)(hi - first);
-    }
+    int32_t lo[8], hi[8];
+    int64_t begin, end, inner_lo, inner_hi;
+    chunk_bounds(n, first, count, queries, lo, hi, &begin, &end, &inner_lo, &inner_hi);
     if (begin >= end) {
-        for (int i = 0; i < n; i++) {
-            m[i] = -INFINITY;
-            l[i] = 0.0f;
-            memset(a + (size_t)i * dim, 0, dim * sizeof(float));
-        }
+        chunk_empty(n, dim, m, l, a);
         return;
     }
-    const __m256i lo_v = _mm256_loadu_si256((const __m256i *)lo_lane);
-    const __m256i hi_v = _mm256_loadu_si256((const __m256i *)hi_lane);
-    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
-    _Alignas(32) float st[ATTN_CHUNK * ATTN_QUERIES];
+    for (int i = 0; i < 4; i++) { /* lanes 4-7: the same queries */
+        lo[4 + i] = lo[i];
+        hi[4 + i] = hi[i];
+    }
+    const __m256i lo_v = _mm256_loadu_si256((const __m256i *)lo), hi_v = _mm256_loadu_si256((const __m256i *)hi);
+    const __m256i second = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const uint16_t *keys = k + (size_t)first * dim;
+    _Alignas(32) float w[(ATTN_CHUNK + 1) * 4];
 
-    /* 1. scores */
-    __m256 max = minus_inf;
+    __m256 max = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = begin; j < end; j += 2) {
+        const int pair = j + 1 < end;
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++)
+            acc[i] = _mm256_setzero_ps();
+        const uint16_t *row = keys + (size_t)j * dim;
+        if (pair) {
+            for (size_t d = 0; d < dim; d += 8) {
+                const __m256 k0 = load_h8(row + d), k1 = load_h8(row + dim + d);
+                for (int i = 0; i < n; i++) {
+                    const __m256 qv = _mm256_load_ps(q + (size_t)i * dim + d);
+                    acc[i] = _mm256_fmadd_ps(qv, k0, acc[i]);
+                    acc[4 + i] = _mm256_fmadd_ps(qv, k1, acc[4 + i]);
+                }
+            }
+        } else { /* the last key alone: the second lanes stay hidden */
+            for (size_t d = 0; d < dim; d += 8) {
+                const __m256 kv = load_h8(row + d);
+                for (int i = 0; i < n; i++)
+                    acc[i] = _mm256_fmadd_ps(_mm256_load_ps(q + (size_t)i * dim + d), kv, acc[i]);
+            }
+        }
+        __m256 s = sum_lanes(acc);
+        if (!pair || j < inner_lo || j + 1 > inner_hi)
+            s = hide(s, _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), second), lo_v, hi_v);
+        _mm256_store_ps(w + (size_t)(j - begin) * 4, s);
+        max = _mm256_max_ps(max, s);
+    }
+    /* a query's max over both lanes; -inf (it saw no key) subtracts 0 instead, its weights all 0 */
+    max = _mm256_max_ps(max, _mm256_permute2f128_ps(max, max, 0x01));
+    const __m256 shift = _mm256_andnot_ps(_mm256_cmp_ps(max, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), max);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t j = begin; j < end; j += 2) {
+        float *p = w + (size_t)(j - begin) * 4;
+        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(p), shift));
+        _mm256_store_ps(p, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    _Alignas(32) float max_lanes[8], sums[8];
+    _mm256_store_ps(max_lanes, max);
+    _mm256_store_ps(sums, sum);
+    for (int i = 0; i < n; i++) {
+        m[i] = max_lanes[i];
+        l[i] = sums[i] + sums[4 + i];
+    }
+    values(n, v + (size_t)first * dim, dim, begin, end, w, begin, 4, a);
+}
+
+/* 5 to 8 queries, one key at a time: lane i of a key's score vector is query i. Weights are kept as w[key][8]. */
+AK void chunk_single(const int n, const uint16_t *k, const uint16_t *v, int64_t first, size_t count,
+                     const attn_queries *queries, float *m, float *l, float *a) {
+    const size_t dim = queries->dim;
+    const float *q = queries->q;
+    int32_t lo[8], hi[8];
+    int64_t begin, end, inner_lo, inner_hi;
+    chunk_bounds(n, first, count, queries, lo, hi, &begin, &end, &inner_lo, &inner_hi);
+    if (begin >= end) {
+        chunk_empty(n, dim, m, l, a);
+        return;
+    }
+    const __m256i lo_v = _mm256_loadu_si256((const __m256i *)lo), hi_v = _mm256_loadu_si256((const __m256i *)hi);
+    const uint16_t *keys = k + (size_t)first * dim;
+    _Alignas(32) float w[ATTN_CHUNK * ATTN_QUERIES];
+
+    __m256 max = _mm256_set1_ps(-INFINITY);
     for (int64_t j = begin; j < end; j++) {
-        const uint16_t *row = k + (size_t)j * dim;
+        const uint16_t *row = keys + (size_t)j * dim;
         __m256 acc[8];
         for (int i = 0; i < 8; i++)
             acc[i] = _mm256_setzero_ps();
@@ -128,52 +239,41 @@ AK void chunk_n(const int n, const uint16_t *k, const uint16_t *v, int64_t first
             for (int i = 0; i < n; i++)
                 acc[i] = _mm256_fmadd_ps(_mm256_load_ps(q + (size_t)i * dim + d), kv, acc[i]);
         }
-        const __m256i index = _mm256_set1_epi32((int32_t)(j - first));
-        const __m256i hidden =
-            _mm256_or_si256(_mm256_cmpgt_epi32(lo_v, index), _mm256_cmpgt_epi32(index, hi_v));
-        const __m256 s = _mm256_blendv_ps(sum_lanes(acc), minus_inf, _mm256_castsi256_ps(hidden));
-        _mm256_store_ps(st + (size_t)(j - begin) * ATTN_QUERIES, s);
+        __m256 s = sum_lanes(acc);
+        if (j < inner_lo || j > inner_hi)
+            s = hide(s, _mm256_set1_epi32((int32_t)j), lo_v, hi_v);
+        _mm256_store_ps(w + (size_t)(j - begin) * ATTN_QUERIES, s);
         max = _mm256_max_ps(max, s);
     }
-
-    /* 2. softmax weights: a lane whose query saw no key keeps max -inf and subtracts 0 instead (weights 0) */
-    const __m256 none = _mm256_cmp_ps(max, minus_inf, _CMP_EQ_OQ);
-    const __m256 shift = _mm256_andnot_ps(none, max);
+    const __m256 shift = _mm256_andnot_ps(_mm256_cmp_ps(max, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), max);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t j = begin; j < end; j++) {
-        float *p = st + (size_t)(j - begin) * ATTN_QUERIES;
+        float *p = w + (size_t)(j - begin) * ATTN_QUERIES;
         const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(p), shift));
         _mm256_store_ps(p, e);
         sum = _mm256_add_ps(sum, e);
     }
-    _Alignas(32) float max_lanes[8], sum_lanes_out[8];
+    _Alignas(32) float max_lanes[8], sums[8];
     _mm256_store_ps(max_lanes, max);
-    _mm256_store_ps(sum_lanes_out, sum);
+    _mm256_store_ps(sums, sum);
     for (int i = 0; i < n; i++) {
         m[i] = max_lanes[i];
-        l[i] = sum_lanes_out[i];
+        l[i] = sums[i];
     }
-
-    /* 3. values */
-    const int DB = value_block(n);
-    size_t d0 = 0;
-    for (; d0 + 8 * (size_t)DB <= dim; d0 += 8 * (size_t)DB)
-        values_block(n, DB, v, dim, d0, begin, end, st, a);
-    for (; d0 < dim; d0 += 8)
-        values_block(n, 1, v, dim, d0, begin, end, st, a);
+    values(n, v + (size_t)first * dim, dim, begin, end, w, begin, ATTN_QUERIES, a);
 }
 
 AE void chunk(const uint16_t *k, const uint16_t *v, int64_t first, size_t count, const attn_queries *queries,
               float *m, float *l, float *a) {
     switch (queries->n) {
-    case 1: chunk_n(1, k, v, first, count, queries, m, l, a); break;
-    case 2: chunk_n(2, k, v, first, count, queries, m, l, a); break;
-    case 3: chunk_n(3, k, v, first, count, queries, m, l, a); break;
-    case 4: chunk_n(4, k, v, first, count, queries, m, l, a); break;
-    case 5: chunk_n(5, k, v, first, count, queries, m, l, a); break;
-    case 6: chunk_n(6, k, v, first, count, queries, m, l, a); break;
-    case 7: chunk_n(7, k, v, first, count, queries, m, l, a); break;
-    default: chunk_n(8, k, v, first, count, queries, m, l, a); break;
+    case 1: chunk_pairs(1, k, v, first, count, queries, m, l, a); break;
+    case 2: chunk_pairs(2, k, v, first, count, queries, m, l, a); break;
+    case 3: chunk_pairs(3, k, v, first, count, queries, m, l, a); break;
+    case 4: chunk_pairs(4, k, v, first, count, queries, m, l, a); break;
+    case 5: chunk_single(5, k, v, first, count, queries, m, l, a); break;
+    case 6: chunk_single(6, k, v, first, count, queries, m, l, a); break;
+    case 7: chunk_single(7, k, v, first, count, queries, m, l, a); break;
+    default: chunk_single(8, k, v, first, count, queries, m, l, a); break;
     }
 }
 

@@ -402,7 +402,7 @@ static OrtStatus *compute(void *p, OrtKernelContext *context) {
 
     c.subgroups = (c.group + ATTN_QUERIES - 1) / ATTN_QUERIES;
     if (c.rows > 1) {
-        c.tile_rows = c.group >= ATTN_QUERIES ? 1 : ATTN_QUERIES / c.group;
+        c.tile_rows = c.group <= ATTN_PAIRED ? ATTN_PAIRED / c.group : 1; /* a query's chunks: the same kernel */
         c.tiles = (c.rows + c.tile_rows - 1) / c.tile_rows;
         return run(context, api, prompt_task, c.batch * c.tiles * c.kv_heads * c.subgroups, small, &c);
     }
