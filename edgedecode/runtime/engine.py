@@ -146,7 +146,7 @@ class Engine:
         else:
             self.session, self.cuda_graph = self._create_session(model, options, device, threads, profile, cuda_graph)
             self._graph_ids = itertools.count(CAPTURED_GRAPH_ID)  # one CUDA graph capture per engine on the session
-        self.cache = KVCache(self.spec, self.max_context, options.np_dtype, device)
+        self.cache = KVCache(self.spec, self.max_context, options.kv_np_dtype, device)
         self.stats = GenerationStats()
         self._tokens = np.zeros(self.max_context, np.int64)  # token id held by each cache slot
         self._positions = np.zeros((1, self.max_context), np.int64)  # its true position (RoPE)
