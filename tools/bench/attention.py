@@ -10,12 +10,14 @@ so a figure is a run's time over its copies, onnxruntime's per-node overhead inc
 of one run at least ``--mib`` MiB in float16 (at least 4, at most 256 nodes), so every node reads its cache from
 memory, as a decode step does; the variants alternate run by run in the same process, medians of ``--runs``.
 
-Columns: µs per layer (node), the cache bytes a node reads (K and V of past + 1 slots: 2 · KV heads · slots ·
+Columns: µs per layer (node), wall clock and the process's CPU time (all threads; run with ``EDGEDECODE_SPIN=0``
+so idle threads do not spin, and on a loaded machine, where wall time waits on descheduled threads, CPU time is
+the steadier figure), the cache bytes a node reads (K and V of past + 1 slots: 2 · KV heads · slots ·
 head_dim · bytes per value), those bytes ÷ the time in GB/s, and that as a fraction of this machine's read
 bandwidth with the same threads (tools/bench/membw.py, measured first). On a shared machine the figures are
 indicative.
 
-    python tools/bench/attention.py [--shapes smollm2-135m qwen2.5-0.5b llama3.2-1b llama3.2-3b]
+    EDGEDECODE_SPIN=0 python tools/bench/attention.py [--shapes smollm2-135m qwen2.5-0.5b llama3.2-1b llama3.2-3b]
         [--past 16 512 2048 4096] [--variants gqa-f32 gqa-f16 op-f16] [--runs 7] [--threads 2] [--json-out F]
 """
 
@@ -139,11 +141,11 @@ class Bench:
         self.copies = copies
         self.run()  # warm-up: arenas, first touch of every page
 
-    def run(self) -> float:
-        """Seconds per node of one run of all nodes."""
-        started = time.perf_counter()
+    def run(self) -> tuple[float, float]:
+        """Seconds per node of one run of all nodes: wall clock, and the process's CPU time."""
+        started, cpu = time.perf_counter(), time.process_time()
         self.session.run_with_iobinding(self.io)
-        return (time.perf_counter() - started) / self.copies
+        return (time.perf_counter() - started) / self.copies, (time.process_time() - cpu) / self.copies
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ class Row:
     variant: str
     copies: int
     us_per_layer: float
+    cpu_us_per_layer: float
     bytes_per_layer: int
     gb_s: float
     of_bandwidth: float
@@ -165,26 +168,28 @@ def measure(
     geometry = Geometry.of(shape)
     copies = min(256, max(4, math.ceil(mib * (1 << 20) / cache_bytes(geometry, past, 2))))
     benches = {v: Bench(v, geometry, past, copies, threads) for v in variants}
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     for _ in range(runs):
         for variant, bench in benches.items():
             times[variant].append(bench.run())
     rows = []
     for variant in variants:
-        seconds = statistics.median(times[variant])
+        seconds = statistics.median(wall for wall, _ in times[variant])
+        cpu = statistics.median(cpu for _, cpu in times[variant])
         nbytes = cache_bytes(geometry, past, np.dtype(VARIANTS[variant][0]).itemsize)
         gb_s = nbytes / seconds / 1e9
-        rows.append(Row(shape, past, variant, copies, seconds * 1e6, nbytes, gb_s, gb_s / bandwidth))
+        rows.append(Row(shape, past, variant, copies, seconds * 1e6, cpu * 1e6, nbytes, gb_s, gb_s / bandwidth))
     return rows
 
 
 def table(rows: list[Row]) -> str:
     lines = [
-        "| shape | past | variant | µs / layer | KB read / layer | GB/s | of bandwidth |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| shape | past | variant | µs / layer | CPU µs / layer | KB read / layer | GB/s | of bandwidth |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     lines += [
-        f"| {r.shape} | {r.past} | {r.variant} | {r.us_per_layer:.1f} | {r.bytes_per_layer / 1e3:.0f} | "
+        f"| {r.shape} | {r.past} | {r.variant} | {r.us_per_layer:.1f} | {r.cpu_us_per_layer:.1f} | "
+        f"{r.bytes_per_layer / 1e3:.0f} | "
         f"{r.gb_s:.1f} | {r.of_bandwidth:.0%} |"
         for r in rows
     ]
