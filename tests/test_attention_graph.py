@@ -16,6 +16,7 @@ from edgedecode.model.graph import GraphOptions, GraphOptionsError, build_graph
 from edgedecode.model.reference import reference_forward
 from edgedecode.model.weights import load_tensors
 from edgedecode.runtime.sampler import SamplingParams
+from edgedecode.runtime.session import FLOAT16_KV_CPU_ISAS, decode_kv_dtype, decode_options
 
 NEAR_TIE = 0.5  # top-2 logit margin below which two implementations may pick differently (tests/vectors/README.md)
 PROMPTS = ("prose", "code", "chat")
@@ -26,12 +27,17 @@ needs_kernels = pytest.mark.skipif(
 )
 
 
-def test_the_cpu_decode_graph_ships_a_float16_kv_with_the_own_kernels_only():
-    """for_device: float16 KV where the graph has edgedecode's kernels, float32 with the stock ops and in the exact
-    (accuracy level 0) graph the others are verified against; CUDA graphs keep their float16 KV."""
-    assert GraphOptions.for_device("decode", "cpu", 4, kernels="gguf").kv_dtype == "float16"
-    assert GraphOptions.for_device("decode", "cpu", 4, kernels="stock").kv_dtype == "float32"
-    assert GraphOptions.for_device("decode", "cpu", 0, kernels="gguf").kv_dtype == "float32"
+def test_the_cpu_decode_graph_ships_a_float16_kv_where_decode_attention_has_simd_kernels():
+    """decode_options: float16 KV where the graph has edgedecode's kernels and their CPU path has DecodeAttention's
+    SIMD kernels; float32 with the stock ops, on the portable path and in the exact (accuracy level 0) graph the
+    others are verified against. CUDA graphs keep their float16 KV, prefill graphs their float32."""
+    library = kernels.load()
+    fast = library.available and library.cpu_isa in FLOAT16_KV_CPU_ISAS
+    assert decode_options("cpu").kv_dtype == ("float16" if fast else "float32")
+    assert decode_options("cpu", 0).kv_dtype == "float32"
+    assert decode_kv_dtype("cpu", "stock", 4) is None
+    assert decode_kv_dtype("cuda", "gguf", 4) is None
+    assert GraphOptions.for_device("decode", "cpu", 4, kernels="gguf", kv_dtype="float16") == F16_KV
     assert GraphOptions.for_device("prefill", "cpu").kv_dtype == "float32"
     assert GraphOptions.for_device("decode", "cuda", 4).kv_dtype == "float16"
     assert F16_KV.kv_np_dtype == np.float16 and F16_KV.own_attention
@@ -84,7 +90,12 @@ def quantized_tensors(smollm2_reader, smollm2_model):
     return load_tensors(smollm2_reader, smollm2_model.spec, dense=False)
 
 
-@needs_kernels
+needs_float16_kv = pytest.mark.skipif(
+    decode_options("cpu").kv_dtype != "float16", reason="this host's decode graph keeps a float32 KV"
+)
+
+
+@needs_float16_kv
 def test_the_shipped_decoder_holds_its_kv_in_float16(decoder, exact_decoder):
     """The engines' KV buffers and the memory ledger's bytes per slot follow the graph's KV dtype."""
     assert decoder.options.kv_dtype == "float16" and decoder.cache.host.dtype == np.float16
@@ -117,7 +128,7 @@ def test_exact_arithmetic_over_a_float16_kv_matches_the_numpy_reference(
     assert max_diff < 0.1
 
 
-@needs_kernels
+@needs_float16_kv
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_text_is_llama_cpps_up_to_the_first_near_tie(prompt, decoder, logit_vectors):
     """The decode graph as shipped (float16 KV, int8 activations) continues each prompt as llama.cpp does (its

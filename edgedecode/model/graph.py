@@ -77,11 +77,6 @@ BY_SIZE_CORRECTION_ELEMENTS = 30_000_000
 # The form each device's decode graph ships with. CUDA: by size (above). CPU: the correction, since
 # onnxruntime's CPU kernel takes a ~20x slower path with float zero points.
 DEVICE_Q4_1 = {"cpu": "correction", "cuda": "by_size"}
-# The KV dtype of the CPU decode graph in the "gguf" form: float16, read by DecodeAttention. tools/bench/attention.py
-# (every shape of issue 17 at past 16 to 4096, a loaded 2-vCPU box) measured DecodeAttention over float16 faster
-# per layer than GroupQueryAttention over float32 at every row, and GroupQueryAttention over float16 (a float16
-# graph) slower than both; docs/performance.md has the figures and the end-to-end decode.
-CPU_GGUF_KV_DTYPE = "float16"
 # Which ops read the quantized weights: "stock" = onnxruntime's MatMulNBits and GatherBlockQuantized over the
 # weights re-laid in their form (above); "gguf" = edgedecode's own MatMulGGUF and GatherGGUF (edgedecode/kernels),
 # which read the GGUF's blocks as stored. The runtime picks "gguf" where its kernel library loads.
@@ -121,17 +116,16 @@ class GraphOptions:
     kv_dtype: str | None = None
 
     @classmethod
-    def for_device(cls, kind: str, device: str, accuracy_level: int = 4, kernels: str = "stock") -> GraphOptions:
+    def for_device(
+        cls, kind: str, device: str, accuracy_level: int = 4, kernels: str = "stock", kv_dtype: str | None = None
+    ) -> GraphOptions:
         """The ``kind`` graph as it ships for ``device``: float16 on CUDA, float32 elsewhere; the decode
-        graph at ``accuracy_level`` with ``kernels`` and, for the stock ops, the device's Q4_1 form
-        (DEVICE_Q4_1; "correction" for others), its KV float16 on the CPU with edgedecode's kernels
-        (CPU_GGUF_KV_DTYPE) but at accuracy level 0. The prefill graph has dense weights, so it takes none of them."""
+        graph at ``accuracy_level`` with ``kernels``, its KV in ``kv_dtype`` (None: the graph's dtype) and, for
+        the stock ops, the device's Q4_1 form (DEVICE_Q4_1; "correction" for others). The prefill graph has
+        dense weights, so it takes none of them."""
         dtype = "float16" if device == "cuda" else "float32"
         if kind == "decode":
             q4_1 = DEVICE_Q4_1.get(device, "correction") if kernels == "stock" else "correction"
-            # accuracy level 0 is the exact graph the others are verified against: its KV stays float32 too
-            shipped = (device, kernels) == ("cpu", "gguf") and accuracy_level != 0
-            kv_dtype = CPU_GGUF_KV_DTYPE if shipped else None
             return cls(kind, dtype, accuracy_level, q4_1=q4_1, kernels=kernels, kv_dtype=kv_dtype)
         return cls(kind, dtype)
 
