@@ -388,15 +388,16 @@ static OrtStatus *compute(void *p, OrtKernelContext *context) {
     if (c.rows == 0)
         return NULL;
 
-    /* the keys read: the longest row's, per batch row and KV head, both K and V */
-    size_t longest = 0;
+    /* the last row's keys per batch row (the most any row reads) and the chunks they span */
+    size_t longest = 0, keys = 0;
     for (size_t b = 0; b < c.batch; b++) {
         int64_t lo, hi;
         bounds(&c, b, c.rows - 1, &lo, &hi);
         const size_t span = (size_t)(hi / ATTN_CHUNK - lo / ATTN_CHUNK + 1);
         longest = span > longest ? span : longest;
+        keys += (size_t)(hi - lo + 1);
     }
-    const int small = longest * ATTN_CHUNK * c.batch * c.kv_heads * c.dim * 4 < INLINE_BYTES;
+    const int small = keys * c.kv_heads * c.dim * 2 * sizeof(uint16_t) < INLINE_BYTES; /* K and V of a row */
     if ((status = run(context, api, append_row, c.batch * c.rows, c.rows == 1 || small, &c)))
         return status;
 
