@@ -47,8 +47,8 @@ setup(
             LIBRARY,
             sources=sorted(str(path) for path in CSRC.glob("*.c")),
             depends=sorted(str(path) for path in CSRC.glob("*.h")),
-            extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-fno-math-errno", "-Wall"],
-            libraries=["m", "pthread"],
+            extra_compile_args=["-std=c11", "-O3", "-g0", "-fvisibility=hidden", "-fno-math-errno", "-Wall"],
+            libraries=["m", "pthread", "dl"],  # dl: dlopen of the CUDA driver (cuda_driver.c) on glibc < 2.34
             optional=True,
         )
     ],

@@ -79,8 +79,8 @@ def test_only_a_row_alone_in_its_attention_tile_gets_other_kv(service, texts):
         engine.reset()
         start = 0
         for size in sizes:
-            engine._tokens[start : start + size] = ids[start : start + size]
-            engine._run(size, False)
+            engine.sequence.stage(ids[start : start + size])
+            engine.runner.run(size, False)
             start += size
         return engine.export_kv()
 

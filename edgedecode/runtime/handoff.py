@@ -28,6 +28,7 @@ import numpy as np
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.window import window_covers
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, ReadProgress
+from edgedecode.runtime.kvcache import KVInjectionError
 
 SegmentReader = Callable[[int, int], EDKVReader]
 """Opens the reader of a segment whose tokens start at a position and land from a cache slot on."""
@@ -97,6 +98,16 @@ class StreamedKV:
         self.slots = kept_slots + head  # cache slots filled by those
         self.reader = open_reader(self.covered, self.slots)
         self._ended = False  # the current segment (self.reader) ended
+
+    def check_opened(self, owner: object, prompt_ids: np.ndarray | None = None, keep: int = 0) -> None:
+        """Raise KVInjectionError unless ``owner`` opened this stream (and, where given, for ``prompt_ids``,
+        keeping ``keep`` positions: 0 stands for the stream's own)."""
+        if self.owner is not owner:
+            raise KVInjectionError("the KV stream was opened by another engine")
+        if keep not in (0, self.keep):
+            raise KVInjectionError(f"the KV stream was opened keeping {self.keep} positions, not {keep}")
+        if prompt_ids is not None and not np.array_equal(prompt_ids, self.prompt_ids):
+            raise KVInjectionError("the KV stream was opened for another prompt")
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """The next bytes of the current segment: verified and written into the engine's buffers

@@ -11,15 +11,17 @@ by run, medians of ``--runs``:
   ``load_block_quantized`` converts it (5- to 8-bit types become 8-bit codes), plus the per-block correction
   (ReduceSum of the input's blocks, MatMul, Add) for the types with offsets (Q4_1, Q4_K, Q5_K ...).
 
-Each graph holds enough distinct copies of the matrix (``--mib``, default 192 MiB, several times this CPU's last-level
-cache) that every node streams its weights from memory, as a decode step does; a run executes them all, so a figure
-is a run's time over its copies, onnxruntime's per-node overhead included. GB/s counts the GGUF's bytes of the
-matrix (what MatMulGGUF reads; MatMulNBits reads its own prepacked copy, larger for every type but Q4_0 and Q8_0),
-and "of bw" divides it by this machine's read bandwidth with the same threads (tools/membw.py), measured first.
-Weights are random valid blocks: speed does not depend on values. On a shared machine the figures are indicative.
+Each graph holds enough copies of the matrix (``--mib``, default 192 MiB, several times this CPU's last-level cache;
+one byte differs in each, so onnxruntime cannot share one prepacked copy) that every node streams its weights from
+memory, as a decode step does; a run executes them all, so a figure is a run's time over its copies,
+onnxruntime's per-node overhead included. GB/s counts the GGUF's bytes of the matrix (what MatMulGGUF reads;
+MatMulNBits reads its own prepacked copy, larger for every type but Q4_0 and Q8_0), and "of bw" divides it by this
+machine's read bandwidth with the same threads (tools/membw.py), measured first. Weights are random valid blocks:
+speed does not depend on values. On a shared machine the figures are indicative;
+``--cpu-time --threads 1`` compares the two forms' work by CPU time, which other processes disturb far less.
 
     python tools/bench/matmul_gguf.py [--shapes qwen2.5-0.5b llama3.2-1b llama3.2-3b] [--types Q4_0 Q4_1 Q4_K_M]
-        [--m 1 64] [--runs 7] [--threads 2] [--matrices qkv o gate_up down lm_head] [--json OUT]
+        [--m 1 64] [--runs 7] [--threads 2] [--matrices qkv o gate_up down lm_head] [--cpu-time] [--json OUT]
 """
 
 from __future__ import annotations
@@ -103,6 +105,20 @@ def random_rows(kind: QType, n: int, k: int, rng: np.random.Generator) -> np.nda
     return rows.reshape(n, -1)
 
 
+def distinct(array: np.ndarray, copy: int, at: int) -> np.ndarray:
+    """The copy-th copy of a weight, one code byte (flat index ``at``) changed after the first.
+
+    onnxruntime prepacks identical MatMulNBits weights once and shares the result, so identical copies would be
+    read from cache, not memory (measured: 79 against 200 us a 2048 x 2048 Q4_0 node). Byte 10 of a GGUF row is a
+    code or a 6-bit scale in every type, so any value keeps the blocks valid.
+    """
+    if copy == 0:  # the first copy is the weight itself, in both forms
+        return array
+    changed = array.copy()
+    changed.reshape(-1)[at] ^= np.uint8(copy % 255)
+    return changed
+
+
 def _finish(g: GraphBuilder, outputs: list[str], domain: str | None) -> bytes:
     for name in outputs:
         g.output(name, TensorProto.FLOAT, None)
@@ -117,7 +133,7 @@ def gguf_graph(rows: np.ndarray, case: Case, copies: int, accuracy: int) -> byte
     x = g.input("A", TensorProto.FLOAT, [1, "M", case.k])
     outputs = []
     for i in range(copies):
-        b = g.initializer(f"B{i}", rows)
+        b = g.initializer(f"B{i}", distinct(rows, i, 10))
         outputs.append(
             g.op1(
                 "MatMulGGUF",
@@ -143,7 +159,7 @@ def nbits_graph(w: BlockQuantized, case: Case, copies: int, accuracy: int) -> by
         blocksum = g.op1("ReduceSum", [grouped, g.initializer("axes", np.array([-1], np.int64))], keepdims=0)
     outputs = []
     for i in range(copies):
-        inputs = [x, g.initializer(f"B{i}", packed), g.initializer(f"S{i}", scales)]
+        inputs = [x, g.initializer(f"B{i}", distinct(packed, i, 0)), g.initializer(f"S{i}", scales)]
         y = g.op1(
             "MatMulNBits",
             inputs,
@@ -186,7 +202,16 @@ class Row:
     gguf_of_bandwidth: float
 
 
-def measure(case: Case, ms: list[int], runs: int, threads: int, mib: int, accuracy: int, bandwidth: float) -> list[Row]:
+def measure(
+    case: Case,
+    ms: list[int],
+    runs: int,
+    threads: int,
+    mib: int,
+    accuracy: int,
+    bandwidth: float,
+    clock=time.perf_counter,
+) -> list[Row]:
     rng = np.random.default_rng(0)
     rows = random_rows(QType[case.kind], case.n, case.k, rng)
     copies = max(1, min(64, (mib << 20) // case.gguf_bytes))
@@ -201,10 +226,10 @@ def measure(case: Case, ms: list[int], runs: int, threads: int, mib: int, accura
         times: dict[str, list[float]] = {name: [] for name in engines}
         for run in range(runs + 1):  # the first run of each warms up and is not counted
             for name, engine in engines.items():
-                started = time.perf_counter()
+                started = clock()
                 engine.run(None, feed)
                 if run:
-                    times[name].append((time.perf_counter() - started) / copies)
+                    times[name].append((clock() - started) / copies)
         ours, theirs = statistics.median(times["gguf"]), statistics.median(times["nbits"])
         gb_s = case.gguf_bytes / ours / 1e9
         found.append(
@@ -237,6 +262,12 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=192, help="weights per graph, MiB (several times the LLC)")
     parser.add_argument("--accuracy", type=int, default=4, choices=[0, 4])
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time by the process's CPU time, not the wall clock: with --threads 1, a comparison of the two forms' "
+        "work that other processes on a shared machine disturb far less (GB/s and 'of bw' then mean per CPU second)",
+    )
     args = parser.parse_args()
     library = kernels.load()
     if not library.available:
@@ -244,6 +275,7 @@ def main() -> None:
     bandwidth = read_bandwidth_gb_s(args.threads)
     print(
         f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads); kernels: {library.cpu_isa}; "
+        f"{'CPU' if args.cpu_time else 'wall'} time; "
         f"onnxruntime {ort.__version__}; accuracy level {args.accuracy}"
     )
     header = f"{'shape':<13} {'matrix':<8} {'type':<5} {'N x K':>13} {'M':>3} {'gguf us':>9} {'nbits us':>9} "
@@ -256,7 +288,8 @@ def main() -> None:
                 if case in seen:  # Q4_K_M shares its Q8_0 head with the other presets
                     continue
                 seen.add(case)
-                for row in measure(case, args.m, args.runs, args.threads, args.mib, args.accuracy, bandwidth):
+                clock = time.process_time if args.cpu_time else time.perf_counter
+                for row in measure(case, args.m, args.runs, args.threads, args.mib, args.accuracy, bandwidth, clock):
                     found.append(row)
                     print(
                         f"{row.shape:<13} {row.matrix:<8} {row.kind:<5} {f'{row.n} x {row.k}':>13} {row.m:>3} "

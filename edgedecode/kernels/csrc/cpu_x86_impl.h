@@ -120,6 +120,15 @@ KERNEL __m256i fifth_bit(__m256i codes, uint32_t qh) {
 
 KERNEL __m256i load256(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
+/* Weights are read once, in order, from memory: asking for the lines PREFETCH_AHEAD bytes ahead keeps enough reads
+ * in flight that a core streams at memory speed (measured on Zen 4, Q4_0 2048 x 2048 from DRAM, CPU time: 1.47 ns a
+ * block without, 1.09 with 4-8 KiB ahead, 1.28 with 1 KiB). The prefetcher of the hardware alone lets the core stall. */
+#define PREFETCH_AHEAD 4096
+KERNEL void prefetch_ahead(const uint8_t *p, size_t bytes) {
+    for (size_t line = 0; line < bytes; line += 64)
+        _mm_prefetch((const char *)p + PREFETCH_AHEAD + line, _MM_HINT_T0);
+}
+
 /* ---- activation quantization (the rule in cpu_kernels.h; results equal the portable path's bit for bit) ---- */
 
 ENTRY void quantize(const float *x, size_t k, int block, int layout, act_q8 *a) {
@@ -259,6 +268,7 @@ KERNEL void legacy_row(legacy_layout t, const uint8_t *w, size_t nb, const act_q
     }
     size_t b = 0;
     for (; b + 8 <= nb; b += 8, w += 8 * s) {
+        prefetch_ahead(w, 8 * s);
         __m256 dw, mw;
         legacy_weight_scales(t, w, &dw, &mw);
         if (t.type == LEGACY_Q8_0) {
@@ -332,15 +342,19 @@ KERNEL void legacy_row(legacy_layout t, const uint8_t *w, size_t nb, const act_q
 
 /* ---- accuracy level 4, K-quants (one activation scale per 256-element super-block) ---- */
 
-/* Q4_K/Q5_K's eight 6-bit scales and mins, as int16 [sc0..sc7] and [m0..m7]. */
+/* Q4_K/Q5_K's eight 6-bit scales and mins, as int16 [sc0..sc7] and [m0..m7], in vector registers throughout.
+ * With the 12 bytes as dwords D0, D1, D2: sc0..3 = D0 & 63 (per byte), m0..3 = D1 & 63,
+ * sc4..7 = (D2 & 15) | (D0 >> 6) << 4, m4..7 = (D2 >> 4 & 15) | (D1 >> 6) << 4. The 16-byte load reads 4 bytes of
+ * the block's codes too, which are ignored. */
 KERNEL void k_scales(const uint8_t *s12, __m128i *sc, __m128i *mins) {
-    uint32_t s[3];
-    memcpy(s, s12, 12);
-    const uint32_t sc_lo = s[0] & 0x3f3f3f3fu, m_lo = s[1] & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (s[2] & 0x0f0f0f0fu) | (((s[0] >> 6) & 0x03030303u) << 4);
-    const uint32_t m_hi = ((s[2] >> 4) & 0x0f0f0f0fu) | (((s[1] >> 6) & 0x03030303u) << 4);
-    *sc = _mm_cvtepu8_epi16(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0));
-    *mins = _mm_cvtepu8_epi16(_mm_setr_epi32((int)m_lo, (int)m_hi, 0, 0));
+    const __m128i v = _mm_loadu_si128((const __m128i *)s12);
+    const __m128i low = _mm_and_si128(v, _mm_set1_epi8(63));                             /* [sc0..3, m0..3, ...] */
+    const __m128i d2 = _mm_srlv_epi32(_mm_shuffle_epi32(v, 0xaa), _mm_setr_epi32(0, 4, 0, 0)); /* [D2, D2 >> 4] */
+    const __m128i high = _mm_or_si128(_mm_and_si128(d2, _mm_set1_epi8(15)),
+                                      _mm_and_si128(_mm_srli_epi32(v, 2), _mm_set1_epi8(0x30))); /* [sc4..7, m4..7] */
+    const __m128i both = _mm_unpacklo_epi32(low, high); /* [sc0..3, sc4..7, m0..3, m4..7] */
+    *sc = _mm_cvtepu8_epi16(both);
+    *mins = _mm_cvtepu8_epi16(_mm_srli_si128(both, 8));
 }
 
 /* int16 lane `i` of x, in every int16 lane (x repeated in both 128-bit halves). */
@@ -359,6 +373,7 @@ KERNEL void k45_row(int bytes, int five, const uint8_t *w, size_t nb, const act_
         acc_min[i] = _mm_setzero_ps();
     }
     for (size_t b = 0; b < nb; b++, w += bytes) {
+        prefetch_ahead(w, (size_t)bytes);
         __m128i sc16, m16;
         k_scales(w + 4, &sc16, &m16);
         const __m256i scales = _mm256_broadcastsi128_si256(sc16);
@@ -405,6 +420,7 @@ KERNEL void q6k_row(const uint8_t *w, size_t nb, const act_q8 *a, const int mt, 
     for (int i = 0; i < mt; i++)
         acc[i] = _mm256_setzero_ps();
     for (size_t b = 0; b < nb; b++, w += 210) {
+        prefetch_ahead(w, 210);
         const __m128i sc8 = _mm_loadu_si128((const __m128i *)(w + 192));
         const __m256i sc = _mm256_cvtepi8_epi16(sc8);
         /* even groups' scales in the low half, odd groups' in the high half (int16): the pair sums of a 32-code
@@ -562,7 +578,8 @@ KERNEL void gemv_f32_type(int qi, int elements, int bytes, const uint8_t *rows, 
     for (size_t r = 0; r < n; r++) {
         const uint8_t *w = rows + r * row_bytes;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-        for (size_t b = 0; b < k / (size_t)elements; b++, w += bytes)
+        for (size_t b = 0; b < k / (size_t)elements; b++, w += bytes) {
+            prefetch_ahead(w, (size_t)bytes);
             for (int sub = 0; sub < subs; sub++) {
                 __m256 v[4];
                 block_weights(qi, w, sub, v);
@@ -572,6 +589,7 @@ KERNEL void gemv_f32_type(int qi, int elements, int bytes, const uint8_t *rows, 
                 acc0 = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(xs + 16), acc0);
                 acc1 = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(xs + 24), acc1);
             }
+        }
         y[r] = sum_f32x8(_mm256_add_ps(acc0, acc1));
     }
 }

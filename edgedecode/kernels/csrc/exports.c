@@ -8,7 +8,7 @@
 
 int edgedecode_kernels_version(void) { return EDGEDECODE_KERNELS_ABI; }
 uint32_t edgedecode_kernels_required_api(void) { return EDGEDECODE_ORT_API_VERSION; }
-int edgedecode_kernels_cuda_built(void) { return 0; }
+int edgedecode_kernels_cuda_built(void) { return 1; } /* cuda_*.c: gcc-built, the driver found at run time */
 const char *edgedecode_kernels_cpu_isa(void) { return cpu_isa_current()->name; }
 int edgedecode_kernels_set_cpu_isa(const char *name) { return cpu_isa_force(name); }
 

@@ -14,11 +14,14 @@
 #include "cpu_kernels.h"
 #include "ops.h"
 
-/* Task sizes: a decode task streams 64 KiB of B (a few microseconds), a prompt task keeps 32 KiB of B in cache
- * for all M rows; at least MIN_TASKS tasks so threads share the work evenly; below INLINE_BYTES of B the whole
- * product is one task on the calling thread, where waking the pool costs more than it saves. */
+/* Task sizes. A decode task streams at least 64 KiB of B (a few microseconds) and, in a big matrix, 1/32 of it, so
+ * each thread reads long runs of consecutive rows (the hardware prefetchers restart at every jump) while 32 tasks
+ * still balance the threads; a prompt task keeps 32 KiB of B in cache for all M rows. Every matrix is split into at
+ * least MIN_TASKS tasks; below INLINE_BYTES of work the whole product runs on the calling thread, where waking the
+ * pool costs more than it saves. */
 enum {
     TASK_BYTES_DECODE = 64 << 10,
+    DECODE_TASKS = 32,
     TASK_BYTES_PROMPT = 32 << 10,
     INLINE_BYTES = 16 << 10,
     MIN_TASKS = 8,
@@ -126,6 +129,8 @@ static size_t rows_per_task(size_t n, size_t row_bytes, size_t m) {
     if (n * row_bytes * m <= INLINE_BYTES)
         return n;
     size_t rows = (m == 1 ? TASK_BYTES_DECODE : TASK_BYTES_PROMPT) / row_bytes;
+    if (m == 1 && rows < n / DECODE_TASKS)
+        rows = n / DECODE_TASKS;
     const size_t spread = (n + MIN_TASKS - 1) / MIN_TASKS;
     if (rows > spread)
         rows = spread;

@@ -126,7 +126,7 @@ struct OrtApi {
 
     /* slots 66-84 (API 1): type info, memory info, allocators, maps/sequences. Unused. */
     void *unused_66_84[19];
-    /* slot 85 (API 1): a kernel's float attribute (DecodeAttention's scale). */
+    /* slot 85 (API 1): a kernel's float attribute (DecodeAttention's scale, the CUDA fused matmul's epsilon). */
     OrtStatus *(*KernelInfoGetAttribute_float)(const OrtKernelInfo *info, const char *name, float *out);
 
     /* slots 86-91 (API 1): a kernel's integer attributes and its inputs and outputs at compute time. */
@@ -154,9 +154,10 @@ struct OrtApi {
     /* slots 102-192: API 2-9 (model metadata, threading, IO binding, providers, arenas, array attributes, sparse
      * tensors) and slot 192 (API 10, HasValue). Unused. */
     void *unused_102_192[91];
-    /* slots 193-243: API 10-15. Slot 193 is KernelContext_GetGPUComputeStream (API 10), the stream a CUDA op must
-     * launch on; the rest are provider options, logging setup, KernelInfo input/output queries. Unused here. */
-    void *unused_193_243[51];
+    /* slot 193 (API 10): the stream a CUDA op must launch on (the provider's cudaStream_t; NULL on the CPU). */
+    OrtStatus *(*KernelContext_GetGPUComputeStream)(const OrtKernelContext *context, void **out);
+    /* slots 194-243: API 10-15: provider options, logging setup, KernelInfo input/output queries. Unused. */
+    void *unused_194_243[50];
     /* slot 244 (API 15): the node's name, for error messages. */
     OrtStatus *(*KernelInfo_GetNodeName)(const OrtKernelInfo *info, char *out, size_t *size);
     /* slots 245-266: API 15-16 (loggers, constant inputs, allocators, build info, provider options, RunAsync,
@@ -239,6 +240,7 @@ _Static_assert(EDGEDECODE_ORT_SLOT(KernelContext_GetOutput) == 91, "OrtApi slot"
 _Static_assert(EDGEDECODE_ORT_SLOT(ReleaseStatus) == 93, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(ReleaseTensorTypeAndShapeInfo) == 99, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(ReleaseCustomOpDomain) == 101, "OrtApi slot: the end of version 1");
+_Static_assert(EDGEDECODE_ORT_SLOT(KernelContext_GetGPUComputeStream) == 193, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(KernelInfo_GetNodeName) == 244, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(ShapeInferContext_GetInputCount) == 267, "OrtApi slot");
 _Static_assert(EDGEDECODE_ORT_SLOT(ReadOpAttr) == 272, "OrtApi slot");

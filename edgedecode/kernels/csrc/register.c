@@ -3,10 +3,16 @@
 #include <pthread.h>
 #include <stdio.h>
 
+#include "cuda_ops.h"
 #include "exports.h"
 #include "ops.h"
 
+/* The CUDA ops come first: onnxruntime builds an op name's one schema, shape inference included, from the first op
+ * registered under it, and theirs infer the output type from the node (float or float16). */
 static const OrtCustomOp *const OPS[] = {
+    &op_matmul_gguf_cuda,
+    &op_gather_gguf_cuda,
+    &op_fused_matmul_gguf_cuda,
     &op_matmul_gguf_cpu,
     &op_gather_gguf_cpu,
     &op_decode_attention_cpu,
