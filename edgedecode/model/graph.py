@@ -17,9 +17,11 @@ Two variants share every block but the linear layers, the embedding and the head
 
 Both use GroupQueryAttention with RoPE fused (rotate-half order, post-RoPE keys written to the
 present) and take past/present KV as ``[batch, kv_heads, max_context, head_dim]`` buffers that the
-runtime binds as both input and output. I/O names follow onnxruntime-genai, with ``position_ids``
-(int64 [B, S]: the true positions of the new tokens, which RoPE uses; they run ahead of the cache
-slots once dropped tokens were compacted away) always present, and one addition:
+runtime binds as both input and output; a float32 decode graph with a float16 KV
+(``GraphOptions.kv_dtype``) runs edgedecode's DecodeAttention instead, which computes the same over
+half the bytes. I/O names follow onnxruntime-genai, with ``position_ids`` (int64 [B, S]: the true
+positions of the new tokens, which RoPE uses; they run ahead of the cache slots once dropped tokens
+were compacted away) always present, and one addition:
 ``logits_positions`` (int64 [K], negative values count from the end): the sequence positions whose
 logits are computed, so a prompt pass pays for one LM-head row instead of S.
 """
@@ -79,6 +81,9 @@ DEVICE_Q4_1 = {"cpu": "correction", "cuda": "by_size"}
 # weights re-laid in their form (above); "gguf" = edgedecode's own MatMulGGUF and GatherGGUF (edgedecode/kernels),
 # which read the GGUF's blocks as stored. The runtime picks "gguf" where its kernel library loads.
 KERNEL_FORMS = ("stock", "gguf")
+# The KV dtypes a graph may keep (GraphOptions.kv_dtype). A float16 KV in a float32 graph takes edgedecode's
+# DecodeAttention (onnxruntime's GroupQueryAttention ties the cache's dtype to the graph's), so the "gguf" form only.
+KV_DTYPES = ("float32", "float16")
 # The widths onnxruntime 1.31's CPU MatMulNBits takes float zero points at ("Only 2b and 4b quantization
 # is supported for unpacked compute"); 8-bit weights with offsets (Q5_1, Q5_K) keep the correction in every mode.
 FLOAT_ZERO_POINT_BITS = (2, 4)
@@ -106,16 +111,22 @@ class GraphOptions:
     q4_1: str = "correction"
     # Which ops read the decode graph's quantized weights: one of KERNEL_FORMS.
     kernels: str = "stock"
+    # The KV's dtype (past_key_values.* / present.*): None = the graph's dtype; "float16" in a float32 decode
+    # graph of the "gguf" form (DecodeAttention).
+    kv_dtype: str | None = None
 
     @classmethod
-    def for_device(cls, kind: str, device: str, accuracy_level: int = 4, kernels: str = "stock") -> GraphOptions:
+    def for_device(
+        cls, kind: str, device: str, accuracy_level: int = 4, kernels: str = "stock", kv_dtype: str | None = None
+    ) -> GraphOptions:
         """The ``kind`` graph as it ships for ``device``: float16 on CUDA, float32 elsewhere; the decode
-        graph at ``accuracy_level`` with ``kernels`` and, for the stock ops, the device's Q4_1 form
-        (DEVICE_Q4_1; "correction" for others). The prefill graph has dense weights, so it takes none of them."""
+        graph at ``accuracy_level`` with ``kernels``, its KV in ``kv_dtype`` (None: the graph's dtype) and, for
+        the stock ops, the device's Q4_1 form (DEVICE_Q4_1; "correction" for others). The prefill graph has
+        dense weights, so it takes none of them."""
         dtype = "float16" if device == "cuda" else "float32"
         if kind == "decode":
             q4_1 = DEVICE_Q4_1.get(device, "correction") if kernels == "stock" else "correction"
-            return cls(kind, dtype, accuracy_level, q4_1=q4_1, kernels=kernels)
+            return cls(kind, dtype, accuracy_level, q4_1=q4_1, kernels=kernels, kv_dtype=kv_dtype)
         return cls(kind, dtype)
 
     def __post_init__(self) -> None:
@@ -146,6 +157,15 @@ class GraphOptions:
             raise GraphOptionsError(
                 f"kernels={self.kernels!r} applies to the decode graph only; the {self.kind} graph uses dense weights"
             )
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", self.dtype)
+        if self.kv_dtype not in KV_DTYPES:
+            raise GraphOptionsError(f"kv_dtype must be one of {KV_DTYPES}, not {self.kv_dtype!r}")
+        if self.kv_dtype != self.dtype and (self.kind, self.dtype, self.kernels) != ("decode", "float32", "gguf"):
+            raise GraphOptionsError(
+                f"kv_dtype={self.kv_dtype!r} in a {self.dtype} graph needs the float32 decode graph with "
+                "kernels='gguf' (edgedecode's DecodeAttention); other graphs keep the KV in their own dtype"
+            )
         if self.kind == "prefill":  # no MatMulNBits in it: one prefill graph serves every accuracy level
             object.__setattr__(self, "accuracy_level", 0)
         if self.emit_queries is None:
@@ -159,6 +179,16 @@ class GraphOptions:
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
+
+    @property
+    def kv_np_dtype(self) -> np.dtype:
+        """The KV buffers' dtype (the runtime allocates them in it)."""
+        return np.dtype(self.kv_dtype)
+
+    @property
+    def own_attention(self) -> bool:
+        """Whether attention is edgedecode's DecodeAttention (a float16 KV in a float32 graph), not GQA."""
+        return self.kv_dtype != self.dtype
 
 
 def input_names(spec: ModelSpec) -> list[str]:
@@ -391,7 +421,9 @@ class _Emitter:
         return self.g.op1("Reshape", [logits, shape], outputs=["logits"])
 
     def attention(self, h: str, layer: int, weights, seqlens: str, total: str) -> str:
-        """GroupQueryAttention over the fused QKV projection (plus biases), with RoPE fused into it.
+        """GroupQueryAttention over the fused QKV projection (plus biases), with RoPE fused into it; with a
+        float16 KV in a float32 graph (``own_attention``), edgedecode's DecodeAttention, which takes the same
+        inputs but ``total`` and computes the same.
 
         With QK-norm the queries and keys are normed per head first and go to GQA unpacked, so RoPE
         still runs after the norm. A windowed layer sees its last ``sliding_window`` keys (itself included).
@@ -414,28 +446,20 @@ class _Emitter:
         cos, sin = self.rope_cache(layer)
         # local_window_size counts the keys a query sees, itself included (checked against the reference)
         window = s.sliding_window if s.is_sliding(layer) and s.sliding_window else -1
+        past = [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+        own = self.opt.own_attention
         out = self.g.op(
-            "GroupQueryAttention",
-            [
-                *qkv_inputs,
-                f"past_key_values.{layer}.key",
-                f"past_key_values.{layer}.value",
-                seqlens,
-                total,
-                cos,
-                sin,
-                "position_ids",
-            ],
+            "DecodeAttention" if own else "GroupQueryAttention",
+            [*qkv_inputs, *past, seqlens, *([] if own else [total]), cos, sin, "position_ids"],
             3,
             name=name,
-            domain=MS_DOMAIN,
+            domain=KERNEL_DOMAIN if own else MS_DOMAIN,
             outputs=[f"{name}/out", f"present.{layer}.key", f"present.{layer}.value"],
             num_heads=s.n_heads,
             kv_num_heads=s.n_kv_heads,
-            do_rotary=1,
-            rotary_interleaved=0,
             local_window_size=window,
             scale=s.attention_scale,
+            **({} if own else {"do_rotary": 1, "rotary_interleaved": 0}),
         )[0]
         return self.linear(out, weights.o, f"{name}.o")
 
@@ -521,11 +545,14 @@ class _Emitter:
         return self._rope[key]
 
     def mask_lengths(self, mask: str) -> tuple[str, str]:
-        """GQA's seqlens_k (tokens before the last, per row) and total_sequence_length from attention_mask."""
+        """GQA's seqlens_k (tokens before the last, per row) and total_sequence_length from attention_mask
+        (DecodeAttention takes no total: "" then)."""
         axes = self.const("mask_axes", np.array([1], np.int64))
         summed = self.g.op1("ReduceSum", [mask, axes], name="mask.sum", keepdims=0)
         last = self.g.op1("Sub", [summed, self.const("one", np.array(1, np.int64))], name="mask.last")
         seqlens = self.g.op1("Cast", [last], name="seqlens_k", to=INT32)
+        if self.opt.own_attention:
+            return seqlens, ""
         width = self.g.op1(
             "Gather", [self.g.op1("Shape", [mask]), self.const("one_idx", np.array(1, np.int64))], axis=0
         )
@@ -564,13 +591,14 @@ def build_graph(
     e = _Emitter(spec, options)
     g = e.g
     dt = onnx_dtype(options.np_dtype)
+    kv_dt = onnx_dtype(options.kv_np_dtype)
     kv_shape = ["batch", spec.n_kv_heads, "past_sequence_length", spec.head_dim]
     ids = g.input("input_ids", INT64, ["batch", "sequence_length"])
     mask = g.input("attention_mask", INT64, ["batch", "total_sequence_length"])
     g.input("position_ids", INT64, ["batch", "sequence_length"])
     g.input("logits_positions", INT64, ["logits_count"])
     for name in input_names(spec)[4:]:
-        g.input(name, dt, kv_shape)
+        g.input(name, kv_dt, kv_shape)
 
     seqlens, total = e.mask_lengths(mask)
     x = e.embedding(ids, tensors.embedding)
@@ -594,7 +622,7 @@ def build_graph(
     e.lm_head(final, tensors)
     g.output("logits", dt, ["batch", "logits_count", spec.vocab_size])
     for name in present_names(spec):
-        g.output(name, dt, kv_shape)
+        g.output(name, kv_dt, kv_shape)
     if options.emit_queries:
         for i in range(spec.n_layers):
             g.output(f"queries.{i}", dt, ["batch", "logits_count", spec.n_heads * spec.head_dim])

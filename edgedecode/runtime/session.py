@@ -103,9 +103,28 @@ def kernel_form(device: str) -> str:
     return "stock"
 
 
+# The CPU paths on which edgedecode's DecodeAttention has SIMD kernels (kernels/csrc/attention_x86_impl.h): there the
+# CPU decode graph keeps its KV in float16 and attends with it. tools/bench/attention.py (the four issue-17 shapes,
+# past 16 to 4096, 2 threads, AMD EPYC 2-vCPU VM under load ~6, 2026-11-27) measured DecodeAttention over float16
+# at 0.25-0.89x the CPU time per layer of onnxruntime's GroupQueryAttention over float32 (0.23-0.91x wall from past
+# 512 on; at past 16 both are per-node overhead, 0.8-1.3x wall), and GQA over float16 (a float16 graph) at
+# 1.0-1.7x, slower everywhere. The portable kernel (aarch64 until a NEON path exists) does not ship.
+FLOAT16_KV_CPU_ISAS = ("avx512vnni", "avx2")
+
+
+def decode_kv_dtype(device: str, kernels_form: str, accuracy_level: int) -> str | None:
+    """The decode graph's KV dtype on ``device`` (None: the graph's own): float16 on a CPU whose kernel library
+    runs DecodeAttention's SIMD path, except in the exact graph (accuracy level 0) the others are verified against."""
+    fast = kernels_form == "gguf" and kernels.load().cpu_isa in FLOAT16_KV_CPU_ISAS
+    return "float16" if device == "cpu" and fast and accuracy_level != 0 else None
+
+
 def decode_options(device: str, accuracy_level: int = 4) -> GraphOptions:
-    """The decode graph as it ships for ``device``: GraphOptions.for_device with this host's kernel form."""
-    return GraphOptions.for_device("decode", device, accuracy_level, kernels=kernel_form(device))
+    """The decode graph as it ships for ``device``: GraphOptions.for_device with this host's kernel form and
+    KV dtype (decode_kv_dtype)."""
+    form = kernel_form(device)
+    kv_dtype = decode_kv_dtype(device, form, accuracy_level)
+    return GraphOptions.for_device("decode", device, accuracy_level, kernels=form, kv_dtype=kv_dtype)
 
 
 def kernel_summary() -> str:

@@ -257,7 +257,7 @@ def accounting(results: dict, model, runners: list, args) -> None:
     """Add bytes read per token, the bandwidth bound's fraction and memory / (weights + KV) to ``results``.
 
     Per engine: weights (edgedecode's: its built graph's initializers; llama.cpp: the GGUF's tensors)
-    plus its KV (the graph's dtype / llama.cpp's default f16, per past token) at the mean past of the
+    plus its KV (the graph's KV dtype / llama.cpp's default f16, per past token) at the mean past of the
     decode steps. The memory is the peak RSS on the CPU and the GPU memory on CUDA.
     """
     spec, gguf_path = model.spec, model.record.gguf_path
@@ -272,7 +272,7 @@ def accounting(results: dict, model, runners: list, args) -> None:
     results["gguf_weight_bytes"] = gguf_bytes
     for name, engine in results["engines"].items():
         llama = name == "llama.cpp"
-        kv_per_token = kv_bytes_per_token(spec, 2 if llama else np.dtype(options[name].dtype).itemsize)
+        kv_per_token = kv_bytes_per_token(spec, 2 if llama else options[name].kv_np_dtype.itemsize)
         weights = gguf_bytes if llama else graph_weight_bytes(model.graph_path(options[name]))
         engine.update(weight_bytes_per_token=weights, kv_bytes_per_past_token=kv_per_token)
         for past, row in engine["past"].items():

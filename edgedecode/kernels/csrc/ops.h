@@ -57,6 +57,7 @@ ONNXTensorElementDataType op_float_output(const OrtCustomOp *op, size_t index);
 
 extern OrtCustomOp op_matmul_gguf_cpu;
 extern OrtCustomOp op_gather_gguf_cpu;
+extern OrtCustomOp op_decode_attention_cpu;
 
 /* The table register.c obtained; the ops call through it. */
 extern const OrtApi *ort_api;

@@ -49,6 +49,7 @@ typedef enum ONNXTensorElementDataType {
     ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED = 0,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 = 2,
+    ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 = 6,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 = 7,
     ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 = 10,
 } ONNXTensorElementDataType;
@@ -125,7 +126,7 @@ struct OrtApi {
 
     /* slots 66-84 (API 1): type info, memory info, allocators, maps/sequences. Unused. */
     void *unused_66_84[19];
-    /* slot 85 (API 1): a kernel's float attribute (the CUDA fused matmul's epsilon). */
+    /* slot 85 (API 1): a kernel's float attribute (DecodeAttention's scale, the CUDA fused matmul's epsilon). */
     OrtStatus *(*KernelInfoGetAttribute_float)(const OrtKernelInfo *info, const char *name, float *out);
 
     /* slots 86-91 (API 1): a kernel's integer attributes and its inputs and outputs at compute time. */

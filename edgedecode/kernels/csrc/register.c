@@ -15,6 +15,7 @@ static const OrtCustomOp *const OPS[] = {
     &op_fused_matmul_gguf_cuda,
     &op_matmul_gguf_cpu,
     &op_gather_gguf_cpu,
+    &op_decode_attention_cpu,
     NULL,
 };
 
