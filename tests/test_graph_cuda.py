@@ -18,13 +18,12 @@ from collections import Counter
 import numpy as np
 import onnx
 import pytest
+from cuda_graph_cases import CASES, CUDA_OWN, FLOAT16_LOGITS_ATOL, IDS_COUNT, PROMPT_TOKENS, write_cases
 from emulated_cuda_ops import build_library, decode, session
-from gguf import GGMLQuantizationType as QType
-from synthetic_gguf import DIMS, MIXES, TinyLlama, write_mixes, write_tiny_llama
+from synthetic_gguf import DIMS, MIXES
 
 from edgedecode import kernels
 from edgedecode.kernels import nvrtc
-from edgedecode.model.gguf_file import open_gguf
 from edgedecode.model.graph import GraphOptions, build_graph
 from edgedecode.model.graph_fused import unfused_reason
 from edgedecode.model.reference import reference_forward
@@ -32,37 +31,15 @@ from edgedecode.model.spec import ModelSpec
 from edgedecode.model.weights import load_tensors
 from edgedecode.runtime import session as runtime_session
 
-CUDA_OWN = GraphOptions.for_device("decode", "cuda", kernels="gguf")
-# The logits of these models lie within ±5, where float16's step is 2^-8 to 2^-6: the graph rounds every node's
-# output to float16, so a few steps of drift through two layers (measured 0.004-0.005); a weight, norm or residual
-# read wrong moves them by a tenth or more.
-FLOAT16_LOGITS_ATOL = 0.03
-PROMPT_TOKENS = 15  # then single decode steps up to the 19 ids
-# Tiny models of the other architectures (test_architectures' dimensions), with the Gemma 3 270M file's mix.
-ARCH_TYPES = {
-    "attn_q": QType.Q4_K, "attn_k": QType.Q5_0, "attn_v": QType.Q8_0, "attn_output": QType.Q5_0,
-    "ffn_gate": QType.Q4_K, "ffn_up": QType.Q4_K, "ffn_down": QType.Q6_K, "token_embd": QType.Q8_0,
-    "output": QType.Q6_K,
-}  # fmt: skip
-ARCHS = {
-    "qwen2": (TinyLlama(), False),
-    "qwen3": (TinyLlama(key_length=128), True),
-    "gemma3": (TinyLlama(key_length=128, kv_heads=1, layers=6), True),
-}
 MASK_OPS = {"ReduceSum", "Sub", "Cast", "Shape", "Gather"}  # attention_mask -> GQA's lengths, and the selection
 STOCK_GATE = {"Split", "Sigmoid", "Mul"}  # SiLU(gate) * up, where gate and up differ in type
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """name -> (reader, spec): the type mixes, then one tiny model of each other architecture."""
-    folder = tmp_path_factory.mktemp("cuda-graph")
-    out = write_mixes(folder)
-    for i, (arch, (dims, tied)) in enumerate(ARCHS.items()):
-        path = write_tiny_llama(folder / f"{arch}.gguf", ARCH_TYPES, dims, seed=20 + i, tied=tied, arch=arch)
-        reader = open_gguf(path)
-        out[arch] = reader, ModelSpec.from_gguf(reader, arch)
-    return out
+    """name -> (reader, spec) of every case (cuda_graph_cases)."""
+    cases = write_cases(tmp_path_factory.mktemp("cuda-graph"))
+    return {name: (reader, spec) for name, (_, reader, spec) in cases.items()}
 
 
 @pytest.fixture(scope="module")
@@ -212,11 +189,11 @@ def test_the_cpu_form_and_the_cuda_ops_accuracy_level(models):
     assert not any(n.op_type == "FusedMatMulGGUF" for n in build_graph(spec, tensors, cpu).graph.node)
 
 
-@pytest.mark.parametrize("name", [*MIXES, *ARCHS])
+@pytest.mark.parametrize("name", CASES)
 def test_the_cuda_graph_computes_the_reference_on_emulated_ops(name, models, emulated_ops):
     """Prompt rows (the M > 1 kernels) and single decode steps over the KV they wrote (the M = 1 kernels)."""
     spec, tensors = _stored(models, name)
-    ids = np.random.default_rng(4).integers(0, DIMS.vocab, 19)
+    ids = np.random.default_rng(4).integers(0, DIMS.vocab, IDS_COUNT)
     graph = build_graph(spec, tensors, CUDA_OWN).SerializeToString()
     logits = decode(session(graph, emulated_ops), spec, ids, PROMPT_TOKENS)
     reference = reference_forward(spec, tensors, ids.tolist()).logits
@@ -230,7 +207,7 @@ def test_a_misread_norm_is_far_outside_the_tolerance(models, emulated_ops):
     model = build_graph(spec, tensors, CUDA_OWN)
     norm = next(t for t in model.graph.initializer if t.name == "layers.1.ffn_norm.weight")
     norm.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(norm) * np.float16(2), norm.name))
-    ids = np.random.default_rng(4).integers(0, DIMS.vocab, 19)
+    ids = np.random.default_rng(4).integers(0, DIMS.vocab, IDS_COUNT)
     logits = decode(session(model.SerializeToString(), emulated_ops), spec, ids, PROMPT_TOKENS)
     miss = np.abs(logits - reference_forward(spec, tensors, ids.tolist()).logits).max()
     print(f"a doubled norm weight: max |logit diff| {miss:.3f}")
