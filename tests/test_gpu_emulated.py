@@ -156,6 +156,20 @@ def test_every_launch_shape_gives_the_same_product(emulator, kind, tuning):
     assert_float16_close(y, fused(x, [(data, kind)]))
 
 
+@pytest.mark.parametrize("rows", (1, 2, 4))
+@pytest.mark.parametrize("kind", (QType.Q4_0, QType.Q4_K), ids=lambda kind: kind.name)
+def test_prompt_rows_on_groups_of_eight_lanes(emulator, kind, rows):
+    """M > 1 takes 4 columns of x a block, so R = 4 rows give 16 outputs a group; the planner's groups have 8
+    lanes wherever K < 1024 (SmolLM2's 576, the 0.5B shape's 896), and each lane then writes two of them."""
+    rng = np.random.default_rng(rows)
+    k = 512 if kind in K_TYPES else 576
+    data = random_rows(kind, 29, k, rng)
+    x = _activations(rng, 7, k)
+    y, kernel = run_gemv(emulator, x, [(data, kind)], tuning=(8, rows, 0, 0))
+    assert kernel == f"ed_gemv_r{rows}_m4"
+    assert_float16_close(y, fused(x, [(data, kind)]))
+
+
 @pytest.mark.parametrize("m", (1, 2))
 @pytest.mark.parametrize("with_bias", (False, True), ids=("no_bias", "bias"))
 def test_norm_three_matrices_of_mixed_types_and_a_residual(emulator, m, with_bias):

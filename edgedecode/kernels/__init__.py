@@ -37,7 +37,8 @@ class KernelLibrary:
     path: Path | None  # the built shared library, None where none is usable
     reason: str  # why not usable ("" when usable)
     cpu_isa: str  # the CPU path chosen at run time: "avx512vnni", "avx2", "neon", "neondot", "portable" ("" if none)
-    cuda: bool  # the CUDA ops were built and their run-time pieces can be found
+    cuda: bool  # the CUDA ops were built, the CUDA driver can be used and NVRTC (which compiles them) can be found
+    cuda_reason: str = ""  # why the CUDA ops cannot run here ("" when ``cuda``)
 
     @property
     def available(self) -> bool:
@@ -45,7 +46,7 @@ class KernelLibrary:
 
 
 def _unusable(reason: str) -> KernelLibrary:
-    return KernelLibrary(None, reason, "", False)
+    return KernelLibrary(None, reason, "", False, reason)
 
 
 class _OrtApiBase(ctypes.Structure):
@@ -91,6 +92,7 @@ def _bind(library: ctypes.CDLL) -> None:
     library.edgedecode_kernels_version.restype = ctypes.c_int
     library.edgedecode_kernels_required_api.restype = ctypes.c_uint32
     library.edgedecode_kernels_cuda_built.restype = ctypes.c_int
+    library.edgedecode_cuda_driver_status.restype = ctypes.c_char_p
     library.edgedecode_kernels_cpu_isa.restype = ctypes.c_char_p
     library.edgedecode_kernels_cpu_isas.restype = ctypes.c_char_p
     library.edgedecode_kernels_set_cpu_isa.argtypes = [ctypes.c_char_p]
@@ -154,8 +156,26 @@ def load() -> KernelLibrary:
     reason = _check_runtime(library)
     cpu_isa = library.edgedecode_kernels_cpu_isa().decode()
     if reason:
-        return KernelLibrary(None, reason, cpu_isa, False)
-    return KernelLibrary(path, "", cpu_isa, bool(library.edgedecode_kernels_cuda_built()))
+        return KernelLibrary(None, reason, cpu_isa, False, reason)
+    cuda_reason = _cuda_unusable(library)
+    return KernelLibrary(path, "", cpu_isa, not cuda_reason, cuda_reason)
+
+
+def _cuda_unusable(library: ctypes.CDLL) -> str:
+    """Why the library's CUDA ops cannot run here ("" if they can): not built, no usable CUDA driver (asking
+    initializes it: cuInit, no context), or no NVRTC to compile their kernels with (nvrtc.find_nvrtc)."""
+    if not library.edgedecode_kernels_cuda_built():
+        return "the library was built without its CUDA ops"
+    if driver := library.edgedecode_cuda_driver_status().decode():
+        return driver
+    from edgedecode.kernels import nvrtc  # standard library only, like this module
+
+    if nvrtc.find_nvrtc() is None:
+        return (
+            "NVRTC, which compiles the CUDA kernels, was not found: install onnxruntime-gpu's CUDA extra "
+            "(pip install 'onnxruntime-gpu[cuda]', which brings nvidia-cuda-nvrtc) or set EDGEDECODE_NVRTC"
+        )
+    return ""
 
 
 def register(session_options) -> bool:

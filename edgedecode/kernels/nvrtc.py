@@ -35,6 +35,7 @@ MAIN_SOURCE = "kernels.cu"
 OPTIONS = ("-std=c++17", "--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=true")
 NVRTC_DISTRIBUTIONS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu13", "nvidia-cuda-nvrtc-cu12")
 _LIBRARY_NAME = re.compile(r"libnvrtc\.so(\.\d+)*$")
+_BUILTINS_PATTERN = "libnvrtc-builtins.so.*"  # not the .alt. variant, which NVRTC's own name does not match
 # CUDA driver device attributes (documented enum values)
 _COMPUTE_CAPABILITY_MAJOR, _COMPUTE_CAPABILITY_MINOR = 75, 76
 
@@ -72,6 +73,10 @@ class Nvrtc:
 
     def __init__(self, path: Path) -> None:
         try:
+            # NVRTC dlopens its builtins library by name at the first compile; a wheel's directory is on no search
+            # path, so load the builtins beside it first (a library already loaded under that name is reused).
+            for builtins in sorted(Path(path).parent.glob(_BUILTINS_PATTERN)):
+                ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
             self._lib = ctypes.CDLL(str(path))
         except OSError as error:
             raise KernelBuildError(f"NVRTC at {path} could not be loaded: {error}") from error

@@ -5,8 +5,9 @@ Two variants share every block but the linear layers, the embedding and the head
 
 * ``decode``: the INT4 edge graph. With ``kernels="gguf"`` every quantized matrix is one of edgedecode's own
   MatMulGGUF ops over the GGUF's blocks as stored, the embedding a GatherGGUF over its rows, and a tied
-  LM head reads the very same initializer (edgedecode/kernels; nothing below applies to them). With the
-  stock ops, linear layers are MatMulNBits without zero points (the fast path),
+  LM head reads the very same initializer (edgedecode/kernels; nothing below applies to them); on CUDA
+  (float16) each layer's linears, norms and residual adds fuse into four FusedMatMulGGUF nodes where the
+  architecture allows (graph_fused.py). With the stock ops, linear layers are MatMulNBits without zero points (the fast path),
   4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
   for the asymmetric types (Q4_1, Q4_K, Q5_1, Q5_K), a per-block correction ``blocksum(x) @ C``
   computed once per distinct input (or, per ``GraphOptions.q4_1``, float zero points ``−m/d``, a
@@ -28,6 +29,7 @@ logits are computed, so a prompt pass pays for one LM-head row instead of S.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import groupby
@@ -36,6 +38,7 @@ import numpy as np
 import onnx
 
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.model.graph_fused import fused_decoder_layers, unfused_reason
 from edgedecode.model.onnx_builder import (
     INT32,
     INT64,
@@ -54,6 +57,7 @@ from edgedecode.model.requant import (
 from edgedecode.model.spec import ModelSpec
 from edgedecode.model.weights import BlockQuantized, GGUFMatrix, ModelTensors, n_blocks, stack_rows
 
+logger = logging.getLogger(__name__)
 GRAPH_KINDS = ("decode", "prefill")
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 # How the decode graph applies per-block offsets (Q4_1's m, asymmetric re-quantization):
@@ -167,6 +171,8 @@ class GraphOptions:
                 "kernels='gguf' (edgedecode's DecodeAttention); other graphs keep the KV in their own dtype"
             )
         if self.kind == "prefill":  # no MatMulNBits in it: one prefill graph serves every accuracy level
+            object.__setattr__(self, "accuracy_level", 0)
+        if self.kernels == "gguf" and self.dtype == "float16":  # the CUDA ops take float activations only
             object.__setattr__(self, "accuracy_level", 0)
         if self.emit_queries is None:
             object.__setattr__(self, "emit_queries", self.kind == "prefill")
@@ -421,18 +427,23 @@ class _Emitter:
         return self.g.op1("Reshape", [logits, shape], outputs=["logits"])
 
     def attention(self, h: str, layer: int, weights, seqlens: str, total: str) -> str:
-        """GroupQueryAttention over the fused QKV projection (plus biases), with RoPE fused into it; with a
-        float16 KV in a float32 graph (``own_attention``), edgedecode's DecodeAttention, which takes the same
-        inputs but ``total`` and computes the same.
+        """The fused QKV projection (plus biases), attention over it (``attend``) and the output projection."""
+        name = f"layers.{layer}.attn"
+        qkv = self.linear_fused(h, weights.qkv, f"{name}.qkv")
+        if weights.qkv_bias is not None:
+            qkv = self.g.op1("Add", [qkv, self.weight(f"{name}.qkv.bias", weights.qkv_bias)], name=f"{name}.qkv.bias")
+        return self.linear(self.attend(qkv, layer, weights, seqlens, total), weights.o, f"{name}.o")
+
+    def attend(self, qkv: str, layer: int, weights, seqlens: str, total: str) -> str:
+        """GroupQueryAttention over the projected ``qkv`` [B, S, (heads + 2 kv_heads) * head_dim], RoPE fused
+        into it, or with a float16 KV in a float32 graph (``own_attention``) edgedecode's DecodeAttention, which takes
+        the same inputs but ``total`` and computes the same; returns its output [B, S, heads * head_dim].
 
         With QK-norm the queries and keys are normed per head first and go to GQA unpacked, so RoPE
         still runs after the norm. A windowed layer sees its last ``sliding_window`` keys (itself included).
         """
         s = self.spec
         name = f"layers.{layer}.attn"
-        qkv = self.linear_fused(h, weights.qkv, f"{name}.qkv")
-        if weights.qkv_bias is not None:
-            qkv = self.g.op1("Add", [qkv, self.weight(f"{name}.qkv.bias", weights.qkv_bias)], name=f"{name}.qkv.bias")
         qkv_inputs = [qkv, "", ""]
         if weights.q_norm is not None:
             q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
@@ -461,7 +472,7 @@ class _Emitter:
             scale=s.attention_scale,
             **({} if own else {"do_rotary": 1, "rotary_interleaved": 0}),
         )[0]
-        return self.linear(out, weights.o, f"{name}.o")
+        return out
 
     def head_norm(self, x: str, gamma: np.ndarray, heads: int, name: str) -> str:
         """RMSNorm of each head of x [B, S, heads * head_dim] (QK-norm)."""
@@ -498,12 +509,15 @@ class _Emitter:
         )
 
     def mlp(self, h: str, layer: int, weights) -> str:
-        f = self.spec.ffn_size
         gate_up = self.linear_fused(h, weights.gate_up, f"layers.{layer}.mlp.gate_up")
+        return self.linear(self.gated(gate_up, layer), weights.down, f"layers.{layer}.mlp.down")
+
+    def gated(self, gate_up: str, layer: int) -> str:
+        """act(gate) · up of the stacked projection ``gate_up`` [B, S, 2 * ffn]."""
+        f = self.spec.ffn_size
         split = self.shared("split_ffn", [f, f])
         gate, up = self.g.op("Split", [gate_up, split], 2, name=f"layers.{layer}.mlp.split", axis=-1)
-        act = self.g.op1("Mul", [self.activation(gate, f"layers.{layer}.mlp"), up], name=f"layers.{layer}.mlp.act")
-        return self.linear(act, weights.down, f"layers.{layer}.mlp.down")
+        return self.g.op1("Mul", [self.activation(gate, f"layers.{layer}.mlp"), up], name=f"layers.{layer}.mlp.act")
 
     def activation(self, gate: str, name: str) -> str:
         """The architecture's gate activation: SiLU, or GELU with the tanh approximation (FastGelu)."""
@@ -604,6 +618,31 @@ def build_graph(
     x = e.embedding(ids, tensors.embedding)
     if spec.traits.embedding_scale:
         x = g.op1("Mul", [x, e.weight("embed.scale", np.array(np.sqrt(spec.hidden_size)))], name="embed.scale")
+    # The own ops' CUDA form (float16) fuses each layer into four FusedMatMulGGUF nodes where the architecture
+    # allows it (graph_fused.unfused_reason says why not); the CPU has no fused op and keeps MatMulGGUF and the norms.
+    own_cuda = options.kernels == "gguf" and options.dtype == "float16"
+    unfused = unfused_reason(spec, tensors) if own_cuda else ""
+    if own_cuda and not unfused:
+        fused_decoder_layers(e, tensors, x, seqlens, total, advance)
+    else:
+        if unfused:
+            logger.info("the CUDA decode graph of %s keeps its linear layers unfused: %s", spec.name, unfused)
+        decoder_layers(e, tensors, x, seqlens, total, advance)
+    g.output("logits", dt, ["batch", "logits_count", spec.vocab_size])
+    for name in present_names(spec):
+        g.output(name, kv_dt, kv_shape)
+    if options.emit_queries:
+        for i in range(spec.n_layers):
+            g.output(f"queries.{i}", dt, ["batch", "logits_count", spec.n_heads * spec.head_dim])
+    return g.model()
+
+
+def decoder_layers(
+    e: _Emitter, tensors: ModelTensors, x: str, seqlens: str, total: str, advance: Callable[[int], None] | None
+) -> None:
+    """The layers after the embedding ``x``, the final norm and the LM head (``logits``), with the stock norms and
+    residual adds around the linear layers; ``advance(1)`` as each layer is emitted."""
+    g, spec = e.g, e.spec
     residual = e.to_residual(x, "embed")
     first_norm = e.rms_norm(residual, tensors.layers[0].attn_norm, "layers.0.attn_norm", e.residual_dt)
     h = e.from_residual(first_norm, "layers.0.attn_norm")
@@ -620,10 +659,3 @@ def build_graph(
     res_sel = g.op1("Gather", [residual, "logits_positions"], name="select.residual", axis=1)
     final, _ = e.skip_norm(mlp_sel, res_sel, tensors.output_norm, "final_norm")
     e.lm_head(final, tensors)
-    g.output("logits", dt, ["batch", "logits_count", spec.vocab_size])
-    for name in present_names(spec):
-        g.output(name, kv_dt, kv_shape)
-    if options.emit_queries:
-        for i in range(spec.n_layers):
-            g.output(f"queries.{i}", dt, ["batch", "logits_count", spec.n_heads * spec.head_dim])
-    return g.model()

@@ -30,8 +30,8 @@ from edgedecode.progress import NO_PROGRESS, Progress
 logger = logging.getLogger(__name__)
 # Bump whenever graph.py, weights.py or onnx_builder.py change what they emit (6: the architectures of
 # ARCHITECTURES, and initializers in a side file; 7: a tied LM head's own initializer, stored once;
-# 8: the "gguf" kernel form, edgedecode's own ops over the GGUF's blocks).
-BUILDER_VERSION = 8
+# 8: the "gguf" kernel form, edgedecode's own ops over the GGUF's blocks; 9: its CUDA form fused, FusedMatMulGGUF).
+BUILDER_VERSION = 10
 # Initializers of at least this many bytes go to the side file (onnx's default threshold), each at an
 # offset aligned to the page size, which onnxruntime needs to map them.
 SIDE_FILE_MIN_BYTES = 1024

@@ -150,6 +150,16 @@ extern "C" int emu_gemv(EdGemvArgs *args, int segments, int gated, int lanes, in
     return emu::launch(gemv_body, launch.grid_x, launch.grid_y, launch.threads, launch.shared_bytes) ? -2 : 0;
 }
 
+// Run a launch the library's own glue planned (emu_driver.c: cuda_ops.c on the CPU provider). 0, or -2 (deadlock).
+extern "C" int emu_run(const EdLaunch *launch, void *args) {
+    if (!std::strcmp(launch->kernel, "ed_gather")) {
+        gather_args = *static_cast<EdGatherArgs *>(args);
+        return emu::launch(gather_body, launch->grid_x, launch->grid_y, launch->threads, 0) ? -2 : 0;
+    }
+    gemv_args = *static_cast<EdGemvArgs *>(args), gemv_name = launch->kernel;
+    return emu::launch(gemv_body, launch->grid_x, launch->grid_y, launch->threads, launch->shared_bytes) ? -2 : 0;
+}
+
 extern "C" int emu_gather(EdGatherArgs *args) {
     EdLaunch launch;
     ed_plan_gather(args, 2, &launch);

@@ -6,8 +6,9 @@ same greedy decoding (EOS ignored). Runs alternate between the engines so that h
 alike; the tables show medians over the runs and the ratio edgedecode / llama.cpp. Peak RSS is
 measured in a fresh subprocess per engine (prompt of the largest past length, then decoding).
 
-With --device cuda the engines are edgedecode's float16 decode step replayed as a CUDA graph, llama.cpp
-with every layer on the same card (where llama-cpp-python was built with GPU offload: CMAKE_ARGS=
+With --device cuda the engines are edgedecode's float16 decode step replayed as a CUDA graph (as shipped: on
+its own fused CUDA ops where their kernels compile for the card; and on the stock MatMulNBits, "edgedecode-stock"),
+llama.cpp with every layer on the same card (where llama-cpp-python was built with GPU offload: CMAKE_ARGS=
 "-DGGML_CUDA=on"), and edgedecode's graph run step by step without a CUDA graph ("edgedecode-no-graph"),
 so every ratio is measured on one card in one run; edgedecode's engines also report first-token latency
 (short chat prompt, 2k-token prompt) and the ingest of a 4k-token KV (upload alone; upload plus the
@@ -354,6 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         "accuracy_level": args.accuracy_level,
         "q4_1": args.q4_1 or DEVICE_Q4_1[args.device],
         "kernels": {r.name: r.engine.options.kernels for r in runners if r.name != "llama.cpp"},
+        # the own CUDA ops compute with float activations (level 0) whatever --accuracy-level asked
+        "accuracy_levels": {r.name: r.engine.options.accuracy_level for r in runners if r.name != "llama.cpp"},
         "spinning": spin_enabled(),
         "machine": cli.cpu_name(),
         "load_average_before_after": [load_before[0], os.getloadavg()[0]],

@@ -176,9 +176,10 @@ ED_DEV void gemv_rows(const EdGemvArgs &a, int seg, int out_row0, int col0, cons
         sync_threads();  // the block's next tile writes `reduce` again
     }
 
-    // Lane o * MT + c of the group writes output row o, column c.
-    if (lane < RO * MT) {
-        const int o = lane / MT, c = lane % MT;
+    // Output o * MT + c (row o, column c) is written by lane (o * MT + c) % lanes of the group: every lane holds
+    // every sum, and a group of 8 lanes has fewer lanes than the 16 outputs of R = 4 rows by MT = 4 columns.
+    for (int idx = lane; idx < RO * MT; idx += lanes) {
+        const int o = idx / MT, c = idx % MT;
         const int j = out_row0 + o, col = col0 + c;
         float v = 0.0f, g = 0.0f;
 #pragma unroll
