@@ -68,7 +68,8 @@ def _conversations(daemon) -> tuple[dict[str, list], dict[str, dict]]:
 
 
 def _margin(step, other: str) -> float:
-    """How far a step's token led ``other`` in its own log-probabilities; infinite where ``other`` is not in its top 5."""
+    """How far a step's token led ``other`` in its own log-probabilities (infinite where ``other`` is not in its
+    top 5)."""
     ranked = {top.token: top.logprob for top in step.top_logprobs}
     return step.logprob - ranked[other] if other in ranked else float("inf")
 

@@ -7,8 +7,9 @@ Two variants share every block but the linear layers, the embedding and the head
   MatMulGGUF ops over the GGUF's blocks as stored, the embedding a GatherGGUF over its rows, and a tied
   LM head reads the very same initializer (edgedecode/kernels; nothing below applies to them); on CUDA
   (float16) each layer's linears, norms and residual adds fuse into four FusedMatMulGGUF nodes where the
-  architecture allows (graph_fused.py). With the stock ops, linear layers are MatMulNBits without zero points (the fast path),
-  4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
+  architecture allows (graph_fused.py); on a CPU with its SIMD paths the KV is float16 and attention is
+  edgedecode's DecodeAttention. With the stock ops, linear layers are MatMulNBits without zero points (the
+  fast path), 4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
   for the asymmetric types (Q4_1, Q4_K, Q5_1, Q5_K), a per-block correction ``blocksum(x) @ C``
   computed once per distinct input (or, per ``GraphOptions.q4_1``, float zero points ``−m/d``, a
   K-doubled "stacked" form, or, the CUDA default, zero points for small models and the correction
