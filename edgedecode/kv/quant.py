@@ -66,6 +66,7 @@ _UNPACK = {
     for bits in (2, 4)
 }
 _FP16_TO_FP32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+_ROUND_TO_LOW_BYTE = np.float32(1 << 23)
 
 
 def codes_shape(layout: QuantLayout, n_tokens: int, head_dim: int) -> tuple[int, int]:
@@ -114,15 +115,17 @@ def quantize(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray
         raise TypeError(f"quantize takes float16 or float32, got {x.dtype}")
     d = x.shape[-1]
     layout.check_head_dim(d)
-    x = np.ascontiguousarray(x, np.float32)
+    x = widen_fp16(x) if x.dtype == np.float16 else np.ascontiguousarray(x)
     lo, hi = _group_reduce(np.minimum, x, layout), _group_reduce(np.maximum, x, layout)
     scales, zeros = _fp16_params(lo, hi, layout.bits)
     q = np.empty(x.shape, np.float32)
     _per_group(np.subtract, x, zeros.astype(np.float32), layout, q)
     _per_group(np.divide, q, scales.astype(np.float32), layout, q)
-    np.rint(q, out=q)
-    np.clip(q, 0, (1 << layout.bits) - 1, out=q)
-    return _pack(q.astype(np.uint8), layout.bits), scales, zeros
+    # q lies in [0, 2^b - 1] (x >= zero, and scale >= (max - zero) / (2^b - 1): both rounded outwards, so clipping
+    # changes nothing). Adding 2^23 rounds it half to even onto the integers, as rint does (float32 keeps no fraction
+    # from 2^23 on), and leaves the code in the float's low byte: one pass instead of rint, clip and a cast.
+    np.add(q, _ROUND_TO_LOW_BYTE, out=q)
+    return _pack(q.view(np.uint8)[..., ::4], layout.bits), scales, zeros
 
 
 def dequantize_into(
@@ -162,6 +165,11 @@ def widen_fp16_into(rows: np.ndarray, out: np.ndarray, scratch: np.ndarray | Non
         np.copyto(out, values)
 
 
+def widen_fp16(rows: np.ndarray) -> np.ndarray:
+    """float16 ``rows`` as a new C-contiguous float32 array, exactly (the table gather of ``widen_fp16_into``)."""
+    return np.take(_FP16_TO_FP32, rows.view(np.uint16), mode="clip")
+
+
 def _float32_buffer(out: np.ndarray, scratch: np.ndarray | None) -> np.ndarray:
     """A C-contiguous float32 array shaped like `out`: out itself if it qualifies, else scratch, else new."""
     if out.dtype == np.float32 and out.flags.c_contiguous:
@@ -184,11 +192,16 @@ def _fp16_params(lo: np.ndarray, hi: np.ndarray, bits: int) -> tuple[np.ndarray,
 
 
 def _round_fp16(v: np.ndarray, up: bool) -> np.ndarray:
-    """The nearest float16 on one side of v: the smallest ≥ v when `up`, else the largest ≤ v."""
-    h = v.astype(np.float16)
-    wrong = h.astype(v.dtype) < v if up else h.astype(v.dtype) > v
-    h[wrong] = np.nextafter(h[wrong], np.float16(np.inf if up else -np.inf))
-    return h
+    """The nearest float16 on one side of v (within ±65504): the smallest ≥ v when `up`, else the largest ≤ v.
+
+    In v's binade [2^(e-1), 2^e) float16 values are the multiples of 2^(e-11) (of 2^-24 below 2^-14), so v is
+    scaled by that power of two, rounded to an integer and scaled back: every step exact in float64.
+    """
+    v = v.astype(np.float64)
+    _, e = np.frexp(v)
+    shift = 11 - np.maximum(e, -13)
+    steps = (np.ceil if up else np.floor)(np.ldexp(v, shift))
+    return np.ldexp(steps, -shift).astype(np.float16)
 
 
 def _group_reduce(ufunc: np.ufunc, x: np.ndarray, layout: QuantLayout) -> np.ndarray:
@@ -226,9 +239,9 @@ def _per_group(ufunc: np.ufunc, values: np.ndarray, params: np.ndarray, layout: 
 
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 codes [..., D] -> bytes [..., D·bits/8], lowest bits first."""
+    """uint8 codes [..., D] (any strides) -> bytes [..., D·bits/8], lowest bits first."""
     if bits == 8:
-        return q
+        return np.ascontiguousarray(q)
     per = 8 // bits
     packed = q[..., 0::per].copy()
     for lane in range(1, per):
