@@ -16,6 +16,7 @@ low nibble; 2-bit: four per byte).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -51,6 +52,8 @@ class QuantLayout:
         if self.axis == "token" and head_dim % self.group:
             raise ValueError(f"head_dim {head_dim} is not a multiple of the token-axis group {self.group}")
 
+
+GroupRange = Callable[[np.ndarray, "QuantLayout"], tuple[np.ndarray, np.ndarray]]
 
 # (keys, values) per quantized tier; research/kv_calibration.md: INT8 per token is lossless, INT4 needs
 # per-channel keys over 32-token groups.
@@ -101,8 +104,14 @@ def token_nbytes(
     return float(sum(n_kv_heads * head_dim * (lay.bits / 8 + 4 / lay.group) for lay in layouts[tier]))
 
 
-def quantize(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize(
+    x: np.ndarray, layout: QuantLayout, group_range: GroupRange | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize ``x [..., m, D]`` (float16 or float32).
+
+    ``group_range(x, layout)`` returns each group's (min, max) of float32 ``x`` (any strides), shaped like the
+    params; another than the default (``numpy_group_range``, on a C-contiguous copy) must return the same values,
+    the sign of a zero minimum included.
 
     Returns:
         ``(codes uint8 [..., m, D·bits/8], scales float16, zeros float16)``, params shaped as `params_shape`.
@@ -115,8 +124,11 @@ def quantize(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray
         raise TypeError(f"quantize takes float16 or float32, got {x.dtype}")
     d = x.shape[-1]
     layout.check_head_dim(d)
-    x = widen_fp16(x) if x.dtype == np.float16 else np.ascontiguousarray(x)
-    lo, hi = _group_reduce(np.minimum, x, layout), _group_reduce(np.maximum, x, layout)
+    if x.dtype == np.float16:
+        x = widen_fp16(x)
+    if group_range is None:
+        x = np.ascontiguousarray(x)  # the token axis's reduceat runs over the flat array
+    lo, hi = (group_range or numpy_group_range)(x, layout)
     scales, zeros = _fp16_params(lo, hi, layout.bits)
     q = np.empty(x.shape, np.float32)
     _per_group(np.subtract, x, zeros.astype(np.float32), layout, q)
@@ -202,6 +214,11 @@ def _round_fp16(v: np.ndarray, up: bool) -> np.ndarray:
     shift = 11 - np.maximum(e, -13)
     steps = (np.ceil if up else np.floor)(np.ldexp(v, shift))
     return np.ldexp(steps, -shift).astype(np.float16)
+
+
+def numpy_group_range(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's (min, max) of C-contiguous float32 ``x [..., m, D]``, shaped like the params."""
+    return _group_reduce(np.minimum, x, layout), _group_reduce(np.maximum, x, layout)
 
 
 def _group_reduce(ufunc: np.ufunc, x: np.ndarray, layout: QuantLayout) -> np.ndarray:

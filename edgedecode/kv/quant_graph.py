@@ -87,6 +87,23 @@ def quant_graph(layout: QuantLayout, source: np.dtype) -> onnx.ModelProto:
     return g.model()
 
 
+def range_graph(layout: QuantLayout) -> onnx.ModelProto:
+    """``quant.numpy_group_range`` of float32 ``x [l, H, m, D]`` (m a multiple of the group for the channel axis):
+    ``lo`` and ``hi`` shaped like the params, and ``total``, the sum of x (NaN where x holds a NaN, which a
+    reduction may skip). Equal to numpy's except, perhaps, the sign of a zero minimum: the caller checks."""
+    g = _Graph(f"edkv-range-{layout.axis}-{layout.group}")
+    x = g.input("x", FLOAT, ["l", "H", "m", "D"])
+    shape = g.op1("Shape", [x])
+    grouped = g.op1("Reshape", [x, _group_shape(g, shape, layout)])
+    axis = 4 if layout.axis == "token" else 3
+    for op, name in (("ReduceMin", "lo"), ("ReduceMax", "hi")):
+        g.op(op, [grouped], outputs=[name], axes=[axis], keepdims=0)
+        g.output(name, FLOAT, None)
+    g.op("ReduceSum", [x, g.initializer("all", np.array([0, 1, 2, 3], np.int64))], outputs=["total"], keepdims=0)
+    g.output("total", FLOAT, None)
+    return g.model()
+
+
 def _gathered(g: _Graph, source: np.dtype) -> str:
     """The graph's inputs and ``rows[layers][:, :, tokens]``: [l, H, m, D] in the source dtype."""
     rows = g.input("rows", onnx_dtype(source), ["L", "H", "N", "D"])

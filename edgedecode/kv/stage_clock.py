@@ -1,8 +1,9 @@
 """Where a payload's time goes: CPU and wall seconds per named stage, summed over calls and threads.
 
-CPU time is the calling thread's (``time.thread_time``), so stages run on several threads at once add up to the
-work done, and other processes on a shared machine do not inflate it as they inflate wall time. Work a stage hands
-to threads it does not run on (onnxruntime's intra-op pool) is not counted: run those with one thread to attribute it.
+CPU time is the calling thread's (``time.thread_time``) by default, so stages run on several threads at once add up
+to the work done, and other processes on a shared machine do not inflate it as they inflate wall time. Work a stage
+hands to threads it does not run on (onnxruntime's intra-op pool) is not counted; a clock on ``time.process_time``
+counts it, and is right wherever one stage runs at a time (a benchmark's serial run).
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
 class StageClock:
     """Accumulates ``cpu_s``, ``wall_s`` and ``calls`` per stage name; safe to use from several threads."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_clock: Callable[[], float] = time.thread_time) -> None:
+        self.cpu_clock = cpu_clock
         self.cpu_s: dict[str, float] = defaultdict(float)
         self.wall_s: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
@@ -26,11 +28,11 @@ class StageClock:
     @contextmanager
     def stage(self, name: str) -> Iterator[None]:
         """Time the block as ``name``."""
-        cpu, wall = time.thread_time(), time.perf_counter()
+        cpu, wall = self.cpu_clock(), time.perf_counter()
         try:
             yield
         finally:
-            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            cpu, wall = self.cpu_clock() - cpu, time.perf_counter() - wall
             with self._lock:
                 self.cpu_s[name] += cpu
                 self.wall_s[name] += wall

@@ -20,8 +20,8 @@ import numpy as np
 import onnx
 
 from edgedecode.kv.importance_graph import hidden_bias, importance_graph, observation_queries
-from edgedecode.kv.quant import QuantLayout
-from edgedecode.kv.quant_graph import fp16_graph, quant_graph
+from edgedecode.kv.quant import QuantLayout, numpy_group_range, quantize, widen_fp16
+from edgedecode.kv.quant_graph import fp16_graph, quant_graph, range_graph
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.wire.coder import CachingCoder, fp16_error
 from edgedecode.model.onnx_builder import GraphBuilder
@@ -85,11 +85,43 @@ class KVDevice:
 
 
 class HostCoder(CachingCoder):
-    """The CPU's coder: numpy's quantizers (``kv/quant.py``), onnxruntime's cast to float16."""
+    """The CPU's coder: numpy's quantizers (``kv/quant.py``) with each group's minimum and maximum from onnxruntime
+    (a fifth of the time of numpy's reduceat over 32-value groups), and onnxruntime's cast to float16."""
 
     def __init__(self, snapshot: KVSnapshot, device: KVDevice) -> None:
         super().__init__(snapshot)
         self.device = device
+
+    def quantized_tokens(
+        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._quantized(kv, layout, l0, l1, tokens)
+
+    def quantized_sections(
+        self, kv: int, layout: QuantLayout, l0: int, l1: int, token_lists: list[np.ndarray]
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        return [self._quantized(kv, layout, l0, l1, tokens) for tokens in token_lists]
+
+    def _quantized(
+        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One section, its group ranges from onnxruntime: on a gather padded to whole channel groups with copies
+        of the last token (which change no group's minimum or maximum), quantized without the padding."""
+        pad = -len(tokens) % layout.group if layout.axis == "channel" else 0
+        rows = self.gathered(kv, l0, l1, np.concatenate([tokens, np.repeat(tokens[-1:], pad)]) if pad else tokens)
+        if rows.dtype == np.float16:
+            rows = widen_fp16(rows)
+        lo, hi = self._group_range(rows, layout)
+        return quantize(rows[:, :, : len(tokens)], layout, lambda x, layout: (lo, hi))
+
+    def _group_range(self, x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray]:
+        """onnxruntime's (min, max) per group of C-contiguous ``x``, or numpy's where a NaN could hide from them or
+        a group's minimum is zero (whose sign numpy's reduction decides)."""
+        session = self.device.session(("range", layout), lambda: range_graph(layout), threads=1)
+        lo, hi, total = session.run(["lo", "hi", "total"], {"x": x})
+        if not (np.isfinite(total) and lo.all()):
+            return numpy_group_range(x, layout)
+        return lo, hi
 
     def to_fp16(self, rows: np.ndarray) -> np.ndarray:
         if rows.dtype == np.float16:

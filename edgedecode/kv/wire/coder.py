@@ -67,12 +67,13 @@ class SectionCoder:
             for array, part in zip(arrays, quantize(rows, section.layout)):
                 array[...] = part
 
-    def compressed(self, key: Hashable) -> bytes | None:
-        """A chunk compressed for an earlier payload under ``key`` (its rectangle and tier rows), if kept."""
+    def compressed(self, key: Hashable) -> tuple[bytes, int] | None:
+        """A chunk compressed for an earlier payload under ``key`` (its rectangle, tier rows, layouts and zstd
+        level), and its CRC-32, if kept."""
         return None
 
-    def keep(self, key: Hashable, body: bytes) -> None:
-        """Remember a compressed chunk for a later payload of this snapshot."""
+    def keep(self, key: Hashable, body: tuple[bytes, int]) -> None:
+        """Remember a compressed chunk and its CRC-32 for a later payload of this snapshot."""
 
     def _rows(self, section: Section) -> np.ndarray:
         source = (self.snapshot.keys, self.snapshot.values)[section.kv]
@@ -127,10 +128,10 @@ class CachingCoder(SectionCoder):
         self._sections.rotate()
         self._chunks.rotate()
 
-    def compressed(self, key: Hashable) -> bytes | None:
+    def compressed(self, key: Hashable) -> tuple[bytes, int] | None:
         return self._chunks.get(key)
 
-    def keep(self, key: Hashable, body: bytes) -> None:
+    def keep(self, key: Hashable, body: tuple[bytes, int]) -> None:
         self._chunks.put(key, body)
 
     def prepare(self, plans: Sequence[ChunkPlan]) -> None:
@@ -178,14 +179,13 @@ class CachingCoder(SectionCoder):
         self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(codes, scales, zeros) [l1 - l0, H, m, ...] of K (kv 0) or V at ``tokens`` under a token-axis layout."""
-        return quantize(self._source(kv)[l0:l1][:, :, tokens], layout)
+        return quantize(self.gathered(kv, l0, l1, tokens), layout)
 
     def quantized_sections(
         self, kv: int, layout: QuantLayout, l0: int, l1: int, token_lists: list[np.ndarray]
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Each token list of layers [l0, l1) quantized as one section: (codes, scales, zeros) per list."""
-        source = self._source(kv)[l0:l1]
-        return [quantize(source[:, :, tokens], layout) for tokens in token_lists]
+        return [quantize(self.gathered(kv, l0, l1, tokens), layout) for tokens in token_lists]
 
     def fp16_sections(self, kv: int, l0: int, l1: int, token_lists: list[np.ndarray]) -> list[np.ndarray]:
         """Each token list of layers [l0, l1) as float16 rows [l1 - l0, H, m, D].
@@ -193,7 +193,7 @@ class CachingCoder(SectionCoder):
         Raises:
             ValueError: a value not finite in float16.
         """
-        rows = self._source(kv)[l0:l1][:, :, np.concatenate(token_lists)]
+        rows = self.gathered(kv, l0, l1, np.concatenate(token_lists))
         if not fp16_finite(rows):
             raise fp16_error(kv, l0, l1)
         return np.split(self.to_fp16(rows), np.cumsum([len(t) for t in token_lists])[:-1], axis=2)
@@ -201,6 +201,10 @@ class CachingCoder(SectionCoder):
     def to_fp16(self, rows: np.ndarray) -> np.ndarray:
         """``rows`` (finite in float16) as float16, rounded to nearest even."""
         return rows.astype(np.float16, copy=False)
+
+    def gathered(self, kv: int, l0: int, l1: int, tokens: np.ndarray) -> np.ndarray:
+        """K (kv 0) or V of layers [l0, l1) at ``tokens``: a C-contiguous copy [l1 - l0, H, m, D]."""
+        return np.take(self._source(kv)[l0:l1], tokens, axis=2)
 
     def _source(self, kv: int) -> np.ndarray:
         return (self.snapshot.keys, self.snapshot.values)[kv]

@@ -89,7 +89,8 @@ def encode_payload(
             (EDKV 2.0 ``window``; ``kv.window`` says which tokens a receiver needs); None: every cell is sent.
         coder: what computes the sections (``wire.coder``): the reference ``SectionCoder`` by default; a
             ``CachingCoder`` of this snapshot, reused across payloads, computes each chunk's bytes once.
-        clock: records CPU and wall time of the stages quantize, compress and frame (``kv.stage_clock``).
+        clock: records CPU and wall time of the stages header (once a payload), quantize, assemble, compress and
+            frame (``kv.stage_clock``).
 
     Returns:
         An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
@@ -97,7 +98,7 @@ def encode_payload(
         (ValueError on values a quantizer cannot represent).
     """
     window = None if window_start is None else WindowCut(snapshot.contract.sliding_layers, window_start)
-    with clock.stage("frame"):
+    with clock.stage("header"):
         header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window)
         if transfer is not None or importance is not None:
             given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
@@ -113,9 +114,9 @@ def encode_payload(
     version = (WINDOW_MAJOR, WINDOW_MINOR) if window is not None else (MAJOR, MINOR)
     cells = carried_cells(header.tiers, window)
     # a chunk's bytes follow from its rectangle's tier rows, the layouts and the level (and the snapshot: the coder's)
-    layouts_used = tuple(header.layouts.items())
+    layouts_given = tuple(layouts.items())
     keys = [
-        (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop, level, layouts_used,
+        (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop, level, layouts_given,
          cells[spec.layer_start : spec.layer_stop, spec.token_start : spec.token_stop].tobytes())
         for spec in header.chunks
     ]  # fmt: skip
@@ -198,7 +199,7 @@ def _frames(
     clock: StageClock,
 ) -> Iterator[bytes]:
     """The header frame, then each chunk's frame in order as soon as it is ready, then the trailer."""
-    with clock.stage("frame"):
+    with clock.stage("header"):
         digest = hashlib.sha256()
         frame = HEADER_PREFIX.pack(HEADER_MAGIC, *version, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
         digest.update(frame)
@@ -208,15 +209,15 @@ def _frames(
     step = max(coder.wave_chunks, 1)
     waves = [range(start, min(start + step, len(plans))) for start in range(0, len(plans), step)]
 
-    def encode(wave: range) -> list[bytes]:
-        """The compressed chunks of one wave: kept from an earlier payload, or computed and compressed now."""
+    def encode(wave: range) -> list[tuple[bytes, int]]:
+        """The compressed chunks of one wave and their CRC-32s: kept from an earlier payload, or made now."""
         missing = [i for i in wave if coder.compressed(keys[i]) is None]
         with clock.stage("quantize"):
             coder.prepare([plans[i] for i in missing])
         bodies = []
         for i in wave:
-            compressed = coder.compressed(keys[i])
-            if compressed is None:
+            body = coder.compressed(keys[i])
+            if body is None:
                 raw = bytearray(plans[i].raw_nbytes)
                 with clock.stage(coder.fill_stage):
                     coder.fill(raw, plans[i])
@@ -224,11 +225,13 @@ def _frames(
                     if not hasattr(compressors, "zstd"):
                         compressors.zstd = zstandard.ZstdCompressor(level=level)
                     compressed = compressors.zstd.compress(raw)
-                coder.keep(keys[i], compressed)
-            bodies.append(compressed)
+                with clock.stage("frame"):
+                    body = (compressed, zlib.crc32(compressed))
+                coder.keep(keys[i], body)
+            bodies.append(body)
         return bodies
 
-    def waves_encoded() -> Iterator[list[bytes]]:
+    def waves_encoded() -> Iterator[list[tuple[bytes, int]]]:
         if workers == 1:
             yield from map(encode, waves)
             return
@@ -240,9 +243,10 @@ def _frames(
                 pending.extend(pool.submit(encode, wave) for wave in islice(ahead, 1))
                 yield bodies
 
-    for index, compressed in enumerate(chain.from_iterable(waves_encoded())):
+    for index, (compressed, crc) in enumerate(chain.from_iterable(waves_encoded())):
         with clock.stage("frame"):
-            prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), zlib.crc32(compressed))
+            prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), crc)
             digest.update(prefix)  # the body is covered by the CRC-32 inside the prefix
-        yield prefix + compressed
+            frame = prefix + compressed
+        yield frame
     yield TRAILER.pack(TRAILER_MAGIC, len(plans), digest.digest())

@@ -1,0 +1,273 @@
+#!/usr/bin/env python3
+"""Where the prefill server's time goes, stage by stage: prefill, observe (the observation window's pass), export
+(the KV to the host), importance, allocate, quantize, assemble, compress, frame and send, for prompts of
+--tokens at each --budgets, on --device (cpu or cuda), for the reference path and the device path side by side.
+
+For each prompt length the real default model prefills the first N tokens of CPython's bundled docs once (the
+prefill server's graph, on --device; prefix cache off), then:
+
+* importance: the reference (numpy, ``kv.importance``) and the device path (onnxruntime on --device,
+  ``prefill.kv_device``) score the same queries; their largest relative difference is reported;
+* for each budget, ``encode_within_budget`` as the server runs it (policy "ours", the model's tier profile, the
+  refits included) with each path: the reference coder (every refit computed afresh: what the server did before)
+  and the device coder (sections on --device, kept across refits). Both encode the same scored prefill (the
+  reference's importance), and the tool checks that their payloads are byte for byte equal.
+* send: the payload's frames written to a local socket that a thread drains (the kernel copy; no link).
+
+Each encode runs twice per --runs: **serial** (one writer thread, onnxruntime on one thread) for each stage's CPU
+time, taken with ``time.thread_time`` in the thread that runs it (other processes on a shared machine inflate it far
+less than wall time), and **parallel** (--workers threads) for wall time and the process's CPU time. GB/s are of
+FP16-equivalent KV (n × layers × 2 × kv_heads × head_dim × 2 bytes): per stage over its serial CPU time, and
+end to end over the parallel wall time. One warm-up encode per path and prompt is not counted (session builds).
+A cell that fails is recorded with its error and the run goes on.
+
+    python tools/bench/prefill_stages.py [--tokens 1024 4096 8191] [--budgets 1.0 0.5 0.3 0.2] [--device cpu|cuda]
+                                         [--workers 2] [--runs 1] [--paths reference device] [--json F]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: import tools.* (and edgedecode) from the repo root, as `python -m` would
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+import logging
+import os
+import socket
+import statistics
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
+from edgedecode.kv.policy import TierProfile, profile_path
+from edgedecode.kv.stage_clock import StageClock
+from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL
+from edgedecode.model.graph import GraphOptions
+from edgedecode.model.loader import load_model
+from edgedecode.model.registry import DEFAULT_MODEL
+from edgedecode.prefill.kv_device import KVDevice
+from edgedecode.prefill.pipeline import EncodedKV, ScoredPrefill, encode_within_budget, prefill_observed
+from edgedecode.runtime.engine import Engine
+from tools.bench.prompts import prompt_tokens
+from tools.common import cli
+
+logger = logging.getLogger(__name__)
+LEVEL = [DEFAULT_ZSTD_LEVEL]  # --level
+PATHS = ("reference", "device")
+ENCODE_STAGES = ("allocate", "header", "quantize", "assemble", "compress", "frame")
+
+
+def fp16_nbytes(scored: ScoredPrefill) -> int:
+    c = scored.snapshot.contract
+    return scored.snapshot.n_tokens * c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
+
+
+def prefill(engine: Engine, ids: np.ndarray, devices: dict[str, KVDevice | None]) -> dict:
+    """Prefill ``ids`` once; score them with every path. Returns the scored prefill (reference importance),
+    the prefill stages and each path's importance time."""
+    clock = StageClock(time.process_time)  # one stage at a time: onnxruntime's threads counted
+    wall = time.perf_counter()
+    queries, positions = prefill_observed(engine, ids, OBSERVATION_WINDOW, None, clock)
+    with clock.stage("export"):
+        snapshot = engine.export_kv()
+    stages = {name: t for name, t in clock.as_dict().items()}
+    scores = {}
+    for path, device in devices.items():
+        timing = StageClock(time.process_time)
+        for _ in range(2):  # the first builds the device's session
+            timing = StageClock(time.process_time)
+            with timing.stage("importance"):
+                if device is None:
+                    per_layer = attention_importance(engine.spec, queries, positions, snapshot.keys, snapshot.positions)
+                else:
+                    per_layer = device.importance(engine.spec, queries, positions, snapshot)
+        scores[path] = per_layer.sum(axis=0)
+        stages[f"importance ({path})"] = timing.as_dict()["importance"]
+    reference = scores.get("reference", next(iter(scores.values())))
+    differences = {
+        path: float(np.abs(score - reference).max() / max(float(np.abs(reference).max()), 1e-30))
+        for path, score in scores.items()
+    }
+    return {
+        "scored": ScoredPrefill(snapshot, reference),
+        "scores": scores,
+        "stages": stages,
+        "wall_s": time.perf_counter() - wall,
+        "importance_max_rel_diff": differences,
+    }
+
+
+def encode(
+    scored: ScoredPrefill, budget: float, device: KVDevice | None, workers: int, profile: TierProfile
+) -> tuple[EncodedKV, StageClock, float, float]:
+    """One fit at ``budget``: the payload, its stage clock (process CPU time when serial), wall and process CPU
+    seconds."""
+    clock = StageClock(time.process_time if workers == 1 else time.thread_time)
+    wall, cpu = time.perf_counter(), time.process_time()
+    encoded = encode_within_budget(
+        scored, budget, profile=profile, workers=workers, device=device, clock=clock, level=LEVEL[0]
+    )
+    return encoded, clock, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def send(frames: list[bytes]) -> dict:
+    """Write ``frames`` into a local socket drained by a thread: the sender's CPU and wall seconds."""
+    sender, receiver = socket.socketpair()
+    drained = 0
+
+    def drain() -> None:
+        nonlocal drained
+        while chunk := receiver.recv(1 << 20):
+            drained += len(chunk)
+
+    thread = threading.Thread(target=drain)
+    thread.start()
+    cpu, wall = time.thread_time(), time.perf_counter()
+    for frame in frames:
+        sender.sendall(frame)
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    sender.close()
+    thread.join()
+    receiver.close()
+    return {"cpu_s": cpu, "wall_s": wall, "bytes": drained}
+
+
+def measure_cell(scored: ScoredPrefill, budget: float, path: str, args, devices, profile) -> dict:
+    """The serial and parallel encodes of one (prompt, budget, path), medians over --runs."""
+    fp16 = fp16_nbytes(scored)
+    serial_device = None if devices[path] is None else KVDevice(args.device, 1)
+    encode(scored, budget, serial_device, 1, profile)  # warm-up: sessions
+    runs = []
+    for _ in range(args.runs):
+        encoded, clock, serial_wall, _ = encode(scored, budget, serial_device, 1, profile)
+        _, _, wall, cpu = encode(scored, budget, devices[path], args.workers, profile)
+        runs.append((encoded, clock.as_dict(), serial_wall, wall, cpu))
+    encoded, stages, _, _, _ = runs[-1]
+    stage_cpu = {name: statistics.median(r[1].get(name, {"cpu_s": 0.0})["cpu_s"] for r in runs) for name in stages}
+    encode_cpu = sum(stage_cpu.get(name, 0.0) for name in ENCODE_STAGES)
+    wall = statistics.median(r[3] for r in runs)
+    return {
+        "encodes": stages.get("header", {}).get("calls", 0) // 2,  # two header stages a payload
+        "b_wire": encoded.b_wire,
+        "wire_bytes": encoded.wire_bytes,
+        "tiers": encoded.tier_counts(),
+        "stages_cpu_s": stage_cpu,
+        "stages_gbps": {name: fp16 / s / 1e9 for name, s in stage_cpu.items() if s > 0},
+        "encode_cpu_s": encode_cpu,
+        "encode_gbps_per_core": fp16 / encode_cpu / 1e9 if encode_cpu else None,
+        "serial_wall_s": statistics.median(r[2] for r in runs),
+        "parallel_wall_s": wall,
+        "parallel_process_cpu_s": statistics.median(r[4] for r in runs),
+        "parallel_gbps_wall": fp16 / wall / 1e9,
+        "send": send(encoded.frames),
+        "payload": b"".join(encoded.frames),
+        "tier_map": encoded.tiers,
+    }
+
+
+def measure(args) -> dict:
+    model = load_model(args.model or DEFAULT_MODEL)
+    longest = max(args.tokens)
+    engine = Engine(
+        model, GraphOptions.for_device("prefill", args.device), max_context=longest + 1, device=args.device,
+        threads=args.threads,
+    )  # fmt: skip
+    devices: dict[str, KVDevice | None] = {
+        path: (None if path == "reference" else KVDevice(args.device, args.threads)) for path in args.paths
+    }
+    profile = TierProfile.load(profile_path(model))
+    engine.forward(prompt_tokens(model.tokenizer, 64))  # warm-up: the first run initialises the device
+    cells = []
+    for n in args.tokens:
+        row: dict = {"tokens": n}
+        cells.append(row)
+        try:
+            done = prefill(engine, prompt_tokens(model.tokenizer, n), devices)
+        except Exception as exc:  # a failed prompt is recorded and the run goes on
+            row["error"] = "".join(traceback.format_exception_only(exc)).strip()
+            continue
+        scored = done.pop("scored")
+        scores = done.pop("scores")
+        row.update(done, fp16_bytes=fp16_nbytes(scored), budgets={})
+        for budget in args.budgets:
+            cell: dict = {}
+            row["budgets"][str(budget)] = cell
+            for path in args.paths:
+                try:
+                    cell[path] = measure_cell(scored, budget, path, args, devices, profile)
+                except Exception as exc:
+                    cell[path] = {"error": "".join(traceback.format_exception_only(exc)).strip()}
+            payloads = {path: result.pop("payload") for path, result in cell.items() if "payload" in result}
+            tier_maps = [result.pop("tier_map") for result in cell.values() if "tier_map" in result]
+            if len(payloads) > 1:
+                cell["same_bytes"] = len(set(payloads.values())) == 1
+            if "device" in scores and tier_maps:  # the tiers the device path's own scores pick
+                other = ScoredPrefill(scored.snapshot, scores["device"])
+                tiers = encode_within_budget(
+                    other, budget, profile=profile, device=devices["device"], level=args.level
+                ).tiers
+                cell["device_scores_same_tiers"] = bool(np.array_equal(tiers, tier_maps[0]))
+        logger.info("%d tokens measured", n)
+    return {
+        **cli.record(__file__, args.argv, args.started),
+        "settings": cli.settings(args, ("argv", "started")),
+        "cells": cells,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = cli.parser(__doc__)
+    cli.add_model(parser)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8191])
+    parser.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.5, 0.3, 0.2])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="writer threads (parallel runs)")
+    cli.add_threads(parser, 2, "onnxruntime threads of the prefill engine and the device path")
+    cli.add_runs(parser, 1)
+    parser.add_argument("--level", type=int, default=DEFAULT_ZSTD_LEVEL, help="zstd level of the payloads")
+    cli.add_json_file(parser)
+    args = parser.parse_args(argv)
+    args.argv, args.started = argv, time.time()
+    LEVEL[0] = args.level
+    run = measure(args)
+    if args.json:
+        cli.write_json(run, args.json)
+    print_table(run)
+
+
+def print_table(run: dict) -> None:
+    for row in run["cells"]:
+        if "error" in row:
+            print(f"{row['tokens']} tokens: {row['error']}")
+            continue
+        stages = row["stages"]
+        head = ", ".join(f"{name} {t['cpu_s'] * 1e3:.0f} ms CPU ({t['wall_s'] * 1e3:.0f} wall)" for name, t in
+                         stages.items())  # fmt: skip
+        print(f"{row['tokens']} tokens ({row['fp16_bytes'] / 1e6:.1f} MB FP16): {head}")
+        for budget, cell in row["budgets"].items():
+            for path in PATHS:
+                r = cell.get(path)
+                if r is None:
+                    continue
+                if "error" in r:
+                    print(f"  b {budget} {path}: {r['error']}")
+                    continue
+                parts = " ".join(f"{k} {v * 1e3:.0f}" for k, v in r["stages_cpu_s"].items())
+                print(
+                    f"  b {budget} {path:<9} encodes {r['encodes']} b_wire {r['b_wire']:.4f} | CPU ms: {parts} | "
+                    f"encode {r['encode_cpu_s'] * 1e3:.0f} ms CPU = {r['encode_gbps_per_core']:.2f} GB/s a core; "
+                    f"parallel wall {r['parallel_wall_s'] * 1e3:.0f} ms = {r['parallel_gbps_wall']:.2f} GB/s; "
+                    f"send {r['send']['cpu_s'] * 1e3:.0f} ms CPU"
+                )
+            if "same_bytes" in cell:
+                print(f"  b {budget} same bytes: {cell['same_bytes']}")
+
+
+if __name__ == "__main__":
+    cli.run(main)
