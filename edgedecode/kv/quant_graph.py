@@ -49,7 +49,7 @@ def fp16_graph(source: np.dtype) -> onnx.ModelProto:
     g.op("ReduceMax", [g.op1("Abs", [wide])], outputs=["largest"], keepdims=0)
     g.op("ReduceSum", [wide, g.initializer("all", np.array([0, 1, 2, 3], np.int64))], outputs=["total"], keepdims=0)
     for name in ("largest", "total"):
-        g.output(name, FLOAT, None)
+        g.output(name, FLOAT, [])
     return g.model()
 
 
@@ -73,17 +73,17 @@ def quant_graph(layout: QuantLayout, source: np.dtype) -> onnx.ModelProto:
     params_shape = _params_shape(g, shape, layout)
     for name, value in (("scales", scale), ("zeros", zero)):
         g.op("Reshape", [g.op1("Cast", [value], to=FLOAT16), params_shape], outputs=[name])
-        g.output(name, FLOAT16, None)
+        g.output(name, FLOAT16, ["l", "H", "groups", "params"])
     q = g.op1("Round", [g.op1("Div", [g.op1("Sub", [grouped, zero]), scale])])
     g.op("Cast", [_packed(g, g.op1("Reshape", [q, shape]), shape, layout.bits)], outputs=["codes"], to=UINT8)
     g.output("codes", UINT8, ["l", "H", "m", "Dp"])
     extreme = g.op1("Max", [g.op1("Abs", [lo]), g.op1("Abs", [hi])])
     in_range = g.op1("LessOrEqual", [extreme, g.initializer("fp16_max", np.array(FP16_MAX, np.float32))])
     g.op("ReduceSum", [g.op1("Cast", [g.op1("Not", [in_range])], to=FLOAT)], outputs=["bad"], keepdims=0)
-    g.output("bad", FLOAT, None)
+    g.output("bad", FLOAT, [])
     at_zero = g.op1("Equal", [lo, g.initializer("zero", np.array(0.0, np.float32))])
     g.op("ReduceSum", [g.op1("Cast", [at_zero], to=FLOAT)], outputs=["zero_groups"], keepdims=0)
-    g.output("zero_groups", FLOAT, None)
+    g.output("zero_groups", FLOAT, [])
     return g.model()
 
 
@@ -98,9 +98,9 @@ def range_graph(layout: QuantLayout) -> onnx.ModelProto:
     axis = 4 if layout.axis == "token" else 3
     for op, name in (("ReduceMin", "lo"), ("ReduceMax", "hi")):
         g.op(op, [grouped], outputs=[name], axes=[axis], keepdims=0)
-        g.output(name, FLOAT, None)
+        g.output(name, FLOAT, ["l", "H", "groups", "params"])
     g.op("ReduceSum", [x, g.initializer("all", np.array([0, 1, 2, 3], np.int64))], outputs=["total"], keepdims=0)
-    g.output("total", FLOAT, None)
+    g.output("total", FLOAT, [])
     return g.model()
 
 

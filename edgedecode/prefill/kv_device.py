@@ -128,7 +128,7 @@ class HostCoder(CachingCoder):
             return rows
         # one thread: the writer's workers cast their own chunks side by side
         session = self.device.session(("cast-fp16",), _cast_graph, threads=1)
-        return session.run(["fp16"], {"rows": np.ascontiguousarray(rows, np.float32)})[0]
+        return session.run(["fp16"], {"rows": rows.reshape(-1)})[0].reshape(rows.shape)
 
 
 class DeviceCoder(CachingCoder):
@@ -140,7 +140,7 @@ class DeviceCoder(CachingCoder):
     def __init__(self, snapshot: KVSnapshot, device: KVDevice) -> None:
         super().__init__(snapshot)
         self.device = device
-        self._rows = [_on_device(part, device.device) for part in (snapshot.keys, snapshot.values)]
+        self._bound = [_on_device(part, device.device) for part in (snapshot.keys, snapshot.values)]
 
     def quantized_tokens(
         self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray
@@ -184,7 +184,7 @@ class DeviceCoder(CachingCoder):
 
     def _run(self, session, kv: int, l0: int, l1: int, tokens: np.ndarray, outputs: tuple[str, ...]) -> list:
         io = session.io_binding()
-        io.bind_ortvalue_input("rows", self._rows[kv])
+        io.bind_ortvalue_input("rows", self._bound[kv])
         io.bind_cpu_input("layers", np.arange(l0, l1, dtype=np.int64))
         io.bind_cpu_input("tokens", np.ascontiguousarray(tokens, np.int64))
         for name in outputs:
@@ -199,9 +199,9 @@ def _on_device(array: np.ndarray, device: str):
 
 
 def _cast_graph() -> onnx.ModelProto:
-    """float32 ``rows`` (any shape) -> float16 ``fp16``."""
+    """float32 ``rows`` [n] -> float16 ``fp16`` [n]."""
     g = GraphBuilder("edkv-cast-fp16")
-    rows = g.input("rows", onnx.TensorProto.FLOAT, None)
+    rows = g.input("rows", onnx.TensorProto.FLOAT, ["n"])
     g.op("Cast", [rows], outputs=["fp16"], to=onnx.TensorProto.FLOAT16)
-    g.output("fp16", onnx.TensorProto.FLOAT16, None)
+    g.output("fp16", onnx.TensorProto.FLOAT16, ["n"])
     return g.model()
