@@ -349,3 +349,39 @@ def test_what_the_device_coder_writes_decodes_as_the_references(device):
     ours = decode_snapshot(payload, snapshot.contract)
     theirs = decode_snapshot(b"".join(encode_payload(snapshot, tiers)), snapshot.contract)
     assert np.array_equal(ours.keys, theirs.keys) and np.array_equal(ours.values, theirs.values)
+
+
+def _on_cuda(test):
+    """Mark a test as needing onnxruntime-gpu and a CUDA device (skipped elsewhere)."""
+    from edgedecode.runtime.session import available_devices
+
+    needs = pytest.mark.skipif("cuda" not in available_devices(), reason="needs onnxruntime-gpu with a CUDA device")
+    return pytest.mark.gpu(needs(test))
+
+
+@_on_cuda
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_the_cuda_device_coder_writes_the_reference_bytes(dtype):
+    """The same bytes from the CUDA EP's kernels: IEEE division, round half to even, exact float64 params."""
+    cuda = KVDevice("cuda", 1)
+    for windowed in (False, True):
+        snapshot = _snapshot(640, dtype, seed=3, windowed=windowed)
+        coder = DeviceCoder(snapshot, cuda)
+        for name, tiers in _tier_maps(640).items():
+            tiers = tiers.copy()
+            tiers[..., -40:] = Tier.INT8  # a windowed tail is never dropped
+            start = 500 if windowed else None
+            expected = b"".join(encode_payload(snapshot, tiers, chunk_tokens=128, window_start=start))
+            got = encode_payload(snapshot, tiers, chunk_tokens=128, window_start=start, coder=coder, workers=4)
+            assert b"".join(got) == expected, (name, windowed)
+    data = np.random.default_rng(0).standard_normal((4, 2, 4096, DIM)).astype(np.float32)
+    for layout in LAYOUTS:  # many groups, every layout
+        session = cuda.session(("test-quant", layout), lambda layout=layout: quant_graph(layout, np.float32))
+        outputs = ["codes", "scales", "zeros", "zero_groups"]
+        tokens = np.arange(4096, dtype=np.int64)
+        codes, scales, zeros, zero_groups = session.run(
+            outputs, {"rows": data, "layers": np.arange(4), "tokens": tokens}
+        )
+        ref = quantize(data, layout)
+        assert zero_groups == 0
+        assert (codes.tobytes(), scales.tobytes(), zeros.tobytes()) == tuple(a.tobytes() for a in ref)

@@ -57,7 +57,6 @@ from tools.bench.prompts import prompt_tokens
 from tools.common import cli
 
 logger = logging.getLogger(__name__)
-LEVEL = [DEFAULT_ZSTD_LEVEL]  # --level
 PATHS = ("reference", "device")
 ENCODE_STAGES = ("allocate", "header", "quantize", "assemble", "compress", "frame")
 
@@ -103,14 +102,14 @@ def prefill(engine: Engine, ids: np.ndarray, devices: dict[str, KVDevice | None]
 
 
 def encode(
-    scored: ScoredPrefill, budget: float, device: KVDevice | None, workers: int, profile: TierProfile
+    scored: ScoredPrefill, budget: float, device: KVDevice | None, workers: int, profile: TierProfile, level: int
 ) -> tuple[EncodedKV, StageClock, float, float]:
     """One fit at ``budget``: the payload, its stage clock (process CPU time when serial), wall and process CPU
     seconds."""
     clock = StageClock(time.process_time if workers == 1 else time.thread_time)
     wall, cpu = time.perf_counter(), time.process_time()
     encoded = encode_within_budget(
-        scored, budget, profile=profile, workers=workers, device=device, clock=clock, level=LEVEL[0]
+        scored, budget, profile=profile, workers=workers, device=device, clock=clock, level=level
     )
     return encoded, clock, time.perf_counter() - wall, time.process_time() - cpu
 
@@ -141,11 +140,11 @@ def measure_cell(scored: ScoredPrefill, budget: float, path: str, args, devices,
     """The serial and parallel encodes of one (prompt, budget, path), medians over --runs."""
     fp16 = fp16_nbytes(scored)
     serial_device = None if devices[path] is None else KVDevice(args.device, 1)
-    encode(scored, budget, serial_device, 1, profile)  # warm-up: sessions
+    encode(scored, budget, serial_device, 1, profile, args.level)  # warm-up: sessions
     runs = []
     for _ in range(args.runs):
-        encoded, clock, serial_wall, _ = encode(scored, budget, serial_device, 1, profile)
-        _, _, wall, cpu = encode(scored, budget, devices[path], args.workers, profile)
+        encoded, clock, serial_wall, _ = encode(scored, budget, serial_device, 1, profile, args.level)
+        _, _, wall, cpu = encode(scored, budget, devices[path], args.workers, profile, args.level)
         runs.append((encoded, clock.as_dict(), serial_wall, wall, cpu))
     encoded, stages, _, _, _ = runs[-1]
     stage_cpu = {name: statistics.median(r[1].get(name, {"cpu_s": 0.0})["cpu_s"] for r in runs) for name in stages}
@@ -234,7 +233,6 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_json_file(parser)
     args = parser.parse_args(argv)
     args.argv, args.started = argv, time.time()
-    LEVEL[0] = args.level
     run = measure(args)
     if args.json:
         cli.write_json(run, args.json)
