@@ -183,7 +183,7 @@ def measure(args) -> dict:
     engine.forward(prompt_tokens(model.tokenizer, 64))  # warm-up: the first run initialises the device
     cells = []
     for n in args.tokens:
-        row: dict = {"tokens": n}
+        row: dict = {"tokens": n, "load_average_before": os.getloadavg()[0]}
         cells.append(row)
         try:
             done = prefill(engine, prompt_tokens(model.tokenizer, n), devices)
@@ -211,6 +211,7 @@ def measure(args) -> dict:
                     other, budget, profile=profile, device=devices["device"], level=args.level
                 ).tiers
                 cell["device_scores_same_tiers"] = bool(np.array_equal(tiers, tier_maps[0]))
+        row["load_average_after"] = os.getloadavg()[0]
         logger.info("%d tokens measured", n)
     return {
         **cli.record(__file__, args.argv, args.started),
