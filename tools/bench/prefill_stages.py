@@ -12,14 +12,16 @@ prefill server's graph, on --device; prefix cache off), then:
   refits included) with each path: the reference coder (every refit computed afresh: what the server did before)
   and the device coder (sections on --device, kept across refits). Both encode the same scored prefill (the
   reference's importance), and the tool checks that their payloads are byte for byte equal.
-* send: the payload's frames written to a local socket that a thread drains (the kernel copy; no link).
+* send: the payload's frames written to a local socket that a thread drains (the kernel copy; no link);
+* server: what a request costs the server, in wall time: the prefill stages, the path's scoring and its parallel
+  fit; against the bare prefill (the prompt run through the same engine, nothing else).
 
 Each encode runs twice per --runs: **serial** (one writer thread, onnxruntime on one thread) for each stage's CPU
 time, taken with ``time.thread_time`` in the thread that runs it (other processes on a shared machine inflate it far
 less than wall time), and **parallel** (--workers threads) for wall time and the process's CPU time. GB/s are of
 FP16-equivalent KV (n × layers × 2 × kv_heads × head_dim × 2 bytes): per stage over its serial CPU time, and
 end to end over the parallel wall time. One warm-up encode per path and prompt is not counted (session builds).
-A cell that fails is recorded with its error and the run goes on.
+A cell that fails is recorded with its error and the run goes on; --json is rewritten after every prompt.
 
     python tools/bench/prefill_stages.py [--tokens 1024 4096 8191] [--budgets 1.0 0.5 0.3 0.2] [--device cpu|cuda]
                                          [--workers 2] [--runs 1] [--paths reference device] [--json F]
@@ -66,9 +68,18 @@ def fp16_nbytes(scored: ScoredPrefill) -> int:
     return scored.snapshot.n_tokens * c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
 
 
+def bare_prefill_s(engine: Engine, ids: np.ndarray) -> float:
+    """Wall seconds of the prompt's plain prefill on ``engine`` (no observation pass, no export)."""
+    wall = time.perf_counter()
+    engine.start(ids, None, 0)
+    engine.forward(ids)
+    return time.perf_counter() - wall
+
+
 def prefill(engine: Engine, ids: np.ndarray, devices: dict[str, KVDevice | None]) -> dict:
     """Prefill ``ids`` once; score them with every path. Returns the scored prefill (reference importance),
     the prefill stages and each path's importance time."""
+    bare = bare_prefill_s(engine, ids)
     clock = StageClock(time.process_time)  # one stage at a time: onnxruntime's threads counted
     wall = time.perf_counter()
     queries, positions = prefill_observed(engine, ids, OBSERVATION_WINDOW, None, clock)
@@ -96,6 +107,7 @@ def prefill(engine: Engine, ids: np.ndarray, devices: dict[str, KVDevice | None]
         "scored": ScoredPrefill(snapshot, reference),
         "scores": scores,
         "stages": stages,
+        "bare_prefill_wall_s": bare,
         "wall_s": time.perf_counter() - wall,
         "importance_max_rel_diff": differences,
     }
@@ -201,6 +213,11 @@ def measure(args) -> dict:
                     cell[path] = measure_cell(scored, budget, path, args, devices, profile)
                 except Exception as exc:
                     cell[path] = {"error": "".join(traceback.format_exception_only(exc)).strip()}
+            for path, result in cell.items():  # what a request costs the server: prefill stages, then the fit
+                if "parallel_wall_s" in result:
+                    before = sum(row["stages"][name]["wall_s"] for name in ("prefill", "observe", "export"))
+                    result["server_wall_s"] = before + row["stages"][f"importance ({path})"]["wall_s"] + (
+                        result["parallel_wall_s"])  # fmt: skip
             payloads = {path: result.pop("payload") for path, result in cell.items() if "payload" in result}
             tier_maps = [result.pop("tier_map") for result in cell.values() if "tier_map" in result]
             if len(payloads) > 1:
@@ -213,6 +230,12 @@ def measure(args) -> dict:
                 cell["device_scores_same_tiers"] = bool(np.array_equal(tiers, tier_maps[0]))
         row["load_average_after"] = os.getloadavg()[0]
         logger.info("%d tokens measured", n)
+        if args.json:  # after every prompt: a run cut short keeps what it measured
+            cli.write_json(record(args, cells), args.json)
+    return record(args, cells)
+
+
+def record(args, cells: list[dict]) -> dict:
     return {
         **cli.record(__file__, args.argv, args.started),
         "settings": cli.settings(args, ("argv", "started")),
@@ -234,10 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_json_file(parser)
     args = parser.parse_args(argv)
     args.argv, args.started = argv, time.time()
-    run = measure(args)
-    if args.json:
-        cli.write_json(run, args.json)
-    print_table(run)
+    print_table(measure(args))
 
 
 def print_table(run: dict) -> None:
@@ -248,7 +268,10 @@ def print_table(run: dict) -> None:
         stages = row["stages"]
         head = ", ".join(f"{name} {t['cpu_s'] * 1e3:.0f} ms CPU ({t['wall_s'] * 1e3:.0f} wall)" for name, t in
                          stages.items())  # fmt: skip
-        print(f"{row['tokens']} tokens ({row['fp16_bytes'] / 1e6:.1f} MB FP16): {head}")
+        print(
+            f"{row['tokens']} tokens ({row['fp16_bytes'] / 1e6:.1f} MB FP16): bare prefill "
+            f"{row['bare_prefill_wall_s'] * 1e3:.0f} ms wall; {head}"
+        )
         for budget, cell in row["budgets"].items():
             for path in PATHS:
                 r = cell.get(path)
@@ -262,7 +285,7 @@ def print_table(run: dict) -> None:
                     f"  b {budget} {path:<9} encodes {r['encodes']} b_wire {r['b_wire']:.4f} | CPU ms: {parts} | "
                     f"encode {r['encode_cpu_s'] * 1e3:.0f} ms CPU = {r['encode_gbps_per_core']:.2f} GB/s a core; "
                     f"parallel wall {r['parallel_wall_s'] * 1e3:.0f} ms = {r['parallel_gbps_wall']:.2f} GB/s; "
-                    f"send {r['send']['cpu_s'] * 1e3:.0f} ms CPU"
+                    f"send {r['send']['cpu_s'] * 1e3:.0f} ms CPU; server {r['server_wall_s'] * 1e3:.0f} ms wall"
                 )
             if "same_bytes" in cell:
                 print(f"  b {budget} same bytes: {cell['same_bytes']}")
