@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from edgedecode.daemon.adaptive import BUDGET_LADDER, QUALITY_TIE_PCT, PlanInputs, QualityCosts, plan_kv
+from edgedecode.daemon.pull.adaptive import BUDGET_LADDER, QUALITY_TIE_PCT, PlanInputs, QualityCosts, plan_kv
 
 FP16_BYTES = 2048 * 23040  # a 2k-token prompt of SmolLM2
 

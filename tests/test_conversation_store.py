@@ -1,5 +1,6 @@
-"""The conversation store: idle conversations' KV kept as EDKV payloads under one memory budget, the
-pressure ladder (re-tier, drop, evict), its metrics and config keys, and rehydration into the engine."""
+"""The conversation store: idle conversations' KV kept as EDKV payloads, and the memory ledger's
+budget over it: the pressure ladder's rungs over stored conversations (re-tier, drop, evict), its
+metrics and config keys, and rehydration into the engine."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from edgedecode.config import ConfigError, load_config
-from edgedecode.daemon.conversations import ConversationStore, KVMemoryError, StoredConversation, store_pins
+from edgedecode.daemon.memory.conversation import StoredConversation, store_pins
+from edgedecode.daemon.memory.ledger import KVMemoryError, MemoryLedger
+from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.daemon.metrics import ConversationMetrics, DaemonMetrics
+from edgedecode.daemon.slots import SlotPool
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.kv.policy import RECENT_TOKENS, SINK_TOKENS
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
@@ -27,6 +31,7 @@ CONTRACT = KVContract("llama", LAYERS, HEADS, HEAD_DIM, 10000.0, KVLayout(), "to
 BIG = 1 << 30
 GREEDY_32 = SamplingParams(max_tokens=32)
 NEAR_TIE = 0.5
+SLOT = 0  # whose reservations the tests make (a ledger over no slots)
 
 
 def snapshot(n: int, seed: int = 0, first_position: int = 0) -> KVSnapshot:
@@ -55,6 +60,11 @@ def header_of(entry: StoredConversation) -> EDKVHeader:
     return reader.finish()
 
 
+def budgeted(store: ConversationStore, budget_bytes: int) -> MemoryLedger:
+    """The memory ledger over ``store`` alone (no slots), under ``budget_bytes``."""
+    return MemoryLedger(store, SlotPool([], 1), budget_bytes=budget_bytes)
+
+
 def stored(store: ConversationStore, session_id: str) -> StoredConversation:
     entry = store.peek(session_id)
     assert entry is not None
@@ -69,14 +79,15 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
 
 
 def test_put_then_take_round_trips_at_int8_within_the_quantizer_bound():
-    store = ConversationStore(BIG, 4)
+    store = ConversationStore(4)
+    ledger = budgeted(store, BIG)
     snap = snapshot(300, first_position=7)
     assert store.put("a", snap) == []
-    assert "a" in store and len(store) == 1 and store.nbytes == store.compressed_nbytes > 0
+    assert "a" in store and len(store) == 1 and ledger.nbytes == ledger.compressed_nbytes > 0
 
     entry = store.take("a")
 
-    assert entry is not None and store.nbytes == 0 and len(store) == 0
+    assert entry is not None and ledger.nbytes == 0 and len(store) == 0
     assert (entry.tiers == Tier.INT8).all() and entry.n_kept == entry.n_tokens == 300
     kv = decode_snapshot(entry.payload, CONTRACT)
     np.testing.assert_array_equal(kv.token_ids, snap.token_ids)
@@ -87,11 +98,11 @@ def test_put_then_take_round_trips_at_int8_within_the_quantizer_bound():
 
 
 def test_take_of_a_conversation_the_store_does_not_hold_is_none():
-    assert ConversationStore(BIG, 1).take("nobody") is None
+    assert ConversationStore(1).take("nobody") is None
 
 
 def test_put_again_replaces_the_conversations_kv():
-    store = ConversationStore(BIG, 4)
+    store = ConversationStore(4)
     store.put("a", snapshot(100))
     store.put("a", snapshot(40, seed=1))
     entry = store.take("a")
@@ -99,7 +110,7 @@ def test_put_again_replaces_the_conversations_kv():
 
 
 def test_put_with_a_misshapen_tier_map_or_importance_is_refused():
-    store = ConversationStore(BIG, 1)
+    store = ConversationStore(1)
     with pytest.raises(ValueError, match=r"one code per token \[10\]"):
         store.put("a", snapshot(10), tiers=np.full((LAYERS, 10), Tier.INT8, np.uint8))
     with pytest.raises(ValueError, match=r"importance must be float \[10\], >= 0 or NaN"):
@@ -116,7 +127,7 @@ def test_put_with_a_misshapen_tier_map_or_importance_is_refused():
 
 def test_put_beyond_max_sessions_evicts_the_least_recently_put_and_counts_it():
     registry = CollectorRegistry()
-    store = ConversationStore(BIG, 2, ConversationMetrics(registry))
+    store = ConversationStore(2, ConversationMetrics(registry))
     store.put("a", snapshot(20))
     store.put("b", snapshot(20))
     steps = store.put("c", snapshot(20))
@@ -130,12 +141,13 @@ def test_put_beyond_max_sessions_evicts_the_least_recently_put_and_counts_it():
 
 def test_the_ladder_re_tiers_the_least_recently_put_first_and_only_as_far_as_needed():
     registry = CollectorRegistry()
-    store = ConversationStore(BIG, 4, ConversationMetrics(registry))
+    store = ConversationStore(4, ConversationMetrics(registry))
+    ledger = budgeted(store, BIG)
     store.put("a", snapshot(300))
     store.put("b", snapshot(300, seed=1))
     before = store.nbytes
 
-    steps = store.make_room(BIG - before + 1)
+    steps = ledger.make_room(BIG - before + 1)
 
     assert [(s.action, s.session_id) for s in steps] == [("retier", "a")]
     assert store.nbytes == before - steps[0].freed_nbytes and store.nbytes + BIG - before + 1 <= BIG
@@ -147,17 +159,18 @@ def test_the_ladder_re_tiers_the_least_recently_put_first_and_only_as_far_as_nee
     assert (b.tiers == Tier.INT8).all()
     assert steps[0].tokens == 300 - pinned.sum()
     assert sample(registry, "edgedecode_kv_retier_total", **{"from": "INT8", "to": "INT4"}) == steps[0].tokens
-    assert sample(registry, "edgedecode_kv_memory_bytes", state="compressed") == store.compressed_nbytes
+    assert sample(registry, "edgedecode_kv_memory_bytes", state="compressed") == ledger.compressed_nbytes
     assert decode_snapshot(a.payload, CONTRACT).n_tokens == 300
 
 
 def test_the_drop_rung_keeps_the_pins_and_the_most_important_tokens_and_every_position():
     importance = np.random.default_rng(5).random(400).astype(np.float32)
-    store = ConversationStore(BIG, 4)
+    store = ConversationStore(4)
+    ledger = budgeted(store, BIG)
     store.put("a", snapshot(400, first_position=3), importance)
-    retiered = store.nbytes - store.make_room(BIG - store.nbytes + 1)[0].freed_nbytes
+    retiered = store.nbytes - ledger.make_room(BIG - store.nbytes + 1)[0].freed_nbytes
 
-    steps = store.make_room(BIG - retiered * 3 // 4)
+    steps = ledger.make_room(BIG - retiered * 3 // 4)
 
     assert {s.action for s in steps} == {"drop"} and store.nbytes <= retiered * 3 // 4
     entry = stored(store, "a")
@@ -171,10 +184,11 @@ def test_the_drop_rung_keeps_the_pins_and_the_most_important_tokens_and_every_po
 
 
 def test_without_importance_the_oldest_tokens_after_the_sinks_are_dropped_first():
-    store = ConversationStore(BIG, 4)
+    store = ConversationStore(4)
+    ledger = budgeted(store, BIG)
     store.put("a", snapshot(400))
-    retiered = store.nbytes - store.make_room(BIG - store.nbytes + 1)[0].freed_nbytes
-    store.make_room(BIG - retiered * 3 // 4)
+    retiered = store.nbytes - ledger.make_room(BIG - store.nbytes + 1)[0].freed_nbytes
+    ledger.make_room(BIG - retiered * 3 // 4)
     dropped = np.flatnonzero(stored(store, "a").tiers == Tier.DROP)
     assert len(dropped) > 0
     np.testing.assert_array_equal(dropped, np.arange(SINK_TOKENS, SINK_TOKENS + len(dropped)))
@@ -182,11 +196,12 @@ def test_without_importance_the_oldest_tokens_after_the_sinks_are_dropped_first(
 
 def test_rungs_go_in_order_over_all_conversations_and_eviction_takes_the_least_recently_put():
     registry = CollectorRegistry()
-    store = ConversationStore(BIG, 4, ConversationMetrics(registry), min_kept_fraction=0.5)
+    store = ConversationStore(4, ConversationMetrics(registry), min_kept_fraction=0.5)
+    ledger = budgeted(store, BIG)
     store.put("a", snapshot(300))
     store.put("b", snapshot(300, seed=1))
 
-    steps = store.make_room(BIG - store.nbytes // 4)
+    steps = ledger.make_room(BIG - store.nbytes // 4)
 
     rungs = [s.action for s in steps]
     assert rungs == sorted(rungs, key=["retier", "drop", "evict"].index)
@@ -203,37 +218,65 @@ def test_rungs_go_in_order_over_all_conversations_and_eviction_takes_the_least_r
 
 def test_a_conversation_that_cannot_fit_is_evicted_last_and_counted():
     registry = CollectorRegistry()
-    store = ConversationStore(50_000, 4, ConversationMetrics(registry))
-    store.put("a", snapshot(20))
-    steps = store.put("b", snapshot(500, seed=1))
+    store = ConversationStore(4, ConversationMetrics(registry))
+    ledger = budgeted(store, 50_000)
+    ledger.put("a", snapshot(20))
+    steps = ledger.put("b", snapshot(500, seed=1))
     assert [s.session_id for s in steps if s.action == "evict"] == ["a", "b"]  # b is the last resort
-    assert len(store) == 0 and store.nbytes == 0
+    assert len(store) == 0 and ledger.nbytes == 0
     assert sample(registry, "edgedecode_session_evictions_total", reason="memory") == 2
 
 
 def test_make_room_beyond_what_eviction_can_free_is_a_503_naming_the_budget_and_changes_nothing():
-    store = ConversationStore(1 << 20, 4)
-    store.reserve(600_000)
-    store.put("a", snapshot(50))
-    before = store.nbytes
+    store = ConversationStore(4)
+    ledger = budgeted(store, 1 << 20)
+    ledger.reserve(SLOT, 600_000)
+    ledger.put("a", snapshot(50))
+    before = ledger.nbytes
 
     with pytest.raises(KVMemoryError) as error:
-        store.make_room((1 << 20) - 600_000 + 1)
+        ledger.make_room((1 << 20) - 600_000 + 1)
 
     assert error.value.http_status == 503 and "1.0 MiB (daemon.kv_memory_mb)" in str(error.value)
-    assert "a" in store and store.nbytes == before
+    assert "a" in store and ledger.nbytes == before
 
 
 def test_reservations_count_against_the_budget_until_released():
-    store = ConversationStore(400_000, 4)
-    store.put("a", snapshot(100))
-    held = store.compressed_nbytes
-    steps = store.reserve(400_000 - held // 2)
-    assert steps and store.nbytes <= 400_000 and store.reserved_nbytes == 400_000 - held // 2
-    store.release(store.reserved_nbytes)
-    assert store.nbytes == store.compressed_nbytes
+    store = ConversationStore(4)
+    ledger = budgeted(store, 400_000)
+    ledger.put("a", snapshot(100))
+    held = ledger.compressed_nbytes
+    steps = ledger.reserve(SLOT, 400_000 - held // 2)
+    assert steps and ledger.nbytes <= 400_000 and ledger.reserved_nbytes == 400_000 - held // 2
+    ledger.release(SLOT, ledger.reserved_nbytes)
+    assert ledger.nbytes == ledger.compressed_nbytes
     with pytest.raises(ValueError, match="cannot release 1 bytes: 0 are reserved"):
-        store.release(1)
+        ledger.release(SLOT, 1)
+
+
+def test_a_re_tier_whose_conversation_was_taken_while_it_encoded_changes_nothing(monkeypatch):
+    """The store encodes outside its lock (the event loop may take a conversation meanwhile): a re-tier
+    that finishes after its conversation left the store neither puts it back nor counts bytes freed."""
+    import edgedecode.daemon.memory.store as store_module
+
+    registry = CollectorRegistry()
+    store = ConversationStore(4, ConversationMetrics(registry))
+    store.put("a", snapshot(300))
+    store.put("b", snapshot(300, seed=1))
+    encode = store_module.retiered
+
+    def taken_meanwhile(entry, *, workers):
+        smaller = encode(entry, workers=workers)
+        store.take(entry.session_id)
+        return smaller
+
+    monkeypatch.setattr(store_module, "retiered", taken_meanwhile)
+    b = stored(store, "b")
+
+    assert store.retier("a") is None
+    assert "a" not in store and store.nbytes == b.nbytes and stored(store, "b") is b
+    assert sample(registry, "edgedecode_kv_retier_total", **{"from": "INT8", "to": "INT4"}) == 0
+    assert sample(registry, "edgedecode_kv_memory_bytes", state="compressed") == store.nbytes
 
 
 # --- the invariant --------------------------------------------------------------------------------
@@ -264,31 +307,32 @@ def test_the_store_never_holds_more_than_its_budget_or_max_sessions_and_reports_
     budget, max_sessions, operations
 ):
     registry = CollectorRegistry()
-    store = ConversationStore(budget, max_sessions, ConversationMetrics(registry), min_kept_fraction=0.25)
+    store = ConversationStore(max_sessions, ConversationMetrics(registry), min_kept_fraction=0.25)
+    ledger = budgeted(store, budget)
     for operation in operations:
-        reserved, nbytes = store.reserved_nbytes, store.nbytes
+        reserved, nbytes = ledger.reserved_nbytes, ledger.nbytes
         match operation:
             case ("put", session_id, index, tier, with_importance):
                 snap = SNAPSHOTS[index]
                 importance = np.linspace(1, 0, snap.n_tokens) if with_importance else None
-                store.put(session_id, snap, importance, tier)
+                ledger.put(session_id, snap, importance, tier)
             case ("take", session_id):
                 store.take(session_id)
             case ("make_room" | "reserve" as name, amount):
                 try:
-                    getattr(store, name)(amount)
+                    ledger.make_room(amount) if name == "make_room" else ledger.reserve(SLOT, amount)
                 except KVMemoryError:
-                    assert reserved + amount > budget and store.nbytes == nbytes
+                    assert reserved + amount > budget and ledger.nbytes == nbytes
                 else:
-                    assert store.nbytes + (0 if name == "reserve" else amount) <= budget
+                    assert ledger.nbytes + (0 if name == "reserve" else amount) <= budget
             case ("release", amount):
-                store.release(min(amount, reserved))
-        assert store.nbytes <= budget and len(store) <= max_sessions
-        assert sample(registry, "edgedecode_kv_memory_bytes", state="compressed") == store.compressed_nbytes
+                ledger.release(SLOT, min(amount, reserved))
+        assert ledger.nbytes <= budget and len(store) <= max_sessions
+        assert sample(registry, "edgedecode_kv_memory_bytes", state="compressed") == ledger.compressed_nbytes
         assert sample(registry, "edgedecode_sessions", state="compressed") == len(store)
-    held = store.compressed_nbytes
+    held = ledger.compressed_nbytes
     taken = [store.take(session_id) for session_id in "abcd"]
-    assert sum(entry.nbytes for entry in taken if entry is not None) == held and store.nbytes == store.reserved_nbytes
+    assert sum(entry.nbytes for entry in taken if entry is not None) == held and ledger.nbytes == ledger.reserved_nbytes
 
 
 # --- metrics and config ---------------------------------------------------------------------------
@@ -296,13 +340,13 @@ def test_the_store_never_holds_more_than_its_budget_or_max_sessions_and_reports_
 
 def test_metrics_are_declared_with_every_state_on_the_daemon_registry():
     metrics = DaemonMetrics()
-    store = ConversationStore(BIG, 2, metrics.conversations)
+    store = ConversationStore(2, metrics.conversations)
     store.put("a", snapshot(10))
     for state in ("active", "resident"):
         assert sample(metrics.registry, "edgedecode_sessions", state=state) == 0
         assert sample(metrics.registry, "edgedecode_kv_memory_bytes", state=state) == 0
     assert sample(metrics.registry, "edgedecode_sessions", state="compressed") == 1
-    assert sample(metrics.registry, "edgedecode_kv_memory_bytes", state="compressed") == store.compressed_nbytes
+    assert sample(metrics.registry, "edgedecode_kv_memory_bytes", state="compressed") == store.nbytes
     assert sample(metrics.registry, "edgedecode_kv_retier_total", **{"from": "FP16", "to": "INT4"}) == 0
     assert sample(metrics.registry, "edgedecode_session_evictions_total", reason="memory") == 0
 
@@ -343,7 +387,7 @@ def test_a_conversation_kept_at_int8_continues_as_with_its_uncompressed_kv(decod
     """Greedy tokens after rehydrating the INT8 payload through the engine's EDKV reader are those
     after injecting the float32 KV it was made from, except past a near-tie (top-2 margin < 0.5)."""
     kv, prompt = second_turn
-    store = ConversationStore(BIG, 1)
+    store = ConversationStore(1)
     store.put("s", kv)
     entry = store.take("s")
     assert entry is not None
@@ -369,9 +413,10 @@ def test_a_conversation_kept_at_int8_continues_as_with_its_uncompressed_kv(decod
 
 def test_a_trimmed_conversation_rehydrates_with_its_true_positions(decoder, second_turn):
     kv, prompt = second_turn
-    store = ConversationStore(BIG, 1)
+    store = ConversationStore(1)
+    ledger = budgeted(store, BIG)
     store.put("s", kv)
-    assert [s.action for s in store.make_room(BIG - store.nbytes // 2)] == ["retier", "drop"]
+    assert [s.action for s in ledger.make_room(BIG - store.nbytes // 2)] == ["retier", "drop"]
     entry = store.take("s")
     assert entry is not None and 0 < entry.n_kept < entry.n_tokens == kv.n_tokens
 

@@ -17,12 +17,14 @@ from aiohttp import web
 from serving_helpers import ThreadedApp
 
 from edgedecode.config import load_config
-from edgedecode.daemon.conversations import KVMemoryError
-from edgedecode.daemon.kv_pull import KVPullError, PullResult
-from edgedecode.daemon.local_speed import LocalPrefillModel
+from edgedecode.daemon.memory.ledger import KVMemoryError
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest
-from edgedecode.daemon.service import DecodeService, Turn, TurnReport
+from edgedecode.daemon.pull.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.segment import KVPullError, PullResult
+from edgedecode.daemon.report import TurnReport
+from edgedecode.daemon.service import DecodeService
+from edgedecode.daemon.turn import Turn
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, decode_snapshot, encode_payload
@@ -349,7 +351,7 @@ def test_a_good_pull_is_used(prefill):
     assert engine.used == [("stream", len(PROMPT), 0)]
     assert engine.reader_finishes == 1  # the pull confirmed the stream; the engine reused its header
     np.testing.assert_array_equal(prefill.bodies[0]["token_ids"], PROMPT)
-    assert fallbacks(service) == {} and service.breaker.state == "closed"
+    assert fallbacks(service) == {} and service.remote.breaker.state == "closed"
     assert (turn.finish_reason, turn.completion_tokens) == ("length", len(TOKENS))
     assert not engine.generated_while_ingesting
 
@@ -379,7 +381,7 @@ def test_a_failed_pull_falls_back_to_local_prefill_with_its_reason(prefill, mode
     assert not engine.generated_while_ingesting  # the fallback waited for the ingest thread
     # a pull that got its answer's headers teaches the link model what it measured, failed or not
     answered = mode in ("corrupt", "truncated", "other-prompt")
-    assert (service.links.get(service.prefill_url()).estimate().rtt_s is not None) == answered
+    assert (service.planner.links.get(service.remote.url()).estimate().rtt_s is not None) == answered
 
 
 def test_no_prefill_server_falls_back_as_unreachable(prefill):
@@ -409,7 +411,7 @@ def test_refused_requests_do_not_open_the_breaker(prefill):
         return [(await run_turn(service)).report.fallback_reason for _ in range(3)]
 
     assert drive(service, scenario) == ["rejected"] * 3
-    assert len(prefill.bodies) == 3 and service.breaker.state == "closed"
+    assert len(prefill.bodies) == 3 and service.remote.breaker.state == "closed"
 
 
 def test_a_slot_is_released_after_a_failed_pull_only_once_the_ingest_thread_is_done(prefill):
@@ -437,7 +439,7 @@ def test_a_slot_is_released_after_a_failed_pull_only_once_the_ingest_thread_is_d
 
 
 def test_a_pull_timing_out_while_the_ingest_thread_works_falls_back_only_once_it_is_done(prefill, monkeypatch):
-    monkeypatch.setattr("edgedecode.daemon.kv_pull.FEED_BYTES", 1)  # each network read goes to the ingest thread
+    monkeypatch.setattr("edgedecode.daemon.pull.segment.FEED_BYTES", 1)  # each network read goes to the ingest thread
     prefill.mode = "trickle"
     engine = FakeEngine()
     engine.hold = threading.Event()  # the ingest thread is stuck in the first piece past the pull's timeout
@@ -483,7 +485,7 @@ FP16_PER_TOKEN = MODEL.spec.kv_bytes_per_token_fp16
 def teach_link(service: DecodeService, url: str, bytes_per_second: float, rtt_s: float = 0.01) -> None:
     """The link model of ``url`` as if one pull had measured this goodput and round trip."""
     transfer = 1 << 20
-    service.links.get(url).observe(
+    service.planner.links.get(url).observe(
         PullResult(transfer, transfer, {}, 1.0, 0.0, rtt_s, transfer / bytes_per_second, transfer), len(PROMPT)
     )
 
@@ -507,7 +509,7 @@ def test_with_a_target_a_slower_link_gets_a_lower_budget(prefill):
         service = make_service(prefill.url, min_wire_bytes=0)
         # local would take seconds for any part of the prompt, a few ms for its last token alone (the
         # step after the KV): neither local prefill nor a split is in the running
-        service.local_speed = LocalPrefillModel([(1, 0.002), (2, 1.0), (16, 2.0), (128, 20.0)])
+        service.planner.local_speed = LocalPrefillModel([(1, 0.002), (2, 1.0), (16, 2.0), (128, 20.0)])
         teach_link(service, prefill.url, rate)
         turn = drive(service, lambda service=service: targeted_turn(service, 300.0))
         report = turn.report
@@ -523,7 +525,7 @@ def test_with_a_target_a_slower_link_gets_a_lower_budget(prefill):
 
 def test_a_link_too_slow_for_any_budget_goes_local_without_a_pull(prefill):
     service = make_service(prefill.url, min_wire_bytes=0, ttft_target_ms=200.0)  # the daemon's own target
-    service.local_speed = LocalPrefillModel([(16, 0.01), (128, 0.02)])
+    service.planner.local_speed = LocalPrefillModel([(16, 0.01), (128, 0.02)])
     teach_link(service, prefill.url, 1000.0)  # 1 kB/s: even the floor budget takes seconds
     turn = drive(service, lambda: run_turn(service))
     report = turn.report
@@ -539,7 +541,7 @@ def test_a_link_too_slow_for_any_budget_goes_local_without_a_pull(prefill):
 def test_a_link_that_keeps_every_turn_local_is_pulled_from_again_once_its_measure_is_old(prefill):
     reprobe_s = 0.2
     service = make_service(prefill.url, min_wire_bytes=0, ttft_target_ms=200.0, link_reprobe_s=reprobe_s)
-    service.local_speed = LocalPrefillModel([(16, 0.01), (128, 0.02)])
+    service.planner.local_speed = LocalPrefillModel([(16, 0.01), (128, 0.02)])
     teach_link(service, prefill.url, 1000.0)  # 1 kB/s: every turn is planned here
 
     async def scenario() -> list[TurnReport]:
@@ -553,15 +555,15 @@ def test_a_link_that_keeps_every_turn_local_is_pulled_from_again_once_its_measur
     assert [r.decision for r in (first, probe, after)] == ["local", "remote", "local"]
     assert probe.kv_source == "prefill_server" and len(prefill.bodies) == 1
     assert service.metrics.registry.get_sample_value("edgedecode_link_reprobes_total") == 1
-    assert service.links.get(prefill.url).since_observed() < reprobe_s  # the probe's pull taught the link
+    assert service.planner.links.get(prefill.url).since_observed() < reprobe_s  # the probe's pull taught the link
 
 
 def test_an_unknown_link_asks_for_the_configured_budget_and_learns_from_the_pull(prefill):
     service = make_service(prefill.url, min_wire_bytes=0, ttft_target_ms=300.0)
-    assert service.links.get(prefill.url).predict_fetch_s(1000, 10) is None
+    assert service.planner.links.get(prefill.url).predict_fetch_s(1000, 10) is None
     turn = drive(service, lambda: run_turn(service))
     assert (turn.report.decision, prefill.bodies[0]["budget"]) == ("remote", 0.3)
-    assert service.links.get(prefill.url).estimate().rtt_s is not None  # the pull taught the link model
+    assert service.planner.links.get(prefill.url).estimate().rtt_s is not None  # the pull taught the link model
 
 
 # --- the KV memory budget and the conversations kept compressed ----------------------------------
@@ -601,13 +603,13 @@ def test_under_pressure_an_idle_resident_conversation_is_compressed_to_make_room
 
     async def scenario():
         first = await run_turn(service, session="a")
-        peak = service.memory.store.nbytes
+        peak = service.memory.nbytes
         second = await run_turn(service, np.arange(50, 90), session="b")  # does not fit beside a's resident KV
         return first.report, second.report, peak
 
     first, second, peak = drive(service, scenario)
     assert first.slot != second.slot and peak <= 1 << 20
-    assert service.memory.store.nbytes <= 1 << 20
+    assert service.memory.nbytes <= 1 << 20
     assert "a" in service.memory.store  # a was compressed out of its slot rather than refused or lost
     assert gauge(service, "edgedecode_sessions", "compressed") == 1
     held = engines[second.slot].length * (16 << 10)
@@ -636,14 +638,14 @@ def test_a_split_turn_computes_its_head_while_the_tail_is_pulled(prefill):
     engine = FakeEngine()
     service = make_service(prefill.url, [engine], min_wire_bytes=0)
     # here: 1 ms a token, so the whole prompt takes 40 ms; the link: 40 ms for b 0.5 of the whole prompt
-    service.local_speed = LocalPrefillModel([(1, 0.001), (16, 0.016), (128, 0.128)])
+    service.planner.local_speed = LocalPrefillModel([(1, 0.001), (16, 0.016), (128, 0.128)])
     teach_link(service, prefill.url, 0.5 * fp16 / 0.04, rtt_s=0.0)
-    taught = service.links.get(prefill.url).estimate()
+    taught = service.planner.links.get(prefill.url).estimate()
     turn = drive(service, lambda: targeted_turn(service, 35.0))  # only both at once make 35 ms
     report = turn.report
     assert report.decision == "split" and report.head_tokens > 0, report
     # the split's pull taught the round trip (more than the 0 taught) and the server's time, not the goodput
-    learned = service.links.get(prefill.url).estimate()
+    learned = service.planner.links.get(prefill.url).estimate()
     assert learned.goodput_bps == taught.goodput_bps and learned.rtt_s > taught.rtt_s == 0.0
     assert learned.server_s_per_token != taught.server_s_per_token
     assert [head for head, _ in engine.heads] == [report.head_tokens]  # computed once, on the worker
@@ -652,7 +654,7 @@ def test_a_split_turn_computes_its_head_while_the_tail_is_pulled(prefill):
     assert report.computed_tokens == report.head_tokens + 1  # the head and the last token, here
     assert report.pulled_tokens == len(PROMPT) - report.head_tokens - 1
     assert service.pool.busy == 0
-    assert service.split_slowdown.value(time.monotonic()) is not None  # the pull's time against its prediction
+    assert service.planner.split_slowdown.value(time.monotonic()) is not None  # the pull's time against its prediction
 
 
 def test_a_split_turn_that_ends_before_its_tail_arrived_gives_its_slot_back_once_the_fetch_is_over(prefill):
@@ -660,7 +662,7 @@ def test_a_split_turn_that_ends_before_its_tail_arrived_gives_its_slot_back_once
     engine = FakeEngine()
     engine.hold = threading.Event()  # the tail's ingest stops at its header
     service = make_service(prefill.url, [engine], min_wire_bytes=0)
-    service.local_speed = LocalPrefillModel([(1, 0.001), (16, 0.016), (128, 0.128)])
+    service.planner.local_speed = LocalPrefillModel([(1, 0.001), (16, 0.016), (128, 0.128)])
     teach_link(service, prefill.url, 0.5 * fp16 / 0.04, rtt_s=0.0)
 
     async def scenario():
@@ -695,14 +697,14 @@ def test_kv_buffers_allocated_whole_up_front_are_reserved_whole(prefill):
         make_service(prefill.url, engines(3), slots=3, kv_memory_mb=1)  # 1.5 MiB of buffers
 
     service = make_service(prefill.url, engines(1), kv_memory_mb=1)
-    assert service.memory.store.reserved_nbytes == 512 << 10
+    assert service.memory.reserved_nbytes == 512 << 10
 
     async def scenario():
         await run_turn(service, session="a")
-        after_turn = service.memory.store.reserved_nbytes
+        after_turn = service.memory.reserved_nbytes
         await run_turn(service, np.arange(50, 70), session="b")  # a leaves the slot, compressed
         return after_turn
 
     after_turn = drive(service, scenario)
-    assert after_turn == service.memory.store.reserved_nbytes == 512 << 10  # neither grows nor shrinks
-    assert "a" in service.memory.store and service.memory.store.nbytes <= 1 << 20
+    assert after_turn == service.memory.reserved_nbytes == 512 << 10  # neither grows nor shrinks
+    assert "a" in service.memory.store and service.memory.nbytes <= 1 << 20

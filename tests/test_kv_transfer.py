@@ -252,7 +252,7 @@ def test_a_conversation_kept_compressed_is_restored_and_answers_as_if_it_had_sta
     """KV exported over every position (dropped ones marked), kept at INT8 in one payload, restored for
     the next turn's prompt: the turn keeps everything but the last prompt token and its greedy answer
     equals that of the engine that kept its KV in place (INT8 per-token KV is lossless here)."""
-    from edgedecode.daemon.conversations import ConversationStore
+    from edgedecode.daemon.memory.store import ConversationStore
 
     encoded = encode_within_budget(scored, 0.3)  # some tokens dropped: positions with no KV
     _stream(exact_decoder, long_prompt, b"".join(encoded.frames))
@@ -263,7 +263,7 @@ def test_a_conversation_kept_compressed_is_restored_and_answers_as_if_it_had_sta
     stayed_keep = exact_decoder.reusable_prefix(follow_up)
     stayed = list(exact_decoder.generate(follow_up, GREEDY_8, keep=stayed_keep))
 
-    store = ConversationStore(1 << 30, 4)
+    store = ConversationStore(4)
     store.put("a", snapshot, tiers=np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8))
     entry = store.take("a")
     assert entry is not None and len(entry.payload) < 0.3 * (snapshot.keys.nbytes + snapshot.values.nbytes)  # INT8

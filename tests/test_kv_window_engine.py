@@ -11,7 +11,10 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from synthetic_gguf import TinyLlama, write_tiny_llama
 
-from edgedecode.daemon.conversations import ConversationStore, store_pins
+from edgedecode.daemon.memory.conversation import store_pins
+from edgedecode.daemon.memory.ledger import MemoryLedger
+from edgedecode.daemon.memory.store import ConversationStore
+from edgedecode.daemon.slots import SlotPool
 from edgedecode.evaluation.scoring import score_continuation
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.window import tail_tokens, window_start
@@ -128,7 +131,7 @@ def test_a_prompt_that_leaves_the_window_reuses_nothing_of_a_windowed_pull(gemma
 def test_the_store_keeps_a_windowed_conversations_tail_and_never_claims_cells_it_was_not_given(gemma):
     model, scored = gemma
     contract, n = model.spec.kv_contract, len(PROMPT)
-    store = ConversationStore(budget_bytes=1 << 30, max_sessions=4)
+    store = ConversationStore(max_sessions=4)
     store.put("a", scored.snapshot, window_from=150)
     entry = store.peek("a")
     assert entry is not None and entry.window_from == 150
@@ -152,8 +155,8 @@ def test_the_store_keeps_a_windowed_conversations_tail_and_never_claims_cells_it
     entry = store.peek("b")
     assert entry is not None
     # below that: the drop rung (tokens before the tail carry one layer of six, so it frees little)
-    small = ConversationStore(budget_bytes=entry.nbytes * 92 // 100, max_sessions=4)
-    small.put("b", scored.snapshot)
+    small = ConversationStore(max_sessions=4)
+    MemoryLedger(small, SlotPool([], 1), budget_bytes=entry.nbytes * 92 // 100).put("b", scored.snapshot)
     dropped = small.peek("b")
     assert dropped is not None and (dropped.tiers == Tier.DROP).any()
     assert not (dropped.tiers[-tail_tokens(contract) :] == Tier.DROP).any()

@@ -1,6 +1,6 @@
-"""The link model (daemon.link): moving averages of goodput, round trip and server time per token,
+"""The link model (daemon.pull.link): moving averages of goodput, round trip and server time per token,
 their idle decay to a stale (not forgotten) estimate, predictions and gauges; what the planner
-makes of a remembered link; the estimate kept across restarts (daemon.link_store); and the pull's
+makes of a remembered link; the estimate kept across restarts (daemon.pull.link_store); and the pull's
 own timings against a real aiohttp endpoint on 127.0.0.1 sending a real EDKV payload in timed pieces."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from serving_helpers import ThreadedApp
 
-from edgedecode.daemon.adaptive import KVPlan, PlanInputs, QualityCosts, plan_kv
-from edgedecode.daemon.kv_pull import PullResult, PullSettings, first_segment, pull_segment
-from edgedecode.daemon.link import STALE_MARGIN, LinkEstimate, LinkModel, LinkModels, Reprobes
-from edgedecode.daemon.link_store import LinkStore
+from edgedecode.daemon.pull.adaptive import KVPlan, PlanInputs, QualityCosts, plan_kv
+from edgedecode.daemon.pull.link import STALE_MARGIN, LinkEstimate, LinkModel, LinkModels, Reprobes
+from edgedecode.daemon.pull.link_store import LinkStore
+from edgedecode.daemon.pull.segment import PullResult, PullSettings, first_segment, pull_segment
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader, encode_payload

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from edgedecode.daemon.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.local_speed import LocalPrefillModel
 
 GRID = np.unique(np.geomspace(1, 20000, 400).astype(int))
 

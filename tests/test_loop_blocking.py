@@ -19,28 +19,7 @@ CHEAP: dict[tuple[str, str, str], str] = {}
 
 # (file, async def, blocking call) -> the issue that moves it off the loop. Each entry is a known defect, listed
 # so that the check holds everything else meanwhile; once fixed, the entry goes stale and this test says so.
-KNOWN: dict[tuple[str, str, str], str] = {
-    (
-        "edgedecode/daemon/kv_memory.py",
-        "KVMemory._reserve",
-        "edgedecode.kv.wire.writer.encode_payload",
-    ): "issue 27 item 1: the store's ladder re-encodes a stored conversation (re-tier, drop) on the loop",
-    (
-        "edgedecode/daemon/kv_memory.py",
-        "KVMemory._reserve",
-        "edgedecode.kv.wire.reader.EDKVReader.feed",
-    ): "issue 27 item 1: the same re-encode decodes the stored payload first, on the loop",
-    (
-        "edgedecode/daemon/kv_memory.py",
-        "KVMemory._move_to_store",
-        "edgedecode.kv.wire.writer.encode_payload",
-    ): "issue 27 item 1: adding a conversation to the store runs the ladder's re-encodes on the loop",
-    (
-        "edgedecode/daemon/kv_memory.py",
-        "KVMemory._move_to_store",
-        "edgedecode.kv.wire.reader.EDKVReader.feed",
-    ): "issue 27 item 1: the same re-encode decodes the stored payload first, on the loop",
-}
+KNOWN: dict[tuple[str, str, str], str] = {}
 
 
 def test_no_async_def_of_the_servers_blocks_its_loop_beyond_the_listed_exceptions():

@@ -9,7 +9,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from edgedecode.daemon.openai_api import ChoiceResult, ResponseShape, TokenText
+from edgedecode.daemon.openai_responses import ChoiceResult, ResponseShape, TokenText
 from edgedecode.model.tokenizer import StreamDecoder
 from edgedecode.runtime.logprobs import LogprobScorer, ScoredToken
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgedecode.daemon.conversations import ConversationStore, drop_order
+from edgedecode.daemon.memory.conversation import drop_order
+from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.kv.importance import position_importance, relative_importance
 from edgedecode.kv.tiers import Tier
@@ -54,7 +55,7 @@ def test_the_store_ranks_a_pulled_conversation_by_attention_and_a_restore_brings
     engine, prompt, _, _ = pulled
     snapshot, held = engine.export_positions()
     given = engine.given_importance()
-    entry = ConversationStore(1 << 40, 1).compress("c", snapshot, given, np.where(held, Tier.INT8, Tier.DROP))
+    entry = ConversationStore(1).compress("c", snapshot, given, np.where(held, Tier.INT8, Tier.DROP))
     known = ~np.isnan(given)
     np.testing.assert_array_equal(entry.importance[known], given[known])
     assert (entry.importance[~known] == 1.0).all()  # computed here: an average token

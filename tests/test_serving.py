@@ -705,10 +705,11 @@ def test_admission_refuses_a_turn_that_would_eat_the_memory_reserve(smollm2_mode
     import asyncio
 
     from edgedecode.config import load_config
+    from edgedecode.daemon.memory.ledger import KVMemoryError as AdmissionError
     from edgedecode.daemon.metrics import DaemonMetrics
     from edgedecode.daemon.openai_api import parse_request
     from edgedecode.daemon.run import build_engines
-    from edgedecode.daemon.service import AdmissionError, DecodeService
+    from edgedecode.daemon.service import DecodeService
 
     config = load_config(
         None,

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from edgedecode.config import ConfigError, load_config
-from edgedecode.daemon.breaker import CircuitBreaker
-from edgedecode.daemon.openai_api import StopText
+from edgedecode.daemon.openai_responses import StopText
+from edgedecode.daemon.pull.breaker import CircuitBreaker
 from edgedecode.daemon.slots import QueueFullError, SlotPool
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.model.spec import DECODER_KV_LAYOUT, KVContract

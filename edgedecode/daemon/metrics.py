@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from edgedecode.daemon.kv_pull import KVPullError
+from edgedecode.daemon.pull.segment import KVPullError
 from edgedecode.kv.tiers import Tier
 from edgedecode.serving.http import process_gauges
 

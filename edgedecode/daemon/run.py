@@ -1,5 +1,5 @@
-"""Start the decode daemon: the embedded prefill server when no URL is configured, the decode
-engines, then the HTTP API; report readiness and watchdog pings to systemd."""
+"""Start the decode daemon: the decode engines, then the HTTP API, with the embedded prefill server
+when no URL is configured; report readiness and watchdog pings to systemd."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from edgedecode.daemon.service import DecodeService
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import Engine
-from edgedecode.serving import systemd
 from edgedecode.serving.heap import return_freed_buffers
 from edgedecode.serving.lifecycle import serve_as_service
 from edgedecode.tls import server_tls
@@ -50,30 +49,22 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
             prefill_url, prefill_token = (lambda: None), ""
         elif settings.prefill_url:
             prefill_url, prefill_token = (lambda: settings.prefill_url), settings.prefill_token
-        else:
-            systemd.notify("STATUS=starting the embedded prefill server")
+        else:  # started with the app, before it serves
             embedded = EmbeddedPrefill(config_path, model.record.name)
-            await embedded.start()
             prefill_url, prefill_token = (lambda: embedded.url), embedded.token
         metrics = DaemonMetrics()
         engines = build_engines(model, config)
         service = DecodeService(model, engines, config, metrics, prefill_url, prefill_token)
-        service.local_speed.calibrate(engines[0])  # ~1.5 s on 2 cores, before any request
-        await service.start()
-        try:
-            await serve_as_service(
-                create_app(service, config, metrics),
-                settings.host,
-                settings.port,
-                header_timeout=settings.header_timeout_s,
-                ssl_context=ssl_context,
-                announce=announce,
-                status=lambda url: f"serving {model.record.name} at {url}; KV from {prefill_url()}",
-                healthy=service.healthy,
-            )
-        finally:
-            await service.close()
-            if embedded is not None:
-                await embedded.stop()
+        service.planner.local_speed.calibrate(engines[0])  # ~1.5 s on 2 cores, before any request
+        await serve_as_service(
+            create_app(service, config, metrics, embedded),
+            settings.host,
+            settings.port,
+            header_timeout=settings.header_timeout_s,
+            ssl_context=ssl_context,
+            announce=announce,
+            status=lambda url: f"serving {model.record.name} at {url}; KV from {prefill_url()}",
+            healthy=service.healthy,
+        )
 
     asyncio.run(main())

@@ -6,7 +6,7 @@ reuses the KV it holds; when every slot is taken by other conversations, the lea
 idle one is reassigned. KV is reused only within a conversation: a request's answer never depends
 on what other conversations ran before it (their prefix KV was quantized for other prompts).
 Waiting requests are served round-robin across clients, first come first served within a client,
-so one client's burst cannot starve the others.
+so one client's burst cannot starve the others. A turn holds its slot as a ``SlotLease``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Protocol
 
 import numpy as np
@@ -127,7 +129,6 @@ class Slot:
     session_id: str | None = None
     resumed: bool = False  # taken by the conversation that held it before: its KV may be reused
     previous_session: str | None = None  # taken from this conversation, whose KV it still holds
-    reserved: int = 0  # bytes of the KV memory budget its KV holds
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
 
@@ -229,3 +230,57 @@ class SlotPool:
             waiters.remove(waiter)
             if not waiters:
                 del self._waiting[client]
+
+
+class SlotLease:
+    """One turn's hold on a slot of ``pool``: ``async with lease as slot`` waits its turn for one
+    (``SlotPool.acquire``; QueueFullError past ``max_queue``) and gives it back on the way out, its
+    KV memory reservation settled first (``settle``), so the next waiter is served.
+
+    Leaving on an exception (the turn failed, or went away while its KV was arriving), or with
+    ``ingest_may_write`` set, gives the slot back only once the ``ingest`` thread is done with what
+    it was handed: it may still be writing into the slot's buffers.
+    """
+
+    def __init__(
+        self,
+        pool: SlotPool,
+        client: str,
+        session_id: str | None,
+        *,
+        settle: Callable[[Slot], None],
+        ingest: Executor,
+    ) -> None:
+        self._pool = pool
+        self._client = client
+        self._session_id = session_id
+        self._settle = settle
+        self._ingest = ingest
+        self._slot: Slot | None = None
+        self.ingest_may_write = False  # a fetch into the slot was cancelled: its last piece may still be fed
+
+    async def __aenter__(self) -> Slot:
+        self._slot = await self._pool.acquire(self._client, self._session_id)
+        return self._slot
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if exc_type is None and not self.ingest_may_write:
+            self._give_back()
+            return
+        done = asyncio.get_running_loop().run_in_executor(self._ingest, _nothing)
+        done.add_done_callback(lambda _: self._give_back())
+        if exc_type is None:  # a turn that leaves normally returns once its slot is back
+            await asyncio.wait([done])
+
+    def _give_back(self) -> None:
+        slot = self._slot
+        assert slot is not None, "given back once, after it was taken"
+        self._slot = None
+        self._settle(slot)
+        self._pool.release(slot)
+
+
+def _nothing() -> None:
+    """What the ingest thread runs before a lease that may have left it writing gives its slot back."""

@@ -32,7 +32,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from edgedecode.daemon.conversations import ConversationStore, StoredConversation
+from edgedecode.daemon.memory.conversation import StoredConversation
+from edgedecode.daemon.memory.ledger import MemoryLedger
+from edgedecode.daemon.memory.store import ConversationStore
+from edgedecode.daemon.slots import SlotPool
 from edgedecode.evaluation.scoring import mean_kl, score_continuation, top1_agreement
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.kv.snapshot import KVSnapshot
@@ -60,8 +63,8 @@ def stored(
     snapshot: KVSnapshot, tiers: Tier = Tier.INT8, budget_bytes: int = 1 << 40, workers: int = 1
 ) -> StoredConversation:
     """The conversation as a store of ``budget_bytes`` holds it after putting it at ``tiers``."""
-    store = ConversationStore(budget_bytes, 1, workers=workers)
-    store.put(SESSION, snapshot, tiers=tiers)
+    store = ConversationStore(1, workers=workers)
+    MemoryLedger(store, SlotPool([], 1), budget_bytes=budget_bytes).put(SESSION, snapshot, tiers=tiers)
     entry = store.take(SESSION)
     assert entry is not None, "the budget is too small for the conversation even at the drop rung's floor"
     return entry
@@ -103,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     bytes_per_token |= {name: round(entry.nbytes / n) for name, entry in forms.items()}
 
     compress_s = median_seconds(lambda: stored(snapshot, workers=args.workers), args.runs)
-    full = ConversationStore(int8.nbytes, 1, workers=args.workers)  # holds the INT8 conversation exactly
+    # a budget that holds the INT8 conversation exactly
+    full = MemoryLedger(ConversationStore(1, workers=args.workers), SlotPool([], 1), budget_bytes=int8.nbytes)
     retier_s = median_seconds(lambda: full.make_room(1), args.runs, setup=lambda: full.put(SESSION, snapshot))
 
     def rehydrate() -> None:

@@ -15,8 +15,8 @@ over. Each box has one link drawn from
 
 **The budget policy as implemented**: a fixed budget (``fixed-0.3``: the daemon's default without
 a TTFT target; ``fixed-1.0``), or ``adaptive``: every box runs the daemon's own planner
-(``edgedecode.daemon.adaptive.plan_kv``, TTFT target ``target_s``) on its own ``LinkModel``
-(``edgedecode.daemon.link``), which learns from each pull what the daemon learns (round trip:
+(``edgedecode.daemon.pull.adaptive.plan_kv``, TTFT target ``target_s``) on its own ``LinkModel``
+(``edgedecode.daemon.pull.link``), which learns from each pull what the daemon learns (round trip:
 the response headers' wait less the server's own time, so queueing at the tier counts; goodput;
 server time per token), and a ``LocalPrefillModel`` from measured local prefill times. Local
 prefill loads no replica; a split pulls the tail's bytes only. Every box has pulled before the
@@ -78,10 +78,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import tools.sim.fleet_report as report
-from edgedecode.daemon.adaptive import PlanInputs, plan_kv
-from edgedecode.daemon.kv_pull import PullResult
-from edgedecode.daemon.link import LinkModel, Reprobes
-from edgedecode.daemon.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.adaptive import PlanInputs, plan_kv
+from edgedecode.daemon.pull.link import LinkModel, Reprobes
+from edgedecode.daemon.pull.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.segment import PullResult
 from tools.common import cli
 
 FP16_BYTES_PER_TOKEN = 23040  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x (K, V) x 2 bytes
@@ -94,7 +94,7 @@ MIN_WIRE_BYTES = 64 << 10  # daemon.min_wire_bytes
 MIN_BUDGET, SPLIT_SLOWDOWN = 0.2, 1.3  # daemon.min_budget, daemon.split_slowdown
 HISTORY_MIN_S = 300.0  # each box's one pull before the simulation was at least this long before it starts
 REPROBE_S = 3600.0  # daemon.link_reprobe_s
-WATCH_S, WATCH_MARGIN = 0.2, 0.8  # the watch's min_observe_s and margin (daemon.adaptive.SegmentWatch)
+WATCH_S, WATCH_MARGIN = 0.2, 0.8  # the watch's min_observe_s and margin (daemon.pull.adaptive.SegmentWatch)
 USER_SIGMA, ANSWER_SIGMA, THINK_SIGMA = 0.8, 0.6, 0.8  # lognormal spreads (log space) of the workload
 
 

@@ -7,7 +7,7 @@ prefill server does (the fp32 prefill graph, with its attention importance from 
 window) and stored as the daemon's store holds an idle conversation at the re-tier rung: every
 token INT4 but the store's pins (sinks and the recent window, INT8). Then ``fraction`` of the
 tokens are dropped, least important first by each source, with the store's own drop order
-(``daemon.conversations``: unpinned tokens only, ties oldest first):
+(``daemon.memory.conversation``: unpinned tokens only, ties oldest first):
 
 - ``position``: position importance (the oldest tokens after the sinks go first), what the store
   uses when nothing better came with the KV;
@@ -40,7 +40,8 @@ import time
 
 import numpy as np
 
-from edgedecode.daemon.conversations import ConversationStore, drop_order, store_pins
+from edgedecode.daemon.memory.conversation import drop_order, store_pins
+from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.evaluation.scoring import mean_kl, score_continuation, top1_agreement
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.kv.importance import position_importance
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     prefiller = Engine(model, GraphOptions("prefill"), max_context=length, threads=args.threads)
     restorer = Engine(model, GraphOptions(), max_context=length, threads=args.threads)
     scorer = Engine(model, GraphOptions(accuracy_level=0), max_context=length, threads=args.threads)
-    store = ConversationStore(1 << 40, 1)  # only its encoder
+    store = ConversationStore(1)  # only its encoder
     rows = []
     for index, window in enumerate(token_windows(model.tokenizer, pydoc_corpus(), length, args.texts)):
         context, continuation = window[: args.context], window[args.context :]

@@ -27,7 +27,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from edgedecode.daemon.conversations import ConversationStore, store_pins
+from edgedecode.daemon.memory.conversation import store_pins
+from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.evaluation.scoring import mean_kl, score_continuation, top1_agreement
 from edgedecode.kv.importance import position_importance
 from edgedecode.kv.snapshot import KVSnapshot
@@ -105,7 +106,7 @@ class Replayer:
         self.uncompressed = Engine(model, options, max_context=max_context, threads=threads, share=self.served)
         exact = GraphOptions.for_device("decode", "cpu", accuracy_level=0)
         self.scorer = Engine(model, exact, max_context=max_context, threads=threads)
-        self.store = ConversationStore(1 << 40, 1)  # only its encoder: nothing is kept
+        self.store = ConversationStore(1)  # only its encoder: nothing is kept
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0)
 
     def replay(self, conversation: Conversation, turns: list[dict]) -> list[dict]:

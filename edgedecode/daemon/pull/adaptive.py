@@ -12,7 +12,7 @@ floor: no option costing more than ``QUALITY_FLOOR_PCT`` (+2 %) at the prompt's 
 and no budget below the operator's ``min_budget`` is asked for. Without a target, or while the link is unknown
 (no pull from this endpoint yet), the configured budget is asked for, as before — and that pull
 teaches the link model. A link idle long enough for its estimate to go stale is still planned for,
-from the remembered estimate worsened by the link model's ``stale_margin`` (``daemon.link``).
+from the remembered estimate worsened by the link model's ``stale_margin`` (``pull.link``).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _splits(inputs: PlanInputs, predicted: list[tuple[float, float | None]]) -> 
 class SegmentWatch:
     """Decides, while a segment downloads, when to stop waiting for it because its goodput collapsed.
 
-    Called (as ``kv_pull.Watch``) with the seconds since the segment's request was sent, the body
+    Called (as ``pull.segment.Watch``) with the seconds since the segment's request was sent, the body
     bytes received and the bytes the server announced. Goodput is measured over the last
     ``window_s`` of the body (since its start until that much has passed). Once ``min_observe_s``
     of body has been seen, the segment is cut when, at that goodput, it would end after

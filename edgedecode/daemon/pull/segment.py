@@ -14,7 +14,7 @@ the rest should come another way) or None. A cut segment keeps the tokens of its
 the same way and its result carries the ``KVPullError`` (with a short ``reason``, the label of
 the fallback metric), so the caller may keep what arrived and resume or compute the rest.
 
-A pull also times itself for the link model (``daemon.link``): from sending the request to the
+A pull also times itself for the link model (``pull.link``): from sending the request to the
 response headers, and from the first to the last piece of the body with the bytes after the first
 (one clock reading per network read, nothing else per read).
 """

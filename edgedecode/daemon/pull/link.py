@@ -44,7 +44,7 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from edgedecode.daemon.kv_pull import PullResult
+from edgedecode.daemon.pull.segment import PullResult
 
 MIN_TRANSFER_BYTES = 64 << 10
 STALE_MARGIN = 1.5  # daemon.link_stale_margin: a stale estimate's times, against the remembered ones
@@ -52,7 +52,7 @@ STATE_KEYS = ("seconds_per_byte", "rtt_s", "server_s_per_token")  # LinkModel.st
 
 
 class LinkStoreLike(Protocol):
-    """Where ``LinkModels`` keeps each endpoint's state across restarts (``daemon.link_store.LinkStore``)."""
+    """Where ``LinkModels`` keeps each endpoint's state across restarts (``pull.link_store.LinkStore``)."""
 
     def load(self, endpoint: str) -> Mapping[str, float | None] | None: ...
 

@@ -6,7 +6,7 @@ directory, then renamed over the old one; not fsynced: a file lost to a power cu
 estimate). It is read once, when the daemon first uses the endpoint, and only if it names that
 endpoint and holds finite, non-negative numbers (a positive time per byte); anything else is
 ignored with a warning and the link starts unknown. A restored estimate is stale (see
-``daemon.link``): the daemon cannot tell how long it was down.
+``pull.link``): the daemon cannot tell how long it was down.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from edgedecode.daemon.link import STATE_KEYS
+from edgedecode.daemon.pull.link import STATE_KEYS
 
 logger = logging.getLogger(__name__)
 VERSION = 1

@@ -1,0 +1,173 @@
+"""The KV planner: where each turn's KV comes from, and what the daemon learned to decide it.
+
+It owns what the daemon learns as it serves — the link to each prefill endpoint (``pull.link``), this
+box's own prefill speed (``pull.local_speed``), how much slower a split's pull runs than alone, when a
+link last measured long ago is due a re-probe — and it is the only place a plan's inputs are built:
+``plan`` for a turn's KV, ``plan_rest`` for what a cut or broken pull left, and the ``watch`` that
+decides, while a segment downloads, whether the rest should come another way. The choice itself is
+``pull.adaptive.plan_kv``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+
+from edgedecode.config import DaemonConfig
+from edgedecode.daemon.metrics import DaemonMetrics
+from edgedecode.daemon.pull.adaptive import KVPlan, PlanInputs, QualityCosts, SegmentWatch, plan_kv
+from edgedecode.daemon.pull.deadline import Deadline
+from edgedecode.daemon.pull.link import DecayingMean, LinkModels, Reprobes
+from edgedecode.daemon.pull.link_store import LinkStore
+from edgedecode.daemon.pull.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.segment import PullResult
+from edgedecode.kv.window import tail_budget
+from edgedecode.model.spec import KVContract
+from edgedecode.runtime.handoff import StreamedKV
+
+
+class KVPlanner:
+    """Plans turns' KV for the daemon configured by ``settings``, for a model whose KV is
+    ``fp16_bytes_per_token`` at FP16 under ``contract``; counts its decisions and re-probes in
+    ``metrics``, and exports the link estimates on its registry.
+
+    ``local_speed`` starts without a point (local prefill predicted never to finish): ``daemon/run.py``
+    calibrates it on a real engine before serving, and every local prefill refines it.
+    """
+
+    def __init__(
+        self, settings: DaemonConfig, fp16_bytes_per_token: int, contract: KVContract, metrics: DaemonMetrics
+    ) -> None:
+        self.settings = settings
+        self.fp16_bytes_per_token = fp16_bytes_per_token
+        self.contract = contract
+        self.metrics = metrics
+        store = LinkStore(Path(settings.state_dir)) if settings.state_dir else None
+        self.links = LinkModels(metrics.registry, stale_margin=settings.link_stale_margin, store=store)
+        self.local_speed = LocalPrefillModel()
+        self.quality = QualityCosts(local=settings.local_dppl_pct)
+        # how much longer a split's pull takes than alone, as measured on this box (the configured
+        # value until a split has been seen, and again after hours without one)
+        self.split_slowdown = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
+        self.reprobes = Reprobes(settings.link_reprobe_s)
+
+    def kv_deadline(self, deadline: Deadline) -> Deadline:
+        """When a turn's KV must be in: before its prompt's last token runs and is sampled."""
+        return deadline.earlier(self.local_speed.predict_seconds(1) if self.local_speed.ready else 0.0)
+
+    def budget_for(self, tokens: int, budget: float | None = None) -> float:
+        """The budget asked for ``tokens`` tokens' KV: ``budget`` (default: the configured one), raised
+        so the payload may use at least ``min_wire_bytes`` (a few KB saved are not worth dropping a
+        short prompt's tokens) and, for a model with sliding windows, so its never-dropped tail fits
+        (``kv.window.tail_budget``: a short Gemma prompt is all tail)."""
+        s = self.settings
+        fp16_bytes = max(tokens, 1) * self.fp16_bytes_per_token
+        floor = max(s.min_wire_bytes / fp16_bytes, tail_budget(max(tokens, 1), self.contract))
+        return min(1.0, max(s.budget if budget is None else budget, floor))
+
+    def plan(self, url: str, keep: int, prompt_tokens: int, deadline: Deadline) -> KVPlan:
+        """Where the KV of the prompt's positions after ``keep`` should come from to be in by
+        ``deadline`` (``pull.adaptive``), counted by decision. A plan to compute it here for an
+        endpoint nothing has measured for ``daemon.link_reprobe_s`` becomes the best pull instead
+        (a re-probe, counted)."""
+        target_s = deadline.left_s()
+        plan = self._plan(url, keep, prompt_tokens, target_s)
+        if plan.decision == "local" and self.reprobes.due(url, self.links.get(url)):
+            self.metrics.reprobes.inc()
+            plan = self._plan(url, keep, prompt_tokens, target_s, reprobe=True)
+        self.metrics.decisions.labels(plan.decision).inc()
+        return plan
+
+    def plan_rest(
+        self, url: str, stream: StreamedKV, budget: float, deadline: Deadline, goodput_bps: float | None
+    ) -> KVPlan:
+        """Where ``stream``'s positions after those it covers should come from, the link judged by
+        ``goodput_bps`` (the last segment's recent goodput; None: the link model's estimate); computed
+        here, they start from ``stream.local_from``."""
+        n = len(stream.prompt_ids)
+        tokens = n - stream.covered
+        estimate = self.links.get(url).estimate()
+        goodput = estimate.goodput_bps if goodput_bps is None else goodput_bps
+        rtt = estimate.rtt_s or 0.0
+
+        def predict(wire_bytes: int) -> float | None:
+            return None if goodput is None else rtt + wire_bytes / goodput if goodput > 0 else float("inf")
+
+        return plan_kv(
+            PlanInputs(
+                target_s=deadline.left_s(),
+                fixed_budget=budget,
+                wire_bytes=lambda b: int(self.budget_for(tokens, b) * tokens * self.fp16_bytes_per_token),
+                predict_remote_s=predict,
+                local_s=self.local_speed.predict_between(stream.local_from, n),
+                min_budget=min(self.settings.min_budget, budget),
+                quality=self.quality,
+                context_tokens=n,
+            )
+        )
+
+    def watch(self, url: str, stream: StreamedKV, deadline: Deadline) -> SegmentWatch:
+        """The watch of the segment of ``stream``'s positions from those it covers to the prompt's end,
+        which should end by ``deadline`` (it has a target)."""
+        end = len(stream.prompt_ids)
+        link = self.links.get(url)
+        min_budget = self.settings.min_budget
+
+        def rest_s(goodput: float, tokens_left: int) -> float:
+            """Seconds to get the segment's last ``tokens_left`` tokens another way: resumed at the
+            floor budget at this goodput, or computed here (all the segment's positions, where its EDKV window
+            leaves the windowed layers of the part before the cut out: kv.window)."""
+            rtt = link.estimate().rtt_s or 0.0
+            wire = self.budget_for(tokens_left, min_budget) * tokens_left * self.fp16_bytes_per_token
+            remote = rtt + wire / goodput if goodput > 0 else float("inf")
+            header = stream.header
+            windowed = header is not None and header.window is not None and header.window.start > 0
+            local_start = stream.keep + stream.head if windowed else end - tokens_left
+            return min(remote, self.local_speed.predict_between(local_start, end))
+
+        left_s = deadline.left_s()
+        assert left_s is not None, "a segment is watched only under a target"
+        return SegmentWatch(left_s, end - stream.covered, rest_s)
+
+    def learn_segment(self, url: str, result: PullResult, tokens: int, *, goodput: bool = True) -> None:
+        """What a segment that got its answer's headers measured teaches the link to ``url``
+        (``LinkModel.observe``: ``tokens`` the server computed for it; ``goodput`` False: not its transfer)."""
+        self.links.get(url).observe(result, tokens, goodput=goodput)
+
+    def learn_split(self, seconds: float, predicted_s: float) -> None:
+        """A split's complete pull took ``seconds`` where the link model predicted ``predicted_s`` alone."""
+        self.split_slowdown.add(seconds / predicted_s, time.monotonic())
+
+    def learn_local_prefill(self, tokens: int, seconds: float) -> None:
+        """A local prefill of ``tokens`` prompt tokens took ``seconds``."""
+        self.local_speed.observe(tokens, seconds)
+
+    def _plan(
+        self, url: str, keep: int, prompt_tokens: int, target_s: float | None, *, reprobe: bool = False
+    ) -> KVPlan:
+        """``plan``'s plan for ``target_s`` seconds left; ``reprobe``: the best pull, local prefill left out."""
+        link = self.links.get(url)
+        s = self.settings
+        tokens = prompt_tokens - keep
+        fp16_bytes = max(tokens, 1) * self.fp16_bytes_per_token
+        local = self.local_speed
+        plan = plan_kv(
+            PlanInputs(
+                target_s=target_s,
+                fixed_budget=s.budget,
+                wire_bytes=lambda budget: int(self.budget_for(tokens, budget) * fp16_bytes),
+                predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, tokens),
+                local_s=math.inf if reprobe else local.predict_seconds(tokens),
+                min_budget=s.min_budget,
+                quality=self.quality,
+                tokens=tokens,
+                context_tokens=prompt_tokens,
+                local_head_s=None if reprobe else lambda head: local.predict_between(keep, keep + head),
+                split_slowdown=max(self.split_slowdown.value(time.monotonic()) or s.split_slowdown, 1.0),
+            )
+        )
+        if reprobe:
+            plan = dataclasses.replace(plan, why=f"re-probing a link last measured long ago: {plan.why}")
+        return plan
