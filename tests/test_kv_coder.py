@@ -351,6 +351,27 @@ def test_what_the_device_coder_writes_decodes_as_the_references(device):
     assert np.array_equal(ours.keys, theirs.keys) and np.array_equal(ours.values, theirs.values)
 
 
+def test_chunks_without_8_bit_codes_take_the_fast_level_and_decode_the_same(device):
+    n = 256
+    sparse = _snapshot(n)
+    rng = np.random.default_rng(1)
+    keys, values = (np.where(rng.random(x.shape) < 0.7, np.float32(0), x) for x in (sparse.keys, sparse.values))
+    snapshot = dataclasses.replace(sparse, keys=keys, values=values)  # compressible: zstd's levels differ on it
+    tiers = np.full(n, Tier.INT4, np.uint8)
+    tiers[64:128:2], tiers[65:128:2] = Tier.INT2, Tier.DROP
+    tiers[128:192] = Tier.FP16
+    tiers[200] = Tier.INT8  # chunk 3: one INT8 token takes the chunk to the payload's level
+    args = {"chunk_tokens": 64, "workers": 2}
+    mixed = list(encode_payload(snapshot, tiers, level=3, fast_level=1, coder=HostCoder(snapshot, device), **args))
+    level1 = list(encode_payload(snapshot, tiers, level=1, **args))
+    level3 = list(encode_payload(snapshot, tiers, level=3, **args))
+    assert level1[1] != level3[1] and level1[4] != level3[4]  # the levels give other bytes here
+    assert mixed[0] == level3[0]  # the header names the payload's level
+    assert mixed[1:4] == level1[1:4] and mixed[4] == level3[4]  # the trailers differ: they hash every frame
+    ours, theirs = (decode_snapshot(b"".join(p), snapshot.contract) for p in (mixed, level3))
+    assert np.array_equal(ours.keys, theirs.keys) and np.array_equal(ours.values, theirs.values)
+
+
 def _on_cuda(test):
     """Mark a test as needing onnxruntime-gpu and a CUDA device (skipped elsewhere)."""
     from edgedecode.runtime.session import available_devices

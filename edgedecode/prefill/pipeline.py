@@ -22,7 +22,7 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.kv.window import tail_mask, tail_tokens, window_start, windowed_cost_scale
 from edgedecode.kv.wire import TransferRef, decode_snapshot, encode_payload
 from edgedecode.kv.wire.coder import SectionCoder
-from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL
+from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL, FAST_ZSTD_LEVEL
 from edgedecode.model.spec import KVContract
 from edgedecode.prefill.kv_device import KVDevice
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_free
@@ -196,6 +196,7 @@ def encode_within_budget(
     device: KVDevice | None = None,
     clock: StageClock = UNCLOCKED,
     level: int = DEFAULT_ZSTD_LEVEL,
+    fast_level: int | None = FAST_ZSTD_LEVEL,
 ) -> EncodedKV:
     """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``
     (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference).
@@ -207,8 +208,9 @@ def encode_within_budget(
     Each refit encodes the payload again. ``device`` (``prefill.kv_device``) computes the chunks there
     and keeps what a refit can reuse (a token's codes, unchanged sections and chunks); without it the
     reference coder computes every payload afresh. Either gives the same bytes. ``clock`` times the
-    stages allocate, header, quantize, assemble, compress and frame; ``level`` is zstd's (the budget binds the
-    compressed bytes, so a level also moves the tiers a little; docs/performance.md measures what each costs)."""
+    stages allocate, header, quantize, assemble, compress and frame; ``level`` is zstd's, ``fast_level`` its
+    level for chunks quantized to 4 bits or fewer (``encode_payload``; the budget binds the compressed bytes, so a
+    level also moves the tiers a little; docs/performance.md measures what each costs)."""
     snapshot = scored.snapshot
     contract, n = snapshot.contract, snapshot.n_tokens
     costs = tier_costs(snapshot)
@@ -239,7 +241,9 @@ def encode_within_budget(
         start = window_start(tiers != Tier.DROP, tail_tokens(contract)) if windowed else None
         scale = np.ones(n) if start is None else windowed_cost_scale(n, contract, start)
         raw = int(np.sum(np.array([costs[tier] for tier in Tier])[tiers] * scale))
-        frames = payload_frames(snapshot, tiers, meta, importance, transfer, workers, start, coder, clock, level)
+        frames = payload_frames(
+            snapshot, tiers, meta, importance, transfer, workers, start, coder, clock, level, fast_level
+        )
         return EncodedKV(frames, tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
@@ -300,6 +304,7 @@ def payload_frames(
     coder: SectionCoder | None = None,
     clock: StageClock = UNCLOCKED,
     level: int = DEFAULT_ZSTD_LEVEL,
+    fast_level: int | None = FAST_ZSTD_LEVEL,
 ) -> list[bytes]:
     """The frames of a served payload: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with
     each token's ``importance`` (``relative_importance``) for the receiver's memory ladder (and the
@@ -317,6 +322,7 @@ def payload_frames(
             coder=coder,
             clock=clock,
             level=level,
+            fast_level=fast_level,
         )
     )
 

@@ -50,6 +50,9 @@ from edgedecode.kv.wire.header import (
 
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_ZSTD_LEVEL = 3
+# zstd level 1 compresses real FP16, INT4 and INT2 chunks to within 0.6 % of level 3's size at 0.55-0.65 of its CPU
+# time; INT8 codes gain 1.9 % from level 3 (docs/performance.md, "EDKV encoding on the prefill node")
+FAST_ZSTD_LEVEL = 1
 
 
 def encode_payload(
@@ -67,6 +70,7 @@ def encode_payload(
     window_start: int | None = None,
     coder: SectionCoder | None = None,
     clock: StageClock = UNCLOCKED,
+    fast_level: int | None = None,
 ) -> Iterator[bytes]:
     """Encode `snapshot` as an EDKV stream: 1.2, or 2.0 where `window_start` cuts the windowed layers.
 
@@ -77,7 +81,7 @@ def encode_payload(
         chunk_tokens, chunk_layers: chunk size (chunk_layers None: all layers in every chunk). The reader's limits
             (docs/kv-format.md §7) bound the chunks and sections: chunk_tokens >= frames.MIN_CHUNK_TOKENS always
             fits; a finer chunking that does not is a ValueError.
-        level: zstd level.
+        level: zstd level (the header's ``zstd_level``).
         meta: free-form JSON object stored in the header (policy name, budget, ...).
         workers: threads that quantize and compress chunks at once (numpy and zstd release the GIL);
             the frames come out in order either way, byte for byte the same, each as soon as it and the ones
@@ -91,6 +95,9 @@ def encode_payload(
             ``CachingCoder`` of this snapshot, reused across payloads, computes each chunk's bytes once.
         clock: records CPU and wall time of the stages header (once a payload), quantize, assemble, compress and
             frame (``kv.stage_clock``).
+        fast_level: zstd level of the chunks that hold no 8-bit codes (FP16 and sections of 4 bits or fewer),
+            which gain little from a higher level; None: ``level``. Each chunk is its own zstd frame: a reader
+            takes any level.
 
     Returns:
         An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
@@ -113,14 +120,20 @@ def encode_payload(
         raise ValueError("the coder was made for another snapshot")
     version = (WINDOW_MAJOR, WINDOW_MINOR) if window is not None else (MAJOR, MINOR)
     cells = carried_cells(header.tiers, window)
+    levels = [level if fast_level is None else chunk_level(plan, level, fast_level) for plan in plans]
     # a chunk's bytes follow from its rectangle's tier rows, the layouts and the level (and the snapshot: the coder's)
     layouts_given = tuple(layouts.items())
     keys = [
-        (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop, level, layouts_given,
+        (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop, chunk, layouts_given,
          cells[spec.layer_start : spec.layer_stop, spec.token_start : spec.token_stop].tobytes())
-        for spec in header.chunks
+        for spec, chunk in zip(header.chunks, levels)
     ]  # fmt: skip
-    return _frames(body, plans, keys, level, workers, version, coder or SectionCoder(snapshot), clock)
+    return _frames(body, plans, keys, levels, workers, version, coder or SectionCoder(snapshot), clock)
+
+
+def chunk_level(plan: ChunkPlan, level: int, fast_level: int) -> int:
+    """``level`` for a chunk with a section of 8-bit codes, else ``fast_level``."""
+    return level if any(s.layout is not None and s.layout.bits == 8 for s in plan.sections) else fast_level
 
 
 def _build_header(
@@ -192,7 +205,7 @@ def _frames(
     body: bytes,
     plans: list[ChunkPlan],
     keys: list[tuple],
-    level: int,
+    levels: list[int],
     workers: int,
     version: tuple[int, int],
     coder: SectionCoder,
@@ -223,8 +236,10 @@ def _frames(
                     coder.fill(raw, plans[i])
                 with clock.stage("compress"):
                     if not hasattr(compressors, "zstd"):
-                        compressors.zstd = zstandard.ZstdCompressor(level=level)
-                    compressed = compressors.zstd.compress(raw)
+                        compressors.zstd = {}
+                    if levels[i] not in compressors.zstd:
+                        compressors.zstd[levels[i]] = zstandard.ZstdCompressor(level=levels[i])
+                    compressed = compressors.zstd[levels[i]].compress(raw)
                 with clock.stage("frame"):
                     body = (compressed, zlib.crc32(compressed))
                 coder.keep(keys[i], body)
