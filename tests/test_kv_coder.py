@@ -257,7 +257,7 @@ def test_the_first_chunk_leaves_before_the_last_is_quantized():
     assert 0 in coder.prepared and n - 64 not in coder.prepared  # at most workers + 1 waves ahead
     assert len(coder.prepared) <= 2 + 1 + 1
     rest = list(frames)
-    assert len(rest) == 16 and coder.prepared[-1] == n - 64
+    assert len(rest) == 16 and set(coder.prepared) == set(range(0, n, 64))  # every chunk, in any order
 
 
 def test_coders_on_many_threads_at_once_stay_exact(device):

@@ -129,10 +129,10 @@ def quantize(
     if group_range is None:
         x = np.ascontiguousarray(x)  # the token axis's reduceat runs over the flat array
     lo, hi = (group_range or numpy_group_range)(x, layout)
-    scales, zeros = _fp16_params(lo, hi, layout.bits)
+    (scales, scales32), (zeros, zeros32) = _fp16_params(lo, hi, layout.bits)
     q = np.empty(x.shape, np.float32)
-    _per_group(np.subtract, x, zeros.astype(np.float32), layout, q)
-    _per_group(np.divide, q, scales.astype(np.float32), layout, q)
+    _per_group(np.subtract, x, zeros32, layout, q)
+    _per_group(np.divide, q, scales32, layout, q)
     # q lies in [0, 2^b - 1] (x >= zero, and scale >= (max - zero) / (2^b - 1): both rounded outwards, so clipping
     # changes nothing). Adding 2^23 rounds it half to even onto the integers, as rint does (float32 keeps no fraction
     # from 2^23 on), and leaves the code in the float's low byte: one pass instead of rint, clip and a cast.
@@ -191,29 +191,44 @@ def _float32_buffer(out: np.ndarray, scratch: np.ndarray | None) -> np.ndarray:
     return np.empty(out.shape, np.float32)
 
 
-def _fp16_params(lo: np.ndarray, hi: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scale, zero) as float16 per group: zero rounded down from min, scale rounded up, so x̂ covers [min, max]."""
+def _fp16_params(
+    lo: np.ndarray, hi: np.ndarray, bits: int
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """(scale, zero) per group, each as float16 and as the same values in float32: zero rounded down from min,
+    scale rounded up, so x̂ covers [min, max]."""
     if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
         raise ValueError("cannot quantize non-finite KV values (inf or NaN)")
     if lo.size and max(-float(lo.min()), float(hi.max())) > FP16_MAX:
         raise ValueError(f"cannot quantize KV values beyond the float16 range ±{FP16_MAX:g}")
-    zeros = _round_fp16(lo, up=False)
-    span = hi.astype(np.float64) - zeros
-    scales = _round_fp16(np.maximum(span / ((1 << bits) - 1), MIN_SCALE), up=True)
-    return scales, zeros
+    zeros, zeros64 = _round_fp16_exact(lo, up=False)
+    span = hi.astype(np.float64) - zeros64
+    scales, scales64 = _round_fp16_exact(np.maximum(span / ((1 << bits) - 1), MIN_SCALE), up=True)
+    return (scales, scales64.astype(np.float32)), (zeros, zeros64.astype(np.float32))
 
 
 def _round_fp16(v: np.ndarray, up: bool) -> np.ndarray:
-    """The nearest float16 on one side of v (within ±65504): the smallest ≥ v when `up`, else the largest ≤ v.
+    """The nearest float16 on one side of v (within ±65504): the smallest ≥ v when `up`, else the largest ≤ v."""
+    return _round_fp16_exact(v, up)[0]
+
+
+def _round_fp16_exact(v: np.ndarray, up: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``_round_fp16(v, up)`` as float16 and as the same values in float64.
 
     In v's binade [2^(e-1), 2^e) float16 values are the multiples of 2^(e-11) (of 2^-24 below 2^-14), so v is
-    scaled by that power of two, rounded to an integer and scaled back: every step exact in float64.
+    scaled by that power of two and rounded to an integer count of steps, every step exact in float64. The float16
+    is built from its bits, not converted (numpy's conversion costs more than the rest together): a count c of
+    steps in binade e >= -13 is the bit pattern ((e + 14) << 10) + c - 1024, which carries into the next binade
+    at c = 2048 and gives the subnormal c below 2^-14 (e clamped to -13); a zero count is a zero of the count's sign.
     """
     v = v.astype(np.float64)
     _, e = np.frexp(v)
-    shift = 11 - np.maximum(e, -13)
+    binade = np.maximum(e, -13)
+    shift = 11 - binade
     steps = (np.ceil if up else np.floor)(np.ldexp(v, shift))
-    return np.ldexp(steps, -shift).astype(np.float16)
+    count = np.abs(steps).astype(np.int32)
+    magnitude = np.where(count == 0, 0, ((binade + 14) << 10) + count - 1024)
+    bits = (magnitude | (np.signbit(steps).astype(np.int32) << 15)).astype(np.uint16)
+    return bits.view(np.float16), np.ldexp(steps, -shift)
 
 
 def numpy_group_range(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray]:
