@@ -1,10 +1,10 @@
 """The float16 graphs on onnxruntime-gpu's CUDA provider (skipped where there is no CUDA device).
 
 The CUDA-graph decode step is held to the plain CUDA runs of the same graph: same greedy tokens,
-except past a near-tie. KV injection on the device writes exactly the rows given (checked on CPU
-too, where the same row writer runs over host memory). The CUDA decode graph ships Q4_1 as float
-zero points (GraphOptions.q4_1); it is held to the correction graph on CUDA, and its weight form
-and emission are checked exactly on the CPU.
+except past a near-tie. KV injection on the device writes exactly the rows given, and export reads
+exactly the rows held (both checked on CPU too, where the same graphs run over host memory). The
+CUDA decode graph ships Q4_1 as float zero points (GraphOptions.q4_1); it is held to the correction
+graph on CUDA, and its weight form and emission are checked exactly on the CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from edgedecode.kv.wire import encode_payload
 from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions, GraphOptionsError
 from edgedecode.model.weights import BlockQuantized
 from edgedecode.runtime.engine import Engine
-from edgedecode.runtime.kvcache import DeviceRows, KVCache
+from edgedecode.runtime.kvcache import DeviceExport, DeviceRows, KVCache
 from edgedecode.runtime.sampler import SamplingParams
 from edgedecode.runtime.session import available_devices
 
@@ -109,6 +109,18 @@ def test_device_rows_write_only_the_given_slots(source):
         expected[:, 0, 0, :, start : start + n] = keys
         expected[:, 1, 0, :, start : start + n] = values
         np.testing.assert_array_equal(cache.host, expected)
+
+
+@pytest.mark.parametrize("dtype", (np.float16, np.float32))
+def test_device_export_reads_the_first_rows_of_every_buffer(dtype):
+    spec = types.SimpleNamespace(n_layers=3, n_kv_heads=2, head_dim=8)
+    cache = KVCache(spec, 40, dtype, "cpu")  # the export graph over host memory: same graph, same bindings
+    cache.host[...] = np.random.default_rng(0).standard_normal(cache.host.shape)
+    export = DeviceExport(cache)
+    for n in (1, 17, 40):
+        out = np.full((2, 3, 2, n, 8), np.nan, dtype)
+        export.read(out)
+        np.testing.assert_array_equal(out, cache.host[:, :, 0, :, :n].swapaxes(0, 1))
 
 
 @on_cuda

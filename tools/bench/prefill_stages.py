@@ -50,6 +50,7 @@ import traceback
 
 import numpy as np
 
+from edgedecode.config import PrefillConfig
 from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
 from edgedecode.kv.policy import TierProfile, profile_path
 from edgedecode.kv.stage_clock import StageClock
@@ -67,6 +68,12 @@ from tools.common import cli
 logger = logging.getLogger(__name__)
 PATHS = ("reference", "device")
 ENCODE_STAGES = ("allocate", "header", "quantize", "assemble", "compress", "frame")
+
+
+def server_context(model, longest: int) -> int:
+    """The prefill server's engine context (its default ``max_prompt_tokens``, within the model's), or more for a
+    longer prompt: on CUDA an export copies whole KV buffers, so their size is part of what a request costs."""
+    return max(longest, min(PrefillConfig().max_prompt_tokens, model.spec.context_length)) + 1
 
 
 def fp16_nbytes(scored: ScoredPrefill) -> int:
@@ -195,7 +202,8 @@ def measure(args) -> dict:
     model = load_model(gguf_model(Path(args.gguf)) if args.gguf else args.model or DEFAULT_MODEL)
     longest = max(args.tokens)
     engine = Engine(
-        model, GraphOptions.for_device("prefill", args.device), max_context=longest + 1, device=args.device,
+        model, GraphOptions.for_device("prefill", args.device), max_context=server_context(model, longest),
+        device=args.device,
         threads=args.threads,
     )  # fmt: skip
     devices: dict[str, KVDevice | None] = {
