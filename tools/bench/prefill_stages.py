@@ -307,7 +307,8 @@ def print_table(run: dict) -> None:
                     f"  b {budget} {path:<9} encodes {r['encodes']} b_wire {r['b_wire']:.4f} | CPU ms: {parts} | "
                     f"encode {r['encode_cpu_s'] * 1e3:.0f} ms CPU = {r['encode_gbps_per_core']:.2f} GB/s a core; "
                     f"parallel wall {r['parallel_wall_s'] * 1e3:.0f} ms = {r['parallel_gbps_wall']:.2f} GB/s; "
-                    f"send {r['send']['cpu_s'] * 1e3:.0f} ms CPU; server {r['server_wall_s'] * 1e3:.0f} ms wall"
+                    f"send {r['send']['cpu_s'] * 1e3:.0f} ms CPU; server {r['server_wall_s'] * 1e3:.0f} ms wall "
+                    f"= {r['server_wall_s'] / row['bare_prefill_wall_s']:.2f}× the bare prefill"
                 )
             if "same_bytes" in cell:
                 print(f"  b {budget} same bytes: {cell['same_bytes']}")
