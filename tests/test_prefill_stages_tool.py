@@ -19,7 +19,7 @@ from edgedecode.prefill.pipeline import ScoredPrefill
 def test_a_cell_times_every_stage_and_both_paths_send_the_same_bytes():
     snapshot = _snapshot(384)
     scored = ScoredPrefill(snapshot, np.random.default_rng(0).random(384).astype(np.float32))
-    args = argparse.Namespace(device="cpu", runs=1, workers=2, level=3)
+    args = argparse.Namespace(device="cpu", runs=1, workers=2, level=3, fast_level=1)
     devices = {"reference": None, "device": KVDevice("cpu", 1)}
     cells = {path: stages.measure_cell(scored, 0.3, path, args, devices, TierProfile()) for path in devices}
     payloads = {path: cell.pop("payload") for path, cell in cells.items()}

@@ -25,7 +25,7 @@ A cell that fails is recorded with its error and the run goes on; --json is rewr
 
     python tools/bench/prefill_stages.py [--model NAME | --gguf PATH] [--tokens 1024 4096 8191]
                                          [--budgets 1.0 0.5 0.3 0.2] [--device cpu|cuda] [--workers 2] [--runs 1]
-                                         [--paths reference device] [--level 3] [--json F]
+                                         [--paths reference device] [--level 3] [--fast-level 1] [--json F]
 
 ``--gguf`` (or ``--model-path``) registers a GGUF file under ``$EDGEDECODE_HOME`` (default ~/.cache/edgedecode), where
 its graphs are then built and cached: what a machine with no model cache runs (docs/performance.md gives the
@@ -54,7 +54,7 @@ from edgedecode.config import PrefillConfig
 from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
 from edgedecode.kv.policy import TierProfile, profile_path
 from edgedecode.kv.stage_clock import StageClock
-from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL
+from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL, FAST_ZSTD_LEVEL
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.model.registry import DEFAULT_MODEL
@@ -131,15 +131,21 @@ def prefill(engine: Engine, ids: np.ndarray, devices: dict[str, KVDevice | None]
 
 
 def encode(
-    scored: ScoredPrefill, budget: float, device: KVDevice | None, workers: int, profile: TierProfile, level: int
+    scored: ScoredPrefill,
+    budget: float,
+    device: KVDevice | None,
+    workers: int,
+    profile: TierProfile,
+    levels: tuple[int, int],
 ) -> tuple[EncodedKV, StageClock, float, float]:
-    """One fit at ``budget``: the payload, its stage clock (process CPU time when serial), wall and process CPU
-    seconds."""
+    """One fit at ``budget`` with zstd's ``levels`` (the payload's, and that of chunks with no 8-bit codes): the
+    payload, its stage clock (process CPU time when serial), wall and process CPU seconds."""
     clock = StageClock(time.process_time if workers == 1 else time.thread_time)
     wall, cpu = time.perf_counter(), time.process_time()
     encoded = encode_within_budget(
-        scored, budget, profile=profile, workers=workers, device=device, clock=clock, level=level
-    )
+        scored, budget, profile=profile, workers=workers, device=device, clock=clock, level=levels[0],
+        fast_level=levels[1],
+    )  # fmt: skip
     return encoded, clock, time.perf_counter() - wall, time.process_time() - cpu
 
 
@@ -169,11 +175,12 @@ def measure_cell(scored: ScoredPrefill, budget: float, path: str, args, devices,
     """The serial and parallel encodes of one (prompt, budget, path), medians over --runs."""
     fp16 = fp16_nbytes(scored)
     serial_device = None if devices[path] is None else KVDevice(args.device, 1)
-    encode(scored, budget, serial_device, 1, profile, args.level)  # warm-up: sessions
+    levels = (args.level, args.fast_level)
+    encode(scored, budget, serial_device, 1, profile, levels)  # warm-up: sessions
     runs = []
     for _ in range(args.runs):
-        encoded, clock, serial_wall, _ = encode(scored, budget, serial_device, 1, profile, args.level)
-        _, _, wall, cpu = encode(scored, budget, devices[path], args.workers, profile, args.level)
+        encoded, clock, serial_wall, _ = encode(scored, budget, serial_device, 1, profile, levels)
+        _, _, wall, cpu = encode(scored, budget, devices[path], args.workers, profile, levels)
         runs.append((encoded, clock.as_dict(), serial_wall, wall, cpu))
     encoded, stages, _, _, _ = runs[-1]
     stage_cpu = {name: statistics.median(r[1].get(name, {"cpu_s": 0.0})["cpu_s"] for r in runs) for name in stages}
@@ -243,7 +250,12 @@ def measure(args) -> dict:
             if "device" in scores and tier_maps:  # the tiers the device path's own scores pick
                 other = ScoredPrefill(scored.snapshot, scores["device"])
                 tiers = encode_within_budget(
-                    other, budget, profile=profile, device=devices["device"], level=args.level
+                    other,
+                    budget,
+                    profile=profile,
+                    device=devices["device"],
+                    level=args.level,
+                    fast_level=args.fast_level,
                 ).tiers
                 cell["device_scores_same_tiers"] = bool(np.array_equal(tiers, tier_maps[0]))
         row["load_average_after"] = os.getloadavg()[0]
@@ -276,6 +288,10 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_threads(parser, 2, "onnxruntime threads of the prefill engine and the device path")
     cli.add_runs(parser, 1)
     parser.add_argument("--level", type=int, default=DEFAULT_ZSTD_LEVEL, help="zstd level of the payloads")
+    parser.add_argument(
+        "--fast-level", type=int, default=FAST_ZSTD_LEVEL, help="zstd level of chunks with no 8-bit codes (= --level: "
+        "every chunk at one level, as before)"
+    )  # fmt: skip
     cli.add_json_file(parser)
     args = parser.parse_args(argv)
     args.argv, args.started = argv, time.time()
