@@ -74,10 +74,13 @@ def smollm2_model(smollm2_gguf, tmp_path_factory):
 
 
 def _engine(model, kind: str, accuracy_level: int):
+    """An engine of ``kind``'s graph as the CPU gets it (the decode graph with this host's kernel form)."""
     from edgedecode.model.graph import GraphOptions
     from edgedecode.runtime.engine import Engine
+    from edgedecode.runtime.session import decode_options
 
-    return Engine(model, GraphOptions(kind, "float32", accuracy_level), max_context=TEST_CONTEXT, threads=TEST_THREADS)
+    options = decode_options("cpu", accuracy_level) if kind == "decode" else GraphOptions(kind, "float32", 0)
+    return Engine(model, options, max_context=TEST_CONTEXT, threads=TEST_THREADS)
 
 
 @pytest.fixture(scope="session")
