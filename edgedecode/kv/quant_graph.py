@@ -18,7 +18,7 @@ Bit-exact with ``quant.quantize``: the minimum and maximum are exact whatever th
 ≤ min) and ``scale`` (smallest ≥ (max − zero)/(2^b − 1), in float64 as the reference computes it) are found as
 multiples of the float16 spacing of their binade, ``floor(v / u)·u`` and ``ceil(v / u)·u``, where ``u`` is a power of
 two looked up from the binade and every step is exact; codes are ``Round((x − zero) / scale)`` in float32 (IEEE
-division, round half to even), packed along D by exact float sums. ``tests/test_quant_graph.py`` compares the bytes.
+division, round half to even), packed along D by exact float sums. ``tests/test_kv_coder.py`` compares the bytes.
 """
 
 from __future__ import annotations
