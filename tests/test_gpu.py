@@ -1,12 +1,13 @@
 """The float16 graphs on onnxruntime-gpu's CUDA provider (skipped where there is no CUDA device).
 
 The CUDA-graph decode step is held to the plain CUDA runs of the same graph: same greedy tokens,
-except past a near-tie. KV injection on the device writes exactly the rows given (checked on CPU
-too, where the same row writer runs over host memory). The CUDA decode graph ships Q4_1 as float
-zero points (GraphOptions.q4_1); it is held to the correction graph on CUDA, and its weight form
-and emission are checked exactly on the CPU. The decode graph on edgedecode's own CUDA ops (FusedMatMulGGUF;
-tests/test_graph_cuda.py checks it on the emulator) is held to the numpy reference on every synthetic case, and
-on SmolLM2 to llama.cpp's argmax and greedy text and, replayed as a CUDA graph, to its plain runs.
+except past a near-tie. KV injection on the device writes exactly the rows given, and export reads
+exactly the rows held (both checked on CPU too, where the same graphs run over host memory). The
+CUDA decode graph ships Q4_1 as float zero points (GraphOptions.q4_1); it is held to the correction
+graph on CUDA, and its weight form and emission are checked exactly on the CPU. The decode graph on edgedecode's own
+CUDA ops (FusedMatMulGGUF; tests/test_graph_cuda.py checks it on the emulator) is held to the numpy reference on
+every synthetic case, and on SmolLM2 to llama.cpp's argmax and greedy text and, replayed as a CUDA graph, to its
+plain runs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from edgedecode.model.loader import load_model
 from edgedecode.model.reference import reference_forward
 from edgedecode.model.weights import BlockQuantized, load_tensors
 from edgedecode.runtime.engine import Engine
-from edgedecode.runtime.kvcache import DeviceRows, KVCache
+from edgedecode.runtime.kvcache import DeviceExport, DeviceRows, KVCache
 from edgedecode.runtime.sampler import SamplingParams
 from edgedecode.runtime.session import available_devices, cuda_kernels_problem
 
@@ -141,6 +142,18 @@ def test_device_rows_write_only_the_given_slots(source):
         expected[:, 0, 0, :, start : start + n] = keys
         expected[:, 1, 0, :, start : start + n] = values
         np.testing.assert_array_equal(cache.host, expected)
+
+
+@pytest.mark.parametrize("dtype", (np.float16, np.float32))
+def test_device_export_reads_the_first_rows_of_every_buffer(dtype):
+    spec = types.SimpleNamespace(n_layers=3, n_kv_heads=2, head_dim=8)
+    cache = KVCache(spec, 40, dtype, "cpu")  # the export graph over host memory: same graph, same bindings
+    cache.host[...] = np.random.default_rng(0).standard_normal(cache.host.shape)
+    export = DeviceExport(cache)
+    for n in (1, 17, 40):
+        out = np.full((2, 3, 2, n, 8), np.nan, dtype)
+        export.read(out)
+        np.testing.assert_array_equal(out, cache.host[:, :, 0, :, :n].swapaxes(0, 1))
 
 
 @on_cuda
