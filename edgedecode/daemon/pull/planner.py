@@ -17,7 +17,8 @@ from pathlib import Path
 
 from edgedecode.config import DaemonConfig
 from edgedecode.daemon.metrics import DaemonMetrics
-from edgedecode.daemon.pull.adaptive import KVPlan, PlanInputs, QualityCosts, SegmentWatch, plan_kv
+from edgedecode.daemon.pull.adaptive import KVPlan, PlanInputs, SegmentWatch, plan_kv
+from edgedecode.daemon.pull.calibration import ModelCalibration
 from edgedecode.daemon.pull.deadline import Deadline
 from edgedecode.daemon.pull.link import DecayingMean, LinkModels, Reprobes
 from edgedecode.daemon.pull.link_store import LinkStore
@@ -27,18 +28,31 @@ from edgedecode.kv.window import tail_budget
 from edgedecode.model.spec import KVContract
 from edgedecode.runtime.handoff import StreamedKV
 
+NEAR_FASTEST = 1.1  # the default objective: the best quality within this factor of the fastest option
+REMOTE_CORRECTION_BOUNDS = (0.8, 3.0)  # a learned correction of the link model's predictions stays within these
+
 
 class KVPlanner:
     """Plans turns' KV for the daemon configured by ``settings``, for a model whose KV is
-    ``fp16_bytes_per_token`` at FP16 under ``contract``; counts its decisions and re-probes in
-    ``metrics``, and exports the link estimates on its registry.
+    ``fp16_bytes_per_token`` at FP16 under ``contract`` and whose quality ``calibration`` measured;
+    counts its decisions and re-probes in ``metrics``, and exports the link estimates on its registry.
 
     ``local_speed`` starts without a point (local prefill predicted never to finish): ``daemon/run.py``
     calibrates it on a real engine before serving, and every local prefill refines it.
+
+    Without a target (``daemon.ttft_target_ms`` 0 and none in the request) a daemon whose
+    ``daemon.budget`` is 0 (not pinned) plans every turn with the default objective (``NEAR_FASTEST``);
+    a pinned budget is asked for as it is. ``daemon.min_budget`` 0 and an unpinned budget take the
+    calibration's (``ModelCalibration.min_budget``, ``default_budget``).
     """
 
     def __init__(
-        self, settings: DaemonConfig, fp16_bytes_per_token: int, contract: KVContract, metrics: DaemonMetrics
+        self,
+        settings: DaemonConfig,
+        fp16_bytes_per_token: int,
+        contract: KVContract,
+        metrics: DaemonMetrics,
+        calibration: ModelCalibration,
     ) -> None:
         self.settings = settings
         self.fp16_bytes_per_token = fp16_bytes_per_token
@@ -47,10 +61,16 @@ class KVPlanner:
         store = LinkStore(Path(settings.state_dir)) if settings.state_dir else None
         self.links = LinkModels(metrics.registry, stale_margin=settings.link_stale_margin, store=store)
         self.local_speed = LocalPrefillModel()
-        self.quality = QualityCosts(local=settings.local_dppl_pct)
+        self.calibration = calibration
+        self.quality = calibration.quality(settings.local_dppl_pct)
+        self.min_budget = settings.min_budget or calibration.min_budget
+        self.budget = settings.budget or max(calibration.default_budget, self.min_budget)
+        self.near_fastest = None if settings.budget else NEAR_FASTEST
         # how much longer a split's pull takes than alone, as measured on this box (the configured
-        # value until a split has been seen, and again after hours without one)
+        # prior until a split has been seen, and again after hours without one)
         self.split_slowdown = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
+        # how much longer a whole pull takes than the link model predicted (1 until measured)
+        self.remote_correction = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
         self.reprobes = Reprobes(settings.link_reprobe_s)
 
     def kv_deadline(self, deadline: Deadline) -> Deadline:
@@ -65,7 +85,7 @@ class KVPlanner:
         s = self.settings
         fp16_bytes = max(tokens, 1) * self.fp16_bytes_per_token
         floor = max(s.min_wire_bytes / fp16_bytes, tail_budget(max(tokens, 1), self.contract))
-        return min(1.0, max(s.budget if budget is None else budget, floor))
+        return min(1.0, max(self.budget if budget is None else budget, floor))
 
     def plan(self, url: str, keep: int, prompt_tokens: int, deadline: Deadline) -> KVPlan:
         """Where the KV of the prompt's positions after ``keep`` should come from to be in by
@@ -102,7 +122,7 @@ class KVPlanner:
                 wire_bytes=lambda b: int(self.budget_for(tokens, b) * tokens * self.fp16_bytes_per_token),
                 predict_remote_s=predict,
                 local_s=self.local_speed.predict_between(stream.local_from, n),
-                min_budget=min(self.settings.min_budget, budget),
+                min_budget=min(self.min_budget, budget),
                 quality=self.quality,
                 context_tokens=n,
             )
@@ -113,7 +133,7 @@ class KVPlanner:
         which should end by ``deadline`` (it has a target)."""
         end = len(stream.prompt_ids)
         link = self.links.get(url)
-        min_budget = self.settings.min_budget
+        min_budget = self.min_budget
 
         def rest_s(goodput: float, tokens_left: int) -> float:
             """Seconds to get the segment's last ``tokens_left`` tokens another way: resumed at the
@@ -140,6 +160,20 @@ class KVPlanner:
         """A split's complete pull took ``seconds`` where the link model predicted ``predicted_s`` alone."""
         self.split_slowdown.add(seconds / predicted_s, time.monotonic())
 
+    def learn_pull(self, seconds: float, predicted_s: float) -> None:
+        """A whole pull (one segment, not a split's) took ``seconds`` where the link model predicted
+        ``predicted_s``: the ratio teaches the correction every remote prediction is multiplied by."""
+        self.remote_correction.add(seconds / predicted_s, time.monotonic())
+
+    def corrections(self) -> tuple[float, float]:
+        """(the remote correction, the split slowdown) as plans use them now: learned, bounded; the
+        split's configured prior while none was measured."""
+        now = time.monotonic()
+        low, high = REMOTE_CORRECTION_BOUNDS
+        remote = min(max(self.remote_correction.value(now) or 1.0, low), high)
+        split = max(self.split_slowdown.value(now) or self.settings.split_slowdown, 1.0)
+        return remote, split
+
     def learn_local_prefill(self, tokens: int, seconds: float) -> None:
         """A local prefill of ``tokens`` prompt tokens took ``seconds``."""
         self.local_speed.observe(tokens, seconds)
@@ -149,23 +183,25 @@ class KVPlanner:
     ) -> KVPlan:
         """``plan``'s plan for ``target_s`` seconds left; ``reprobe``: the best pull, local prefill left out."""
         link = self.links.get(url)
-        s = self.settings
         tokens = prompt_tokens - keep
         fp16_bytes = max(tokens, 1) * self.fp16_bytes_per_token
         local = self.local_speed
+        remote_correction, split_slowdown = self.corrections()
         plan = plan_kv(
             PlanInputs(
                 target_s=target_s,
-                fixed_budget=s.budget,
+                fixed_budget=self.budget,
                 wire_bytes=lambda budget: int(self.budget_for(tokens, budget) * fp16_bytes),
                 predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, tokens),
                 local_s=math.inf if reprobe else local.predict_seconds(tokens),
-                min_budget=s.min_budget,
+                min_budget=self.min_budget,
                 quality=self.quality,
                 tokens=tokens,
                 context_tokens=prompt_tokens,
                 local_head_s=None if reprobe else lambda head: local.predict_between(keep, keep + head),
-                split_slowdown=max(self.split_slowdown.value(time.monotonic()) or s.split_slowdown, 1.0),
+                split_slowdown=split_slowdown,
+                near_fastest=self.near_fastest,
+                remote_correction=remote_correction,
             )
         )
         if reprobe:

@@ -118,14 +118,16 @@ class PrefillRemote:
         if plan.decision == "local" or plan.budget is None:
             logger.info("prefilling %d tokens locally by plan: %s", len(prompt_ids) - keep, plan.why)
             return Pull(plan=plan)
+        if kv_deadline.target_s is None and plan.deadline_s is not None:  # the default objective's: watched too
+            kv_deadline = Deadline.within(plan.deadline_s)
         stream = engine.open_kv_stream(prompt_ids, keep, head=plan.head)
         budget = self.planner.budget_for(len(prompt_ids) - keep - plan.head, plan.budget)
         if plan.head:
             fetch = KVFetch(self._http, self._settings(url), self.ingest, self.planner, teach_goodput=False)
-            tail = asyncio.create_task(self._fetch(fetch, stream, budget, kv_deadline, plan.pull_s))
+            tail = asyncio.create_task(self._fetch(fetch, stream, budget, kv_deadline, plan))
             return Pull(stream, tail, plan, budget)
         fetch = KVFetch(self._http, self._settings(url), self.ingest, self.planner)
-        fetched = await self._fetch(fetch, stream, budget, kv_deadline)
+        fetched = await self._fetch(fetch, stream, budget, kv_deadline, plan)
         return Pull(stream if fetched.useful else None, None, plan, budget, fetched)
 
     def _settings(self, url: str) -> PullSettings:
@@ -136,16 +138,18 @@ class PrefillRemote:
         return PullSettings(url, self._token, s.policy, s.max_payload_bytes, timeout)
 
     async def _fetch(
-        self, fetch: KVFetch, stream: StreamedKV, budget: float, deadline: Deadline, split_pull_s: float | None = None
+        self, fetch: KVFetch, stream: StreamedKV, budget: float, deadline: Deadline, plan: KVPlan
     ) -> Fetched:
-        """Run ``fetch`` into ``stream``, counted, and tell the breaker how the endpoint did.
-        ``split_pull_s``: a split's tail pull as predicted alone; what it took teaches the split slowdown."""
+        """Run ``fetch`` into ``stream``, counted, and tell the breaker how the endpoint did. A pull
+        that came whole in one segment teaches the planner how long it took against ``plan``'s
+        prediction (a split's tail: the split slowdown; a whole pull: the remote correction)."""
         start = stream.covered
         outcome = await fetch.run(stream, budget, deadline)
         tokens = stream.covered - start
         self._count(outcome, tokens)
-        if split_pull_s and len(outcome.segments) == 1 and outcome.segments[0].result.complete:
-            self.planner.learn_split(outcome.seconds, split_pull_s)
+        if plan.pull_s and len(outcome.segments) == 1 and outcome.segments[0].result.complete:
+            learn = self.planner.learn_split if plan.head else self.planner.learn_pull
+            learn(outcome.seconds, plan.pull_s)
         failure = outcome.failure
         if failure is None:
             self.breaker.record_success()
