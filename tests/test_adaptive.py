@@ -145,3 +145,60 @@ def test_a_split_whose_pull_is_slowed_by_sharing_the_cores_takes_a_larger_head()
     # the tail slowed by 1.3 moves the balance: more here, less pulled
     assert slowed.head > alone.head and slowed.predicted_s is not None and slowed.predicted_s <= 1.5  # a larger head
     assert slowed.pull_s is not None and slowed.predicted_s >= 1.3 * slowed.pull_s - 1e-9
+
+
+# --- the default objective: no target, budget not pinned ---------------------------------------------
+
+
+def _default(goodput_bps, *, local_s, rtt_s=0.02, correction=1.0, tokens=0, min_budget=0.2) -> PlanInputs:
+    inputs = _inputs(None, goodput_bps, rtt_s=rtt_s, local_s=local_s, min_budget=min_budget)
+    return dataclasses.replace(
+        inputs, near_fastest=1.1, remote_correction=correction, tokens=tokens, context_tokens=2048
+    )
+
+
+@pytest.mark.parametrize("mbit", [1, 10, 50, 100, 1000])
+@pytest.mark.parametrize("local_s", [0.3, 2.8, 30.0])
+def test_without_a_target_the_plan_is_the_best_quality_within_a_tenth_of_the_fastest(mbit, local_s):
+    goodput = mbit * 1e6 / 8
+    plan = plan_kv(_default(goodput, local_s=local_s))
+    options = {b: 0.02 + b * FP16_BYTES / goodput for b in BUDGET_LADDER if b >= 0.2}
+    options[None] = local_s
+    fastest = min(t for b, t in options.items() if b is None or SMOLLM2.quality().of_budget(b, 2048) <= 2.0)
+    assert plan.predicted_s is not None and plan.predicted_s <= 1.1 * fastest + 1e-9
+    assert plan.predicted_s <= 1.1 * local_s + 1e-9  # never a pull much slower than computing here
+    assert plan.deadline_s == pytest.approx(1.1 * fastest)  # the segment watch's, for a pull
+    costs = SMOLLM2.quality()
+
+    def cost(budget):
+        return costs.local if budget is None else costs.of_budget(budget, 2048)
+
+    near = [b for b, t in options.items() if t <= 1.1 * fastest and cost(b) <= 2.0]
+    assert cost(plan.budget) <= min(cost(b) for b in near) + QUALITY_TIE_PCT
+
+
+def test_without_a_target_a_fast_link_pulls_and_a_slow_one_computes_here():
+    assert plan_kv(_default(1e9 / 8, local_s=2.8)).decision == "remote"  # b 0.5 in ~0.4 s
+    assert plan_kv(_default(10e6 / 8, local_s=2.8)).decision == "local"  # b 0.3 in ~11 s
+
+
+def test_without_a_target_an_unknown_link_is_pulled_at_the_default_budget_under_a_watch():
+    plan = plan_kv(_default(None, local_s=2.8))
+    assert (plan.decision, plan.budget) == ("remote", 0.3)
+    assert plan.deadline_s == pytest.approx(1.1 * 2.8)  # cut and computed here if it would end later than that
+
+
+def test_a_learned_optimism_of_the_link_model_moves_a_near_tie_to_local():
+    # b 0.5 (the floor here) predicted 1.0 s, local 1.05 s: a pull; pulls measured 1.3x slower than predicted: local
+    goodput = 0.5 * FP16_BYTES / 0.98
+    assert plan_kv(_default(goodput, local_s=1.05, min_budget=0.5)).decision == "remote"
+    corrected = plan_kv(_default(goodput, local_s=1.05, correction=1.3, min_budget=0.5))
+    assert corrected.decision == "local"
+    fast = plan_kv(_default(goodput, local_s=30.0, correction=1.3, min_budget=0.5))
+    assert fast.decision == "remote" and fast.pull_s is not None
+    assert fast.predicted_s == pytest.approx(1.3 * fast.pull_s)  # the correction is what it learns against
+
+
+def test_with_a_pinned_budget_and_no_target_the_budget_is_asked_as_before():
+    plan = plan_kv(_inputs(None, 10e6 / 8, local_s=0.1, fixed=0.75))
+    assert (plan.decision, plan.budget, plan.deadline_s) == ("remote", 0.75, None)

@@ -24,6 +24,7 @@ from edgedecode.daemon.pull.link import DecayingMean, LinkModels, Reprobes
 from edgedecode.daemon.pull.link_store import LinkStore
 from edgedecode.daemon.pull.local_speed import LocalPrefillModel
 from edgedecode.daemon.pull.segment import PullResult
+from edgedecode.daemon.pull.server_prefixes import ServerPrefixes
 from edgedecode.kv.window import tail_budget
 from edgedecode.model.spec import KVContract
 from edgedecode.runtime.handoff import StreamedKV
@@ -72,6 +73,7 @@ class KVPlanner:
         # how much longer a whole pull takes than the link model predicted (1 until measured)
         self.remote_correction = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
         self.reprobes = Reprobes(settings.link_reprobe_s)
+        self.prefixes = ServerPrefixes()  # what each prefill server's prefix cache holds, as its answers said
 
     def kv_deadline(self, deadline: Deadline) -> Deadline:
         """When a turn's KV must be in: before its prompt's last token runs and is sampled."""
@@ -87,16 +89,17 @@ class KVPlanner:
         floor = max(s.min_wire_bytes / fp16_bytes, tail_budget(max(tokens, 1), self.contract))
         return min(1.0, max(self.budget if budget is None else budget, floor))
 
-    def plan(self, url: str, keep: int, prompt_tokens: int, deadline: Deadline) -> KVPlan:
+    def plan(self, url: str, keep: int, prompt_tokens: int, deadline: Deadline, *, server_held: int = 0) -> KVPlan:
         """Where the KV of the prompt's positions after ``keep`` should come from to be in by
-        ``deadline`` (``pull.adaptive``), counted by decision. A plan to compute it here for an
-        endpoint nothing has measured for ``daemon.link_reprobe_s`` becomes the best pull instead
-        (a re-probe, counted)."""
+        ``deadline`` (``pull.adaptive``), counted by decision; the server is believed to hold the
+        prompt's first ``server_held`` tokens in its prefix cache (``prefixes``), so it computes only
+        the rest. A plan to compute it here for an endpoint nothing has measured for
+        ``daemon.link_reprobe_s`` becomes the best pull instead (a re-probe, counted)."""
         target_s = deadline.left_s()
-        plan = self._plan(url, keep, prompt_tokens, target_s)
+        plan = self._plan(url, keep, prompt_tokens, target_s, server_held)
         if plan.decision == "local" and self.reprobes.due(url, self.links.get(url)):
             self.metrics.reprobes.inc()
-            plan = self._plan(url, keep, prompt_tokens, target_s, reprobe=True)
+            plan = self._plan(url, keep, prompt_tokens, target_s, server_held, reprobe=True)
         self.metrics.decisions.labels(plan.decision).inc()
         return plan
 
@@ -179,11 +182,19 @@ class KVPlanner:
         self.local_speed.observe(tokens, seconds)
 
     def _plan(
-        self, url: str, keep: int, prompt_tokens: int, target_s: float | None, *, reprobe: bool = False
+        self,
+        url: str,
+        keep: int,
+        prompt_tokens: int,
+        target_s: float | None,
+        server_held: int,
+        *,
+        reprobe: bool = False,
     ) -> KVPlan:
         """``plan``'s plan for ``target_s`` seconds left; ``reprobe``: the best pull, local prefill left out."""
         link = self.links.get(url)
         tokens = prompt_tokens - keep
+        server_tokens = prompt_tokens - server_held  # what the server computes (its cache holds the rest)
         fp16_bytes = max(tokens, 1) * self.fp16_bytes_per_token
         local = self.local_speed
         remote_correction, split_slowdown = self.corrections()
@@ -192,7 +203,7 @@ class KVPlanner:
                 target_s=target_s,
                 fixed_budget=self.budget,
                 wire_bytes=lambda budget: int(self.budget_for(tokens, budget) * fp16_bytes),
-                predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, tokens),
+                predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, server_tokens),
                 local_s=math.inf if reprobe else local.predict_seconds(tokens),
                 min_budget=self.min_budget,
                 quality=self.quality,

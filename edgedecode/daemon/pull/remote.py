@@ -114,7 +114,8 @@ class PrefillRemote:
         if self._http is None:
             raise RuntimeError("the prefill remote was not started (await start() first)")
         kv_deadline = self.planner.kv_deadline(deadline)
-        plan = self.planner.plan(url, keep, len(prompt_ids), kv_deadline)
+        server_held = self.planner.prefixes.held_tokens(url, prompt_ids)
+        plan = self.planner.plan(url, keep, len(prompt_ids), kv_deadline, server_held=server_held)
         if plan.decision == "local" or plan.budget is None:
             logger.info("prefilling %d tokens locally by plan: %s", len(prompt_ids) - keep, plan.why)
             return Pull(plan=plan)
@@ -123,10 +124,12 @@ class PrefillRemote:
         stream = engine.open_kv_stream(prompt_ids, keep, head=plan.head)
         budget = self.planner.budget_for(len(prompt_ids) - keep - plan.head, plan.budget)
         if plan.head:
-            fetch = KVFetch(self._http, self._settings(url), self.ingest, self.planner, teach_goodput=False)
+            fetch = KVFetch(
+                self._http, self._settings(url), self.ingest, self.planner, teach_goodput=False, server_held=server_held
+            )
             tail = asyncio.create_task(self._fetch(fetch, stream, budget, kv_deadline, plan))
             return Pull(stream, tail, plan, budget)
-        fetch = KVFetch(self._http, self._settings(url), self.ingest, self.planner)
+        fetch = KVFetch(self._http, self._settings(url), self.ingest, self.planner, server_held=server_held)
         fetched = await self._fetch(fetch, stream, budget, kv_deadline, plan)
         return Pull(stream if fetched.useful else None, None, plan, budget, fetched)
 
