@@ -69,6 +69,7 @@ class DaemonConfig:
     ttft_target_ms: float = 0.0  # time-to-first-token target the KV plan adapts to; 0: none (see budget)
     min_budget: float = 0.0  # quality floor of planned budgets; 0: the model's calibration's (docs/adaptive.md)
     local_dppl_pct: float = 0.0  # extra quality cost charged to prefilling here, above the calibration's measured one
+    local_prefill_tokens_per_s: float = 0.0  # this box's prefill speed, pinned; 0: measured at start and as it serves
     split_slowdown: float = 1.5  # prior of a split's pull vs alone, until measured here (H100 host's 2 cores: 1.28)
     link_stale_margin: float = 1.5  # a link estimate idle past its lapse plans this many times slower than it was
     link_reprobe_s: float = 3600.0  # a link planned local whose last measure is this old is pulled from once; 0: never
@@ -297,6 +298,10 @@ def _validate(config: Config, server: Literal["daemon", "prefill"] | None) -> No
         problems.append(f"daemon.budget must be in [0, 1] (wire bytes / FP16 bytes; 0: planned), not {d.budget}")
     if d.ttft_target_ms < 0:
         problems.append("daemon.ttft_target_ms must be >= 0 (0: no target)")
+    if d.local_prefill_tokens_per_s < 0:
+        problems.append(
+            f"daemon.local_prefill_tokens_per_s must be >= 0 (0: measured), not {d.local_prefill_tokens_per_s}"
+        )
     if not 1 <= d.split_slowdown <= 10:
         problems.append(f"daemon.split_slowdown must be in [1, 10], not {d.split_slowdown}")
     if not 1 <= d.link_stale_margin <= 100:

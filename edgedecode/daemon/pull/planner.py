@@ -14,6 +14,7 @@ import dataclasses
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgedecode.config import DaemonConfig
 from edgedecode.daemon.metrics import DaemonMetrics
@@ -22,12 +23,15 @@ from edgedecode.daemon.pull.calibration import ModelCalibration
 from edgedecode.daemon.pull.deadline import Deadline
 from edgedecode.daemon.pull.link import DecayingMean, LinkModels, Reprobes
 from edgedecode.daemon.pull.link_store import LinkStore
-from edgedecode.daemon.pull.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.local_speed import CALIBRATION_LENGTHS, LocalPrefillModel
 from edgedecode.daemon.pull.segment import PullResult
 from edgedecode.daemon.pull.server_prefixes import ServerPrefixes
 from edgedecode.kv.window import tail_budget
 from edgedecode.model.spec import KVContract
 from edgedecode.runtime.handoff import StreamedKV
+
+if TYPE_CHECKING:
+    from edgedecode.runtime.engine import Engine
 
 NEAR_FASTEST = 1.1  # the default objective: the best quality within this factor of the fastest option
 REMOTE_CORRECTION_BOUNDS = (0.8, 3.0)  # a learned correction of the link model's predictions stays within these
@@ -39,7 +43,9 @@ class KVPlanner:
     counts its decisions and re-probes in ``metrics``, and exports the link estimates on its registry.
 
     ``local_speed`` starts without a point (local prefill predicted never to finish): ``daemon/run.py``
-    calibrates it on a real engine before serving, and every local prefill refines it.
+    calibrates it on a real engine before serving (``calibrate_local``), and every local prefill
+    refines it — unless ``daemon.local_prefill_tokens_per_s`` pins it (prefill time proportional to
+    the tokens at that speed, never measured).
 
     Without a target (``daemon.ttft_target_ms`` 0 and none in the request) a daemon whose
     ``daemon.budget`` is 0 (not pinned) plans every turn with the default objective (``NEAR_FASTEST``);
@@ -61,7 +67,8 @@ class KVPlanner:
         self.metrics = metrics
         store = LinkStore(Path(settings.state_dir)) if settings.state_dir else None
         self.links = LinkModels(metrics.registry, stale_margin=settings.link_stale_margin, store=store)
-        self.local_speed = LocalPrefillModel()
+        pinned = settings.local_prefill_tokens_per_s
+        self.local_speed = LocalPrefillModel([(n, n / pinned) for n in CALIBRATION_LENGTHS] if pinned else ())
         self.calibration = calibration
         self.quality = calibration.quality(settings.local_dppl_pct)
         self.min_budget = settings.min_budget or calibration.min_budget
@@ -177,9 +184,15 @@ class KVPlanner:
         split = max(self.split_slowdown.value(now) or self.settings.split_slowdown, 1.0)
         return remote, split
 
+    def calibrate_local(self, engine: Engine) -> None:
+        """Measure this box's prefill speed on ``engine`` (its thread, before serving), unless pinned."""
+        if not self.settings.local_prefill_tokens_per_s:
+            self.local_speed.calibrate(engine)
+
     def learn_local_prefill(self, tokens: int, seconds: float) -> None:
-        """A local prefill of ``tokens`` prompt tokens took ``seconds``."""
-        self.local_speed.observe(tokens, seconds)
+        """A local prefill of ``tokens`` prompt tokens took ``seconds`` (nothing learned when the speed is pinned)."""
+        if not self.settings.local_prefill_tokens_per_s:
+            self.local_speed.observe(tokens, seconds)
 
     def _plan(
         self,
