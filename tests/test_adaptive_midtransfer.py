@@ -48,9 +48,15 @@ def link(smollm2_model, tmp_path_factory):
             started.append(prefill)
             shaper = LinkShaper("127.0.0.1", int(prefill.url.rsplit(":", 1)[1]), rate_bytes_per_s=RATE, delay_s=DELAY_S)
             started.append(shaper)
-            # local prefill counted as costly, so a target that local makes is still met by a pull
+            # local prefill counted as costly, so a target that local makes is still met by a pull; its
+            # speed pinned (2 cores: ~0.5-1.5 s for PROMPT), so that when a pull is cut does not depend on the box
             daemon = _start(
-                workdir, f"daemon-{name}", ["serve", "--prefill-url", shaper.url], daemon_env, local_dppl_pct=5.0
+                workdir,
+                f"daemon-{name}",
+                ["serve", "--prefill-url", shaper.url],
+                daemon_env,
+                local_dppl_pct=5.0,
+                local_prefill_tokens_per_s=500.0,
             )
             started.append(daemon)
             pairs.append((shaper, daemon))

@@ -7,7 +7,8 @@ prompts), and three daemons: ``default`` (no [daemon] key but the prefill URL: t
 objective), ``b0.3`` (``daemon.budget = 0.3``, the old default) and ``local`` (``local_prefill_only``).
 Each cell is a link: ``--mbits`` through the project's link shaper (one-way delay ``--rtt-ms``/2), or
 ``unshaped`` (straight to the prefill server). The default daemon is started afresh per cell (it
-knows nothing of the link; its first request is the probe, reported apart) and the others once.
+knows nothing of the link; its first request is the probe, reported apart) and the others once per
+cell, each warmed by one request first (the prefill server's first requests are slower).
 Requests go round by round, one of each policy per round in a rotating order, each round on its own
 distinct pydoc window of ``--prompt-tokens`` tokens (the same window for the three policies), so
 that the box's load hits all three alike: the ratios default/local and default/min(local, b 0.3) are
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     model = load_model()
     cells = [(f"{m:g} Mbit/s", m) for m in args.mbits] + ([("unshaped", None)] if args.unshaped else [])
-    windows = token_windows(model.tokenizer, pydoc_corpus(), args.prompt_tokens[0], len(cells) * (args.rounds + 1))
+    windows = token_windows(model.tokenizer, pydoc_corpus(), args.prompt_tokens[0], len(cells) * (args.rounds + 2))
     results = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         directory = Path(tmp)
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         host, port = prefill_url.removeprefix("http://").rsplit(":", 1)
         for index, (label, mbits) in enumerate(cells):
-            cell_windows = windows[index * (args.rounds + 1) : (index + 1) * (args.rounds + 1)]
+            cell_windows = windows[index * (args.rounds + 2) : (index + 1) * (args.rounds + 2)]
             with contextlib.ExitStack() as cell_stack:
                 target = prefill_url
                 if mbits is not None:
@@ -142,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
                     policy: cell_stack.enter_context(daemon(policy, directory, args, target, f"c{index}"))
                     for policy in ("b0.3", "local")
                 }
-                results.append(run_cell(label, target, steady, cell_windows, args, directory))
+                for url in steady.values():  # warm: the servers' first requests are not what is measured
+                    request(url, cell_windows[0], args.max_tokens)
+                results.append(run_cell(label, target, steady, cell_windows[1:], args, directory))
             print(f"{label}: {results[-1]['summary']}", file=sys.stderr, flush=True)
     record = {**cli.record(__file__, argv, started), "model": model.record.name, "args": cli.settings(args)}
     record |= {"cells": results, "wall_s": round(time.time() - started, 1)}

@@ -154,6 +154,8 @@ class KVFetch:
                     asked = computed if reused is None else n - reused
                     self.planner.prefixes.learn(url, prompt_ids, self.server_held, reused)
                 self.planner.learn_segment(url, result, asked, goodput=self.teach_goodput)
+            elif request.path == "/v1/prefill":
+                self.planner.learn_unanswered(url)
             if result.failure is not None:
                 logger.warning("KV segment at budget %.3g ended: %s", request.budget, result.failure)
             elif result.cut_reason:

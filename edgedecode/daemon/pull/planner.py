@@ -81,6 +81,7 @@ class KVPlanner:
         self.remote_correction = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
         self.reprobes = Reprobes(settings.link_reprobe_s)
         self.prefixes = ServerPrefixes()  # what each prefill server's prefix cache holds, as its answers said
+        self._unanswered: dict[str, float] = {}  # endpoint -> when a probe of it last got no answer in time
 
     def kv_deadline(self, deadline: Deadline) -> Deadline:
         """When a turn's KV must be in: before its prompt's last token runs and is sampled."""
@@ -164,7 +165,22 @@ class KVPlanner:
     def learn_segment(self, url: str, result: PullResult, tokens: int, *, goodput: bool = True) -> None:
         """What a segment that got its answer's headers measured teaches the link to ``url``
         (``LinkModel.observe``: ``tokens`` the server computed for it; ``goodput`` False: not its transfer)."""
+        self._unanswered.pop(url.rstrip("/"), None)
         self.links.get(url).observe(result, tokens, goodput=goodput)
+
+    def learn_unanswered(self, url: str) -> None:
+        """A pull from ``url`` got no answer (its headers) before it was given up. Under the default
+        objective, while the link is still unknown, the turns after it compute here until a
+        re-probe is due (``daemon.link_reprobe_s``) rather than wait on the endpoint again."""
+        self._unanswered[url.rstrip("/")] = time.monotonic()
+
+    def _silent(self, url: str) -> bool:
+        """Whether plans to ``url`` should not wait on it: the default objective, a link not learned,
+        and a pull that got no answer less than ``daemon.link_reprobe_s`` ago."""
+        since = self._unanswered.get(url.rstrip("/"))
+        if since is None or self.near_fastest is None or self.links.get(url).estimate().goodput_bps is not None:
+            return False
+        return not self.settings.link_reprobe_s or time.monotonic() - since < self.settings.link_reprobe_s
 
     def learn_split(self, seconds: float, predicted_s: float) -> None:
         """A split's complete pull took ``seconds`` where the link model predicted ``predicted_s`` alone."""
@@ -206,6 +222,9 @@ class KVPlanner:
     ) -> KVPlan:
         """``plan``'s plan for ``target_s`` seconds left; ``reprobe``: the best pull, local prefill left out."""
         link = self.links.get(url)
+        if not reprobe and self._silent(url):
+            why = "the last pull from this endpoint got no answer in time: computed here until a re-probe"
+            return KVPlan("local", None, self.local_speed.predict_between(keep, prompt_tokens), why)
         tokens = prompt_tokens - keep
         server_tokens = prompt_tokens - server_held  # what the server computes (its cache holds the rest)
         fp16_bytes = max(tokens, 1) * self.fp16_bytes_per_token

@@ -1,8 +1,10 @@
-"""Prefix-aware plans: the daemon remembers what each prefill server's prefix cache holds from the
+"""The KV planner as the daemon builds it, with speeds given, not measured (nothing here depends on the
+machine). A probe of an unknown link that got no answer is not waited on again. Prefix-aware plans:
+the daemon remembers what each prefill server's prefix cache holds from the
 server's own answers (X-Prefix-Reused-Tokens), and the planner prices only the part of a prompt the
 server will compute. A shared ~3k-token document with short questions, over a fast link, to a server
 that computes 1000 tokens/s — as fast as this box — is pulled once the server holds the document,
-computed here before. Speeds are given, not measured: nothing here depends on the machine."""
+computed here before."""
 
 from __future__ import annotations
 
@@ -102,3 +104,19 @@ def test_the_default_objective_keeps_a_pull_within_a_tenth_of_local_prefill(toke
     plan, _ = _plan(planner, prompt)
     assert plan.predicted_s is not None
     assert plan.predicted_s <= 1.1 * planner.local_speed.predict_seconds(tokens) + 1e-9
+
+
+def test_an_unknown_link_whose_probe_got_no_answer_is_not_waited_on_again():
+    planner = KVPlanner(DaemonConfig(), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL])
+    planner.local_speed = LocalPrefillModel([(n, n / 1000) for n in (128, 512, 2048)])
+    url, prompt = "http://slow:8089", _question(1)
+    probe = planner.plan(url, 0, len(prompt), Deadline())
+    assert probe.decision == "remote" and probe.predicted_s is None and probe.deadline_s is not None, probe
+    planner.learn_unanswered(url)
+    after = planner.plan(url, 0, len(prompt), Deadline())
+    assert after.decision == "local" and "no answer" in after.why, after
+    pinned = KVPlanner(
+        DaemonConfig(budget=0.3), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL]
+    )
+    pinned.learn_unanswered(url)
+    assert pinned.plan(url, 0, len(prompt), Deadline()).budget == 0.3  # a pinned budget is asked as before
