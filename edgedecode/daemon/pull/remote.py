@@ -35,7 +35,7 @@ from edgedecode.tls import client_tls
 logger = logging.getLogger(__name__)
 # a probe of an unknown link under the default objective is given up after this many times its deadline
 # (1.1x local prefill's predicted time); what arrived by then is kept, the rest computed here
-PROBE_WAIT = 2.0
+PROBE_WAIT = 1.0
 
 
 @dataclass(frozen=True)
