@@ -257,7 +257,8 @@ def test_with_no_adaptive_key_every_turn_is_planned_and_a_slow_link_falls_back_t
     started = []
     try:
         for name, url in (("new-direct", prefill.url), ("new-shaped", shaper.url)):
-            config = server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, **LOCAL_SPEED)
+            # budget 0 is the default (not pinned): as if no key were set
+            config = server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, budget=0, **LOCAL_SPEED)
             started.append(
                 ServerProcess(
                     ["serve", "--config", config, "--prefill-url", url],
