@@ -151,7 +151,9 @@ class KVFetch:
                 asked = 0  # a resume computes nothing
                 if request.path == "/v1/prefill":
                     reused = result.server_reused_tokens
-                    asked = computed if reused is None else n - reused
+                    # the server's time per token is learned from pulls it computed whole: its time
+                    # also encodes every token sent, which a prefix-cache hit does not save
+                    asked = 0 if reused else computed
                     self.planner.prefixes.learn(url, prompt_ids, self.server_held, reused)
                 self.planner.learn_segment(url, result, asked, goodput=self.teach_goodput)
             elif request.path == "/v1/prefill":
