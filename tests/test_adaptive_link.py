@@ -23,6 +23,9 @@ DELAY_S = 0.010
 PROMPT = lighthouse_chat(34)
 # this box's prefill speed as the adaptive daemons assume it (2 cores: ~0.3-1 s for PROMPT), pinned
 LOCAL_SPEED = {"local_prefill_tokens_per_s": 1000.0}
+# the prefill server shares the box: loaded (a compiler, stress-ng), it may take longer than the default 3 s to
+# accept and 10 s to answer; these tests are about plans, not about giving up on a slow server
+PATIENT = {"connect_timeout_s": 30.0, "idle_read_timeout_s": 60.0}
 
 
 # --- the shaper on its own ----------------------------------------------------------------------
@@ -80,7 +83,7 @@ def test_the_shaper_rate_can_change_mid_transfer(upstream):
 
 
 def _config(tmp_path, name: str, **daemon) -> str:
-    return server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, **{"budget": BUDGET, **daemon})
+    return server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, **{"budget": BUDGET, **PATIENT, **daemon})
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +261,7 @@ def test_with_no_adaptive_key_every_turn_is_planned_and_a_slow_link_falls_back_t
     try:
         for name, url in (("new-direct", prefill.url), ("new-shaped", shaper.url)):
             # budget 0 is the default (not pinned): as if no key were set
-            config = server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, budget=0, **LOCAL_SPEED)
+            config = server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, budget=0, **LOCAL_SPEED, **PATIENT)
             started.append(
                 ServerProcess(
                     ["serve", "--config", config, "--prefill-url", url],

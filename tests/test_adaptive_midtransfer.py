@@ -24,7 +24,9 @@ ANSWER_TOKENS = 8
 
 
 def _start(workdir, name: str, args: list[str], env: dict[str, str], **daemon) -> ServerProcess:
-    config = server_config(workdir, name, prefill_token=PREFILL_TOKEN, budget=0.3, **daemon)
+    # the prefill server shares the box: loaded, it may take longer than the default 3 s to accept and 10 s to answer
+    patient = {"connect_timeout_s": 30.0, "idle_read_timeout_s": 60.0}
+    config = server_config(workdir, name, prefill_token=PREFILL_TOKEN, budget=0.3, **patient, **daemon)
     return ServerProcess([*args, "--config", config], workdir / f"{name}.log", env=env)
 
 
