@@ -282,7 +282,9 @@ def test_with_no_adaptive_key_every_turn_is_planned_and_a_slow_link_falls_back_t
         shaper.set_rate(25e3)  # 0.2 Mbit/s: b 0.3 of the prompt takes over a minute, local ~0.3 s
         try:
             probe = _turn(shaped)
-            assert probe["kv"]["segments"][0]["ended"] == "cut" and probe["kv"]["computed_tokens"] > 1, probe
+            # given up at its deadline (cut by the watch, or its wait timed out) and computed here
+            assert probe["kv"]["segments"][0]["ended"] in ("cut", "timeout"), probe
+            assert probe["kv"]["computed_tokens"] > 1, probe
             forwarded = shaper.bytes_down
             after = _turn(shaped, messages=lighthouse_chat(20))
         finally:

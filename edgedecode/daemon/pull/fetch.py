@@ -156,8 +156,6 @@ class KVFetch:
                     asked = 0 if reused else computed
                     self.planner.prefixes.learn(url, prompt_ids, self.server_held, reused)
                 self.planner.learn_segment(url, result, asked, goodput=self.teach_goodput)
-            elif request.path == "/v1/prefill":
-                self.planner.learn_unanswered(url)
             if result.failure is not None:
                 logger.warning("KV segment at budget %.3g ended: %s", request.budget, result.failure)
             elif result.cut_reason:

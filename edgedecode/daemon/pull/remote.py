@@ -137,6 +137,8 @@ class PrefillRemote:
             return Pull(stream, tail, plan, budget)
         fetch = KVFetch(self._http, settings, self.ingest, self.planner, server_held=server_held)
         fetched = await self._fetch(fetch, stream, budget, kv_deadline, plan)
+        if plan.predicted_s is None and plan.deadline_s is not None:
+            self.planner.learn_probe(url)
         return Pull(stream if fetched.useful else None, None, plan, budget, fetched)
 
     def _settings(self, url: str, total_s: float | None = None) -> PullSettings:
