@@ -106,17 +106,17 @@ def test_the_default_objective_keeps_a_pull_within_a_tenth_of_local_prefill(toke
     assert plan.predicted_s <= 1.1 * planner.local_speed.predict_seconds(tokens) + 1e-9
 
 
-def test_an_unknown_link_whose_probe_taught_nothing_is_not_waited_on_again():
+def test_an_unknown_link_whose_probe_got_no_answer_is_not_waited_on_again():
     planner = KVPlanner(DaemonConfig(), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL])
     planner.local_speed = LocalPrefillModel([(n, n / 1000) for n in (128, 512, 2048)])
     url, prompt = "http://slow:8089", _question(1)
     probe = planner.plan(url, 0, len(prompt), Deadline())
     assert probe.decision == "remote" and probe.predicted_s is None and probe.deadline_s is not None, probe
-    planner.learn_probe(url)
+    planner.learn_unanswered(url)
     after = planner.plan(url, 0, len(prompt), Deadline())
     assert after.decision == "local" and "no answer" in after.why, after
     pinned = KVPlanner(
         DaemonConfig(budget=0.3), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL]
     )
-    pinned.learn_probe(url)
+    pinned.learn_unanswered(url)
     assert pinned.plan(url, 0, len(prompt), Deadline()).budget == 0.3  # a pinned budget is asked as before

@@ -81,7 +81,7 @@ class KVPlanner:
         self.remote_correction = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
         self.reprobes = Reprobes(settings.link_reprobe_s)
         self.prefixes = ServerPrefixes()  # what each prefill server's prefix cache holds, as its answers said
-        self._unanswered: dict[str, float] = {}  # endpoint -> when a probe of it last taught no goodput
+        self._unanswered: dict[str, float] = {}  # endpoint -> when a pull from it last got no answer in time
 
     def kv_deadline(self, deadline: Deadline) -> Deadline:
         """When a turn's KV must be in: before its prompt's last token runs and is sampled."""
@@ -168,17 +168,16 @@ class KVPlanner:
         self._unanswered.pop(url.rstrip("/"), None)
         self.links.get(url).observe(result, tokens, goodput=goodput)
 
-    def learn_probe(self, url: str) -> None:
-        """A probe of ``url``'s unknown link (the default objective's first pull) ended. If it taught
-        no goodput (no answer in time, or too few bytes), the turns after it compute here, while the
-        link stays unknown, until a re-probe is due (``daemon.link_reprobe_s``), rather than wait on
-        the endpoint again."""
-        if self.links.get(url).estimate().goodput_bps is None:
-            self._unanswered[url.rstrip("/")] = time.monotonic()
+    def learn_unanswered(self, url: str) -> None:
+        """A pull from ``url`` under the default objective got no answer (its headers) before its
+        deadline: while the link stays unknown, the turns after it compute here until a re-probe is
+        due (``daemon.link_reprobe_s``) rather than wait on the endpoint again. (An endpoint that
+        fails is the breaker's; a short pull that answered but taught no goodput is probed again.)"""
+        self._unanswered[url.rstrip("/")] = time.monotonic()
 
     def _silent(self, url: str) -> bool:
         """Whether plans to ``url`` should not wait on it: the default objective, a link not learned,
-        and a probe that taught no goodput less than ``daemon.link_reprobe_s`` ago."""
+        and a pull that got no answer in time less than ``daemon.link_reprobe_s`` ago."""
         since = self._unanswered.get(url.rstrip("/"))
         if since is None or self.near_fastest is None or self.links.get(url).estimate().goodput_bps is not None:
             return False

@@ -137,8 +137,9 @@ class PrefillRemote:
             return Pull(stream, tail, plan, budget)
         fetch = KVFetch(self._http, settings, self.ingest, self.planner, server_held=server_held)
         fetched = await self._fetch(fetch, stream, budget, kv_deadline, plan)
-        if plan.predicted_s is None and plan.deadline_s is not None:
-            self.planner.learn_probe(url)
+        segments = fetched.outcome.segments
+        if plan.deadline_s is not None and fetched.fallback == "timeout" and segments[0].result.headers_seconds == 0:
+            self.planner.learn_unanswered(url)  # the default objective's pull got no answer before its deadline
         return Pull(stream if fetched.useful else None, None, plan, budget, fetched)
 
     def _settings(self, url: str, total_s: float | None = None) -> PullSettings:
