@@ -55,7 +55,7 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
         metrics = DaemonMetrics()
         engines = build_engines(model, config)
         service = DecodeService(model, engines, config, metrics, prefill_url, prefill_token)
-        service.planner.local_speed.calibrate(engines[0])  # ~1.5 s on 2 cores, before any request
+        service.planner.calibrate_local(engines[0])  # ~1.5 s on 2 cores, before any request
         await serve_as_service(
             create_app(service, config, metrics, embedded),
             settings.host,
