@@ -187,6 +187,7 @@ def test_the_report_says_what_the_owners_answered():
         {"INT8": 12},
     )
     assert (kv["decision"], kv["budget"], kv["predicted_ms"], kv["source"]) == ("remote", 0.3, 50.0, "prefill_server")
+    assert kv["why"] == "b 0.3"  # what decided the plan, as the planner said it
     assert (kv["wire_bytes"], kv["fp16_bytes"], kv["tiers"], kv["prefill_server_ms"]) == (
         1000,
         4000,

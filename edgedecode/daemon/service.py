@@ -27,6 +27,7 @@ from edgedecode.daemon.memory.ledger import MemoryLedger
 from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest
+from edgedecode.daemon.pull import calibration as calibrations
 from edgedecode.daemon.pull.planner import KVPlanner
 from edgedecode.daemon.pull.remote import PrefillRemote
 from edgedecode.daemon.slots import DecodeEngine, SlotLease, SlotPool
@@ -69,7 +70,8 @@ class DecodeService:
         self.pool = SlotPool(engines, d.max_queue)
         self.worker = DecodeWorker()
         spec = model.spec
-        self.planner = KVPlanner(d, spec.kv_bytes_per_token_fp16, spec.kv_contract, metrics)
+        calibration = calibrations.for_model(model.record.name)
+        self.planner = KVPlanner(d, spec.kv_bytes_per_token_fp16, spec.kv_contract, metrics, calibration)
         self.remote = PrefillRemote(prefill_url, prefill_token, d, self.planner, metrics)
         self.memory = MemoryLedger(
             ConversationStore(d.max_sessions, metrics.conversations),

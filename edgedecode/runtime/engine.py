@@ -115,7 +115,7 @@ class Engine:
         else:
             graph = GraphSession.open(model, options, device, threads, profile, cuda_graph)
         self.session, self.cuda_graph = graph.session, graph.cuda_graph
-        self.cache = KVCache(self.spec, self.max_context, options.np_dtype, device)
+        self.cache = KVCache(self.spec, self.max_context, options.kv_np_dtype, device)
         self.sequence = Sequence(self.cache, self.spec)
         self.runner = ModelRunner(graph, self.sequence)
         self.runner.warm_up(self.spec.eos_token_id)

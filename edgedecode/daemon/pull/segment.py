@@ -84,6 +84,7 @@ class PullResult:
     complete: bool = True  # False: cut by the watch, or by a failure (its verified tokens counted)
     cut_reason: str | None = None  # the watch's reason
     failure: KVPullError | None = None  # what ended the segment early, if a failure did
+    server_reused_tokens: int | None = None  # prompt tokens the server's prefix cache held (X-Prefix-Reused-Tokens)
 
     @property
     def tokens(self) -> int:
@@ -146,6 +147,7 @@ class _Timing:
     last_at: float = 0.0
     headers_seconds: float = 0.0
     server_seconds: float | None = None
+    server_reused_tokens: int | None = None
     cut_reason: str | None = None
 
 
@@ -187,6 +189,7 @@ async def pull_segment(
         complete=segment.complete,
         cut_reason=timing.cut_reason,
         failure=failure,
+        server_reused_tokens=timing.server_reused_tokens,
     )
 
 
@@ -225,6 +228,7 @@ async def _transfer(
                 raise KVPullError(reason, f"the prefill server answered {response.status}: {detail}")
             timing.headers_seconds = time.perf_counter() - sent
             timing.server_seconds = _header_float(response.headers.get("X-Prefill-Seconds"))
+            timing.server_reused_tokens = _header_int(response.headers.get("X-Prefix-Reused-Tokens"))
             announced = _header_int(response.headers.get("X-EDKV-Wire-Bytes"))
             while True:
                 data = await _read(response.content, WATCH_TICK_S if watch is not None else None)
