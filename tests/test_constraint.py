@@ -184,6 +184,7 @@ def test_a_template_with_a_tool_format_renders_the_tools_and_the_calls_follow_it
         ],
         "tools": [WEATHER],
         "tool_choice": "required",
+        "temperature": 0,  # greedy: the call ends well within max_tokens (sampled, its string could run on)
     }
     request = parse_request(body, "chat", model, default_max_tokens=40, session_header=None)  # type: ignore[arg-type]
     prompt = tokenizer.decode(request.prompt_ids.tolist(), skip_special=False)
