@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 from openai import APIStatusError, OpenAI
-from serving_helpers import ServerProcess, metric_samples, server_config
+from serving_helpers import ServerProcess, metric_samples, server_config, slot_kv_bytes_per_token
 
 TOKEN = "daemon-secret"
-BUDGET_MB = 64  # 1456 tokens of float32 KV for SmolLM2 (46,080 bytes a token)
+BUDGET_TOKENS = 1456  # of a slot's KV: room for the three conversations, not for the ~1700-token turn below
 TOPICS = ("the sea", "a mountain", "the city at night")
 NEAR_TIE = 0.5  # logits: how close the two tokens at a first difference may be
 
@@ -25,10 +25,16 @@ def _daemon(workdir, name: str, **daemon) -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def daemons(smollm2_model, tmp_path_factory):
-    """(one slot under a 64 MiB KV budget, three slots: every conversation stays resident)."""
+def budget_mb(smollm2_model) -> int:
+    """The tight daemon's KV budget: BUDGET_TOKENS of SmolLM2's KV as a slot holds it on this host."""
+    return BUDGET_TOKENS * slot_kv_bytes_per_token(smollm2_model.spec) >> 20
+
+
+@pytest.fixture(scope="module")
+def daemons(budget_mb, tmp_path_factory):
+    """(one slot under a KV budget of ~BUDGET_TOKENS tokens, three slots: every conversation stays resident)."""
     workdir = tmp_path_factory.mktemp("conversations")
-    tight = _daemon(workdir, "tight", slots=1, kv_memory_mb=BUDGET_MB)
+    tight = _daemon(workdir, "tight", slots=1, kv_memory_mb=budget_mb)
     try:
         roomy = _daemon(workdir, "roomy", slots=3)
         try:
@@ -87,7 +93,7 @@ def _assert_equal_up_to_a_near_tie(ours: list, theirs: list, label: str) -> None
     assert 0 <= margins[0] < NEAR_TIE and 0 <= margins[1] < NEAR_TIE, label
 
 
-def test_conversations_sharing_one_slot_come_back_from_the_store_with_the_same_answers(daemons):
+def test_conversations_sharing_one_slot_come_back_from_the_store_with_the_same_answers(daemons, budget_mb):
     tight, roomy = daemons
     answers, reports = _conversations(tight)
     resident_answers, resident_reports = _conversations(roomy)
@@ -104,16 +110,16 @@ def test_conversations_sharing_one_slot_come_back_from_the_store_with_the_same_a
     held = sum(
         samples[f"edgedecode_kv_memory_bytes{{state={state}}}"] for state in ("active", "resident", "compressed")
     )
-    assert 0 < held <= BUDGET_MB << 20
+    assert 0 < held <= budget_mb << 20
 
 
-def test_a_turn_larger_than_the_kv_budget_is_a_503_naming_it_and_the_daemon_keeps_serving(daemons):
+def test_a_turn_larger_than_the_kv_budget_is_a_503_naming_it_and_the_daemon_keeps_serving(daemons, budget_mb):
     tight, _ = daemons
-    long = " ".join(["The keeper logged the weather before dawn."] * 210)  # ~1700 tokens: past 64 MiB
+    long = " ".join(["The keeper logged the weather before dawn."] * 210)  # ~1700 tokens: past BUDGET_TOKENS
     with pytest.raises(APIStatusError) as refused:
         _chat(tight, "long", [{"role": "user", "content": long}])
     error = refused.value.response.json()["error"]
     assert refused.value.status_code == 503 and error["code"] == "insufficient_memory"
-    assert "daemon.kv_memory_mb" in error["message"] and "64" in error["message"]
+    assert "daemon.kv_memory_mb" in error["message"] and str(budget_mb) in error["message"]
     answer, _, _ = _chat(tight, "short", [{"role": "user", "content": "Say hello."}])
     assert answer

@@ -233,6 +233,7 @@ def test_a_host_whose_kernels_cannot_be_prepared_decodes_with_the_stock_ops(monk
         pytest.skip(library.reason)
     monkeypatch.setattr(kernels, "load", lambda: dataclasses.replace(library, cuda=True, cuda_reason=""))
     monkeypatch.setenv("EDGEDECODE_NVRTC", str(tmp_path / "not-nvrtc.so"))
+    monkeypatch.setenv(runtime_session.CUDA_KERNELS_OPT_IN, "on")
     monkeypatch.setenv("EDGEDECODE_HOME", str(tmp_path / "home"))
     runtime_session.kernel_form.cache_clear()
     runtime_session.cuda_kernels_problem.cache_clear()
@@ -245,3 +246,22 @@ def test_a_host_whose_kernels_cannot_be_prepared_decodes_with_the_stock_ops(monk
     finally:
         runtime_session.kernel_form.cache_clear()
         runtime_session.cuda_kernels_problem.cache_clear()
+
+
+def test_the_own_cuda_ops_are_opt_in(monkeypatch, caplog):
+    """With CUDA ops the library could run, the CUDA decode graph is the stock one unless
+    $EDGEDECODE_CUDA_KERNELS asks for them, said once in the log."""
+    library = kernels.load()
+    if not library.available:
+        pytest.skip(library.reason)
+    monkeypatch.setattr(kernels, "load", lambda: dataclasses.replace(library, cuda=True, cuda_reason=""))
+    monkeypatch.delenv(runtime_session.CUDA_KERNELS_OPT_IN, raising=False)
+    runtime_session.kernel_form.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger=runtime_session.__name__):
+            forms = [runtime_session.decode_options("cuda").kernels for _ in range(2)]
+        assert forms == ["stock", "stock"]
+        said = [r.getMessage() for r in caplog.records if "MatMulNBits" in r.getMessage()]
+        assert len(said) == 1 and runtime_session.CUDA_KERNELS_OPT_IN in said[0], said
+    finally:
+        runtime_session.kernel_form.cache_clear()

@@ -91,13 +91,28 @@ def spin_enabled() -> bool:
     return os.environ.get("EDGEDECODE_SPIN", "1") != "0"
 
 
+# The own CUDA ops are opt-in: measured on an H200 (docs/performance.md, 2026-11-27), their fused decode step is
+# 1.05-1.25x MatMulNBits' on Q4_1 and Q4_K_M but 0.76-0.96x on Q4_0, and their GEMV walks a prompt four tokens
+# at a time: prompts run 20-50x slower than MatMulNBits' tensor-core GEMM (3B Q4_0 at 512 tokens: 589 against
+# 29,923 tok/s). Until a many-row path exists they serve only where asked for (they hold 0.7x the GPU memory).
+CUDA_KERNELS_OPT_IN = "EDGEDECODE_CUDA_KERNELS"
+
+
+def cuda_kernels_opted_in() -> bool:
+    """Whether ``$EDGEDECODE_CUDA_KERNELS`` asks for edgedecode's own CUDA ops (``on``, ``1``, ``yes``)."""
+    return os.environ.get(CUDA_KERNELS_OPT_IN, "").strip().lower() in ("on", "1", "yes", "true")
+
+
 @functools.cache
 def kernel_form(device: str) -> str:
     """Which ops the decode graph reads its quantized weights with on ``device`` (GraphOptions.kernels):
-    "gguf", edgedecode's own over the GGUF's blocks, where its kernel library loads and (CUDA) its kernels
-    compile for this card (:func:`cuda_kernels_problem`); "stock" (onnxruntime's MatMulNBits) otherwise,
-    said once in the log with the reason."""
-    reason = cuda_kernels_problem() if device == "cuda" else kernels.load().reason
+    "gguf", edgedecode's own over the GGUF's blocks, where its kernel library loads and (CUDA, opted in by
+    ``$EDGEDECODE_CUDA_KERNELS``) its kernels compile for this card (:func:`cuda_kernels_problem`); "stock"
+    (onnxruntime's MatMulNBits) otherwise, said once in the log with the reason."""
+    if device == "cuda" and not cuda_kernels_opted_in():
+        reason = f"edgedecode's CUDA ops are opt-in ({CUDA_KERNELS_OPT_IN}=on): their prompts are still slow"
+    else:
+        reason = cuda_kernels_problem() if device == "cuda" else kernels.load().reason
     if not reason:
         logger.info("decode graphs on %s use edgedecode's own kernels (%s)", device, kernel_summary())
         return "gguf"
