@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import time
 from itertools import pairwise
 
 import numpy as np
@@ -258,6 +259,36 @@ def test_the_first_chunk_leaves_before_the_last_is_quantized():
     assert len(coder.prepared) <= 2 + 1 + 1
     rest = list(frames)
     assert len(rest) == 16 and set(coder.prepared) == set(range(0, n, 64))  # every chunk, in any order
+
+
+class WideWaveCoder(CachingCoder):
+    """A caching coder that prepares eight chunks a wave, as a device coder does, slowly, and notes which thread
+    fills each chunk."""
+
+    wave_chunks = 8
+
+    def __init__(self, snapshot: KVSnapshot) -> None:
+        super().__init__(snapshot)
+        self.fillers: set[int] = set()
+
+    def prepare(self, plans):
+        if len(plans) > 1:
+            time.sleep(0.2)  # the wave's chunks are queued meanwhile
+        super().prepare(plans)
+
+    def fill(self, raw, plan):
+        self.fillers.add(threading.get_ident())
+        super().fill(raw, plan)
+
+
+def test_a_wide_wave_is_compressed_on_several_workers():
+    n = 64 * 8
+    snapshot = _snapshot(n)
+    coder = WideWaveCoder(snapshot)
+    tiers = np.full(n, Tier.INT4, np.uint8)
+    got = b"".join(encode_payload(snapshot, tiers, chunk_tokens=64, coder=coder, workers=4))
+    assert got == b"".join(encode_payload(snapshot, tiers, chunk_tokens=64))
+    assert len(coder.fillers) > 1  # one wave, its eight chunks filled and compressed side by side
 
 
 def test_coders_on_many_threads_at_once_stay_exact(device):

@@ -217,7 +217,9 @@ def measure(args) -> dict:
         path: (None if path == "reference" else KVDevice(args.device, args.threads)) for path in args.paths
     }
     profile = TierProfile.load(profile_path(model))
-    engine.forward(prompt_tokens(model.tokenizer, 64))  # warm-up: the first run initialises the device
+    # warm-up: the first runs initialise the device and, on a GPU, choose kernels for each run shape (the prompt's
+    # runs and the observation window's), which the first prompt measured would otherwise pay
+    prefill_observed(engine, prompt_tokens(model.tokenizer, 512), OBSERVATION_WINDOW, None)
     cells = []
     for n in args.tokens:
         row: dict = {"tokens": n, "load_average_before": os.getloadavg()[0]}

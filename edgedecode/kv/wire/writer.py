@@ -8,7 +8,7 @@ import threading
 import zlib
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain, islice
 from typing import Any
 
@@ -222,40 +222,54 @@ def _frames(
     step = max(coder.wave_chunks, 1)
     waves = [range(start, min(start + step, len(plans))) for start in range(0, len(plans), step)]
 
-    def encode(wave: range) -> list[tuple[bytes, int]]:
-        """The compressed chunks of one wave and their CRC-32s: kept from an earlier payload, or made now."""
+    def prepared(wave: range) -> None:
+        """Compute the sections of the wave's chunks not kept from an earlier payload (a device coder: in one run)."""
         missing = [i for i in wave if coder.compressed(keys[i]) is None]
         with clock.stage("quantize"):
             coder.prepare([plans[i] for i in missing])
-        bodies = []
-        for i in wave:
-            body = coder.compressed(keys[i])
-            if body is None:
-                raw = bytearray(plans[i].raw_nbytes)
-                with clock.stage(coder.fill_stage):
-                    coder.fill(raw, plans[i])
-                with clock.stage("compress"):
-                    if not hasattr(compressors, "zstd"):
-                        compressors.zstd = {}
-                    if levels[i] not in compressors.zstd:
-                        compressors.zstd[levels[i]] = zstandard.ZstdCompressor(level=levels[i])
-                    compressed = compressors.zstd[levels[i]].compress(raw)
-                with clock.stage("frame"):
-                    body = (compressed, zlib.crc32(compressed))
-                coder.keep(keys[i], body)
-            bodies.append(body)
-        return bodies
+
+    def encoded(i: int, ready: Future | None = None) -> tuple[bytes, int]:
+        """Chunk ``i`` compressed, and its CRC-32: kept from an earlier payload, or made now (once its wave is
+        ``ready``: a chunk waits only for its own wave's sections)."""
+        if ready is not None:
+            ready.result()
+        body = coder.compressed(keys[i])
+        if body is None:
+            raw = bytearray(plans[i].raw_nbytes)
+            with clock.stage(coder.fill_stage):
+                coder.fill(raw, plans[i])
+            with clock.stage("compress"):
+                if not hasattr(compressors, "zstd"):
+                    compressors.zstd = {}
+                if levels[i] not in compressors.zstd:
+                    compressors.zstd[levels[i]] = zstandard.ZstdCompressor(level=levels[i])
+                compressed = compressors.zstd[levels[i]].compress(raw)
+            with clock.stage("frame"):
+                body = (compressed, zlib.crc32(compressed))
+            coder.keep(keys[i], body)
+        return body
 
     def waves_encoded() -> Iterator[list[tuple[bytes, int]]]:
         if workers == 1:
-            yield from map(encode, waves)
+            for wave in waves:
+                prepared(wave)
+                yield [encoded(i) for i in wave]
             return
+        # A wave's sections are prepared by one task, its chunks compressed by one task each, so a wave of many
+        # chunks (a device coder's) still spreads over the workers. Each task is queued after the preparation it
+        # waits for, so a waiting chunk's preparation is already running or done.
         with ThreadPoolExecutor(workers, thread_name_prefix="edkv-encode") as pool:
+
+            def submit(wave: range) -> list[Future]:
+                ready = pool.submit(prepared, wave)
+                return [pool.submit(encoded, i, ready) for i in wave]
+
             ahead = iter(waves)
-            pending = deque(pool.submit(encode, wave) for wave in islice(ahead, workers + 1))
+            pending = deque(submit(wave) for wave in islice(ahead, workers + 1))
             while pending:
-                bodies = pending.popleft().result()
-                pending.extend(pool.submit(encode, wave) for wave in islice(ahead, 1))
+                chunks = pending.popleft()
+                bodies = [chunk.result() for chunk in chunks]
+                pending.extend(submit(wave) for wave in islice(ahead, 1))
                 yield bodies
 
     for index, (compressed, crc) in enumerate(chain.from_iterable(waves_encoded())):
