@@ -138,8 +138,12 @@ class PrefillRemote:
         fetch = KVFetch(self._http, settings, self.ingest, self.planner, server_held=server_held)
         fetched = await self._fetch(fetch, stream, budget, kv_deadline, plan)
         segments = fetched.outcome.segments
-        if plan.deadline_s is not None and fetched.fallback == "timeout" and segments[0].result.headers_seconds == 0:
-            self.planner.learn_unanswered(url)  # the default objective's pull got no answer before its deadline
+        if (
+            plan.deadline_s is not None
+            and fetched.fallback == "timeout"
+            and (segments[0].result.headers_seconds == 0 or self.planner.links.get(url).estimate().goodput_bps is None)
+        ):  # the default objective's pull got no answer, or too little to learn the link from, before its deadline
+            self.planner.learn_unanswered(url)
         return Pull(stream if fetched.useful else None, None, plan, budget, fetched)
 
     def _settings(self, url: str, total_s: float | None = None) -> PullSettings:
