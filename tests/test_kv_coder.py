@@ -256,7 +256,8 @@ def test_the_first_chunk_leaves_before_the_last_is_quantized():
     next(frames)  # the header
     next(frames)  # chunk 0
     assert 0 in coder.prepared and n - 64 not in coder.prepared  # at most workers + 1 waves ahead
-    assert len(coder.prepared) <= 2 + 1 + 1
+    # distinct chunks: a chunk's fill asks prepare again (a no-op once its wave computed it), whenever its task runs
+    assert len(set(coder.prepared)) <= 2 + 1 + 1
     rest = list(frames)
     assert len(rest) == 16 and set(coder.prepared) == set(range(0, n, 64))  # every chunk, in any order
 
