@@ -169,8 +169,8 @@ class KVPlanner:
         self.links.get(url).observe(result, tokens, goodput=goodput)
 
     def learn_unanswered(self, url: str) -> None:
-        """A pull from ``url`` under the default objective timed out before its deadline with no answer
-        (its headers), or with too few bytes to teach the link a goodput: while the link stays unknown,
+        """A pull from ``url`` under the default objective timed out before its deadline bringing no KV, with
+        no answer (its headers) or too few bytes to teach the link a goodput: while the link stays unknown,
         the turns after it compute here until a re-probe is due (``daemon.link_reprobe_s``) rather than
         wait on the endpoint again. (An endpoint that fails is the breaker's; a short pull that came
         whole but taught no goodput is probed again.)"""

@@ -141,8 +141,9 @@ class PrefillRemote:
         if (
             plan.deadline_s is not None
             and fetched.fallback == "timeout"
+            and not fetched.useful
             and (segments[0].result.headers_seconds == 0 or self.planner.links.get(url).estimate().goodput_bps is None)
-        ):  # the default objective's pull got no answer, or too little to learn the link from, before its deadline
+        ):  # the default objective's pull brought no KV, nor enough bytes to learn the link from, before its deadline
             self.planner.learn_unanswered(url)
         return Pull(stream if fetched.useful else None, None, plan, budget, fetched)
 
