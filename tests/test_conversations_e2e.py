@@ -2,7 +2,10 @@
 take turns on one slot; each one's KV is kept compressed while another holds the slot and comes
 back for its next turn, whose answer equals that of a daemon that kept every conversation resident,
 up to the first near-tie (INT8 KV is a lossy path: each margin is read from the answer's own
-log-probabilities). A turn larger than the KV memory budget is a 503 naming the budget, and the
+log-probabilities). The first turn's reply in the history is scripted, the same on both daemons: the
+second turns then read the same tokens, and differ only by the KV's path (a model-written reply could
+itself differ between the daemons on other arithmetic, and the second answers would then answer other
+prompts). A turn larger than the KV memory budget is a 503 naming the budget, and the
 daemon keeps serving."""
 
 from __future__ import annotations
@@ -61,12 +64,21 @@ def _chat(daemon, session: str, messages: list[dict]) -> tuple[str, dict, list]:
     return choice.message.content, completion.model_extra["edgedecode"], choice.logprobs.content
 
 
+def _scripted_reply(topic: str) -> str:
+    """The first turn's reply as both daemons' histories give it (an opening no greedy answer starts with, so
+    what each slot reuses of the first turn is its prompt, whatever the model answered there)."""
+    return f"(A reply written for the test.) {topic.capitalize()} deserves a sentence."
+
+
 def _conversations(daemon) -> tuple[dict[str, list], dict[str, dict]]:
     """Two turns of each conversation, interleaved (a1 b1 c1 a2 b2 c2): the second answers' tokens and reports."""
     history = {topic: [{"role": "user", "content": f"Write one sentence about {topic}."}] for topic in TOPICS}
     for topic, messages in history.items():
-        answer, _, _ = _chat(daemon, topic, messages)
-        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "And another one?"}]
+        _chat(daemon, topic, messages)  # the turn whose KV the conversation keeps (in its slot or compressed)
+        messages += [
+            {"role": "assistant", "content": _scripted_reply(topic)},
+            {"role": "user", "content": "And another one?"},
+        ]
     answers, reports = {}, {}
     for topic, messages in history.items():
         _, reports[topic], answers[topic] = _chat(daemon, topic, messages)
