@@ -11,6 +11,7 @@ daemon keeps serving."""
 from __future__ import annotations
 
 import pytest
+from greedy_helpers import assert_same_answer_up_to_a_near_tie
 from openai import APIStatusError, OpenAI
 from serving_helpers import ServerProcess, metric_samples, server_config, slot_kv_bytes_per_token
 
@@ -85,26 +86,6 @@ def _conversations(daemon) -> tuple[dict[str, list], dict[str, dict]]:
     return answers, reports
 
 
-def _margin(step, other: str) -> float:
-    """How far a step's token led ``other`` in its own log-probabilities (infinite where ``other`` is not in its
-    top 5)."""
-    ranked = {top.token: top.logprob for top in step.top_logprobs}
-    return step.logprob - ranked[other] if other in ranked else float("inf")
-
-
-def _assert_equal_up_to_a_near_tie(ours: list, theirs: list, label: str) -> None:
-    """Two answers' tokens are equal, or part only where both steps' margins are < NEAR_TIE."""
-    tokens, other_tokens = [step.token for step in ours], [step.token for step in theirs]
-    split = next((i for i, (a, b) in enumerate(zip(tokens, other_tokens)) if a != b), None)
-    if split is None:
-        assert tokens == other_tokens, label
-        return
-    a, b = ours[split], theirs[split]
-    margins = _margin(a, b.token), _margin(b, a.token)
-    print(f"{label}: diverge at token {split}: {a.token!r} by {margins[0]:.3f}, {b.token!r} by {margins[1]:.3f}")
-    assert 0 <= margins[0] < NEAR_TIE and 0 <= margins[1] < NEAR_TIE, label
-
-
 def test_conversations_sharing_one_slot_come_back_from_the_store_with_the_same_answers(daemons, budget_mb):
     tight, roomy = daemons
     answers, reports = _conversations(tight)
@@ -116,7 +97,7 @@ def test_conversations_sharing_one_slot_come_back_from_the_store_with_the_same_a
         assert kv["reused_tokens"] == resident_reports[topic]["kv"]["reused_tokens"]  # nothing re-prefilled
         assert resident_reports[topic]["kv"]["restored_tokens"] == 0
     for topic in TOPICS:  # INT8 per-token KV: the answers of conversations that never left
-        _assert_equal_up_to_a_near_tie(answers[topic], resident_answers[topic], topic)
+        assert_same_answer_up_to_a_near_tie(answers[topic], resident_answers[topic], topic, NEAR_TIE)
     samples = metric_samples(tight.url, TOKEN)
     assert samples["edgedecode_sessions{state=compressed}"] == len(TOPICS) - 1
     held = sum(
