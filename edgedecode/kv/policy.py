@@ -28,6 +28,7 @@ import numpy as np
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.importance import position_importance
 from edgedecode.kv.tiers import Tier
+from edgedecode.kv.value_range import PROFILE_KEY, KVValueRange
 from edgedecode.model.registry import model_dir
 
 if TYPE_CHECKING:
@@ -63,20 +64,24 @@ class TierProfile:
         default_factory=lambda: {Tier.FP16: 0.0, Tier.INT8: 0.0002, Tier.INT4: 0.07, Tier.INT2: 3.0, Tier.DROP: 1.0}
     )
     source: str = "default (research/kv_calibration.md)"
+    value_range: KVValueRange | None = None  # the probe's measured KV magnitudes (None: not measured)
 
     def to_json(self) -> str:
         data = asdict(self)
         data["allowed"] = [t.name for t in self.allowed]
         data["distortion"] = {t.name: d for t, d in self.distortion.items()}
+        data[PROFILE_KEY] = None if self.value_range is None else self.value_range.to_dict()
         return json.dumps(data, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> TierProfile:
         data = json.loads(text)
+        value_range = data.get(PROFILE_KEY)
         return cls(
             tuple(Tier[name] for name in data["allowed"]),
             {Tier[name]: float(d) for name, d in data["distortion"].items()},
             data.get("source", ""),
+            None if value_range is None else KVValueRange.from_dict(value_range),
         )
 
     @classmethod
