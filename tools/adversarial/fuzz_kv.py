@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cli.add_json_file(parser)
     args = parser.parse_args(argv)
-    started_s = time.time()
+    head = cli.record(__file__, argv, time.time())  # the commit as the run starts: the checkout may move on
     with tempfile.TemporaryDirectory(prefix="fuzz-home-") as home:
         decoder, seeds = family_seeds(args.family, Path(home))
         for seed in seeds:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     run = cli.command(__file__, argv)
     report.print(run, seconds)
     if args.json and args.case is None:
-        record = {**cli.record(__file__, argv, started_s), "family": args.family, "seeds": [s.name for s in seeds]}
+        record = {**head, "family": args.family, "seeds": [s.name for s in seeds]}
         cli.write_json(record | report.to_json(seconds), args.json)
     return 1 if report.failures else 0
 
