@@ -165,17 +165,25 @@ def cycle_problems(cycle: dict, failures: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
+    head = cli.record(__file__, argv, started)  # the commit as the run starts
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp, prefill_server(args, Path(tmp)) as (url, token):
-        report = asyncio.run(run(args, Path(tmp), url, token))
-    report["command"] = cli.command(__file__, argv)
+        report = head | asyncio.run(run(args, Path(tmp), url, token))
     report["wall_s"] = round(time.time() - started, 1)
     problems = [f"{s['scenario']}: {p}" for s in report["scenarios"] for p in s["problems"]]
     problems += cycle_problems(report["breaker_cycle"], args.breaker_failures)
     slowest = max(report["scenarios"], key=lambda s: s["turn"]["seconds"])
+    longest = max(report["scenarios"], key=lambda s: s["turn"]["fetch_s"] or 0.0)
+    report["longest_fetch"] = {
+        "scenario": longest["scenario"],
+        "fetch_s": longest["turn"]["fetch_s"],
+        "fetch_timeout_s": args.fetch_timeout_s,
+        "over_s": round((longest["turn"]["fetch_s"] or 0.0) - args.fetch_timeout_s, 3),
+    }
     worst = f"{slowest['turn']['seconds']:.2f} s ({slowest['scenario']}; its fetch {slowest['turn']['fetch_s']:.2f} s)"
     print(
-        f"{len(report['scenarios'])} scenarios; slowest turn {worst}, fetch_timeout_s {args.fetch_timeout_s:g}; "
-        f"{len(problems)} problems" + "".join(f"\n  {problem}" for problem in problems)
+        f"{len(report['scenarios'])} scenarios; slowest turn {worst}; longest fetch "
+        f"{longest['turn']['fetch_s'] or 0.0:.3f} s ({longest['scenario']}) against fetch_timeout_s "
+        f"{args.fetch_timeout_s:g}; {len(problems)} problems" + "".join(f"\n  {problem}" for problem in problems)
     )
     if args.json:
         cli.write_json(report, args.json)
