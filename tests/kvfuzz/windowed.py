@@ -9,7 +9,6 @@ small enough to fuzz 100k cases (a real Gemma 3 270M 2.0 payload needs 577+ kept
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +33,8 @@ TYPES |= {"token_embd": QType.Q8_0, "output": QType.Q8_0}
 
 
 def tiny_gemma3(home: Path) -> LoadedModel:
-    """The tiny Gemma 3, written and registered under ``home`` (made EDGEDECODE_HOME for this process: its graphs
-    are built there, not in the shared model cache)."""
-    os.environ["EDGEDECODE_HOME"] = str(home)
+    """The tiny Gemma 3, written into ``home`` and registered; the caller makes ``home`` EDGEDECODE_HOME while the
+    model is registered and its engines made (its graphs are built there, not in the shared model cache)."""
     dims = TinyLlama(key_length=128, kv_heads=1, layers=6)
     path = write_tiny_llama(home / "tiny-gemma3.gguf", TYPES, dims, seed=4, tied=True, arch="gemma3")
     return load_model(register_gguf(path, "fuzz-tiny-gemma3").name)

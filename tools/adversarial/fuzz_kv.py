@@ -28,6 +28,7 @@ if not __package__:  # run as a file: import tools.* (and edgedecode) from the r
 
 import collections
 import faulthandler
+import os
 import resource
 import tempfile
 import time
@@ -116,6 +117,7 @@ def family_seeds(family: str, home: Path) -> tuple[Engine, list[Seed]]:
     """The decode engine the ``family``'s cases run on and its seeds (``home``: a scratch EDGEDECODE_HOME for the
     windowed family's synthetic model)."""
     if family == "windowed":
+        os.environ["EDGEDECODE_HOME"] = str(home)  # the synthetic model and its graphs stay out of the shared cache
         prefill, decoder = windowed.engines(windowed.tiny_gemma3(home))
         return decoder, windowed.build_windowed_seeds(prefill, decoder)
     model = load_model(DEFAULT_MODEL)
