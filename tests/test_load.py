@@ -1,8 +1,8 @@
 """tools/adversarial/load_test.py's fast subset (issue 15): eight streamed two-turn chats at once against one real
-daemon on two slots, its KV pulled from a real prefill server on 127.0.0.1: conversations leave their slots between turns (compressed), under a KV memory
-budget large enough that none loses tokens. Every turn completes, every answer is the one the
-conversation gets alone (up to a near-tie: no KV crosses between conversations), and the KV memory
-stays within the budget."""
+daemon on two slots, every turn's KV pulled from a real prefill server on 127.0.0.1: conversations leave their
+slots between turns (compressed), under a KV memory budget large enough that none loses tokens. Every turn
+completes, every answer is the one the conversation gets alone (exactly, or up to a near-tie: no KV crosses between
+conversations), and the KV memory stays within the budget."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def test_eight_concurrent_conversations_each_get_their_own_answers(load_test, sm
         threads=2,
         near_tie=1.0,
         prefill="remote",
+        budget=0.5,
         json=None,
     )
     results = load_test.run(settings)

@@ -15,11 +15,12 @@ the counts of each class, where the KV came from (pulled or computed), time to f
 under load and alone, and fairness: Jain's index over the clients' mean TTFT, and the longest wait against the
 median. Then --sequential short requests one after another, the daemon's RSS sampled after each: first, last,
 max, and the least-squares slope over the last 80 % (KiB per request). The KV memory budget is checked at the end
-against the daemon's peak gauge. Exit status 1 when a turn failed or an answer was different.
+against the daemon's peak gauge. With remote prefill the daemon's budget is pinned (--budget): every turn pulls.
+Exit status 1 when a turn failed or an answer was different.
 
     python tools/adversarial/load_test.py [--clients 8 32] [--turns 2] [--max-tokens 16] [--slots 2]
                               [--kv-memory-mb 64] [--sequential 500] [--threads 2] [--prefill remote|local]
-                              [--json FILE]
+                              [--budget 0.5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -237,7 +238,9 @@ def daemon_config(directory: Path, args: argparse.Namespace, prefill_url: str | 
         "max_sessions": max(max(args.clients), args.slots),
         "max_queue": max(args.clients) + 8,
     }
-    daemon |= {"local_prefill_only": True} if prefill_url is None else {"prefill_url": prefill_url}
+    # a pinned budget: every turn asks the prefill server (the planner would compute these short prompts here)
+    remote = {"prefill_url": prefill_url, "budget": args.budget}
+    daemon |= {"local_prefill_only": True} if prefill_url is None else remote
     return toml_config(directory / "daemon.toml", {"model": {"threads": args.threads}, "daemon": daemon})
 
 
@@ -310,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--near-tie", type=float, default=1.0, help="logits")
     parser.add_argument(
         "--prefill", choices=("remote", "local"), default="remote", help="a prefill server here, or local prefill"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=0.5, help="KV wire bytes / FP16 bytes every turn asks of the prefill server"
     )
     cli.add_json_file(parser, help="write the figures here")
     args = parser.parse_args(argv)
