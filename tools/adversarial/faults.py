@@ -16,7 +16,7 @@ allows, fetched longer than ``fetch_timeout_s`` (plus ``peer_faults.FETCH_SLACK_
 turn did not pull again.
 
     python tools/adversarial/faults.py [--prefill-url URL --prefill-token T] [--fetch-timeout-s 20]
-        [--idle-read-timeout-s 10] [--breaker-failures 3] [--breaker-reset-s 3] [--json PATH]
+        [--idle-read-timeout-s 10] [--breaker-failures 3] [--breaker-reset-s 10] [--json PATH]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--idle-read-timeout-s", type=float, default=10.0)
     p.add_argument("--fetch-timeout-s", type=float, default=20.0)
     p.add_argument("--breaker-failures", type=int, default=3)
-    p.add_argument("--breaker-reset-s", type=float, default=3.0)
+    p.add_argument("--breaker-reset-s", type=float, default=10.0)  # longer than a turn after a failure takes loaded
     cli.add_json_file(p, help="write every outcome here")
     return p.parse_args(argv)
 
