@@ -16,7 +16,7 @@ allows, fetched longer than ``fetch_timeout_s`` (plus ``peer_faults.FETCH_SLACK_
 turn did not pull again.
 
     python tools/adversarial/faults.py [--prefill-url URL --prefill-token T] [--fetch-timeout-s 20]
-        [--idle-read-timeout-s 10] [--breaker-failures 3] [--breaker-reset-s 10] [--json PATH]
+        [--idle-read-timeout-s 10] [--budget 0.5] [--breaker-failures 3] [--breaker-reset-s 10] [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--connect-timeout-s", type=float, default=3.0)
     p.add_argument("--idle-read-timeout-s", type=float, default=10.0)
     p.add_argument("--fetch-timeout-s", type=float, default=20.0)
+    p.add_argument("--budget", type=float, default=0.5, help="the KV budget every turn asks of the peer")
     p.add_argument("--breaker-failures", type=int, default=3)
     p.add_argument("--breaker-reset-s", type=float, default=10.0)  # longer than a turn after a failure takes loaded
     cli.add_json_file(p, help="write every outcome here")
@@ -70,6 +71,9 @@ def daemon_settings(args: argparse.Namespace, peer_url: str) -> dict:
         "fetch_timeout_s": args.fetch_timeout_s,
         "breaker_failures": args.breaker_failures,
         "breaker_reset_s": args.breaker_reset_s,
+        # pinned: every turn asks the peer, so each fault meets a pull (a planned daemon computes short prompts
+        # here, and after a pull that timed out unanswered computes every turn here until it probes the link again)
+        "budget": args.budget,
     }
 
 

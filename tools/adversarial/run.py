@@ -5,7 +5,7 @@ into --out; then ``summary.json`` there: the commit (and whether the checkout wa
 part's command, exit status and wall time, and its headline figures.
 
     python -m tools.adversarial.run --out DIR [--parts fuzz abuse faults load] [--fuzz-cases 100000]
-        [--fuzz-max-seconds S] [--clients 32] [--sequential 500]
+        [--fuzz-max-seconds S] [--idle-read-timeout-s 15] [--fetch-timeout-s 30] [--clients 32] [--sequential 500]
 
 Exit status 1 when any part reported a problem (its own exit status).
 """
@@ -43,7 +43,8 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if "abuse" in args.parts:
         found["abuse"] = [f"{tool}/abuse.py"]
     if "faults" in args.parts:
-        found["faults"] = [f"{tool}/faults.py"]
+        found["faults"] = [f"{tool}/faults.py", "--idle-read-timeout-s", str(args.idle_read_timeout_s)]
+        found["faults"] += ["--fetch-timeout-s", str(args.fetch_timeout_s)]
     if "load" in args.parts:
         found["load"] = [f"{tool}/load_test.py", "--clients", *map(str, args.clients)]
         found["load"] += ["--sequential", str(args.sequential), "--prefill", "remote"]
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--fuzz-cases", type=int, default=100_000, help="cases per seed family")
     parser.add_argument("--fuzz-max-seconds", type=float, help="stop each family's fuzz after this long")
+    # longer than the faults tool's own defaults (10 s, 20 s): on the 2-core box shared with other work a healthy
+    # prefill, which the fault peer relays whole, took over 10 s to start arriving
+    parser.add_argument("--idle-read-timeout-s", type=float, default=15.0, help="the faults daemon's")
+    parser.add_argument("--fetch-timeout-s", type=float, default=30.0, help="the faults daemon's")
     parser.add_argument("--clients", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--sequential", type=int, default=500)
     args = parser.parse_args(argv)
