@@ -5,7 +5,8 @@ into --out; then ``summary.json`` there: the commit (and whether the checkout wa
 part's command, exit status and wall time, and its headline figures.
 
     python -m tools.adversarial.run --out DIR [--parts fuzz abuse faults load] [--fuzz-cases 100000]
-        [--fuzz-max-seconds S] [--idle-read-timeout-s 15] [--fetch-timeout-s 30] [--clients 32] [--sequential 500]
+        [--fuzz-max-seconds S] [--idle-read-timeout-s 15] [--fetch-timeout-s 30]
+        [--breaker-reset-s 60] [--clients 32] [--sequential 500]
 
 Exit status 1 when any part reported a problem (its own exit status).
 """
@@ -45,6 +46,7 @@ def commands(args: argparse.Namespace) -> dict[str, list[str]]:
     if "faults" in args.parts:
         found["faults"] = [f"{tool}/faults.py", "--idle-read-timeout-s", str(args.idle_read_timeout_s)]
         found["faults"] += ["--fetch-timeout-s", str(args.fetch_timeout_s)]
+        found["faults"] += ["--breaker-reset-s", str(args.breaker_reset_s)]
     if "load" in args.parts:
         found["load"] = [f"{tool}/load_test.py", "--clients", *map(str, args.clients)]
         found["load"] += ["--sequential", str(args.sequential), "--prefill", "remote"]
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     # prefill, which the fault peer relays whole, took over 10 s to start arriving
     parser.add_argument("--idle-read-timeout-s", type=float, default=15.0, help="the faults daemon's")
     parser.add_argument("--fetch-timeout-s", type=float, default=30.0, help="the faults daemon's")
+    # the breaker's cycle needs a turn after a failure (computed here) to end before the breaker half-opens: over
+    # 10 s on the loaded box
+    parser.add_argument("--breaker-reset-s", type=float, default=60.0, help="the faults daemon's")
     parser.add_argument("--clients", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--sequential", type=int, default=500)
     args = parser.parse_args(argv)
