@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
@@ -36,6 +37,7 @@ from edgedecode.daemon.worker import DecodeWorker
 from edgedecode.errors import RequestError
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.constraint import GrammarCompiler
+from edgedecode.runtime.runner import prompt_run_bytes
 
 WORKER_STALL_SECONDS = 60.0  # a step taking longer than this marks the daemon unhealthy (watchdog)
 
@@ -80,6 +82,8 @@ class DecodeService:
             reserve_bytes=d.memory_reserve_mb << 20,
             ingest=self.remote.ingest,
             metrics=metrics.conversations,
+            working_bytes=d.working_memory_mb << 20,
+            prompt_run_bytes=functools.partial(prompt_run_bytes, spec),
         )
         kv_bytes_per_slot_token = engines[0].kv_bytes_per_slot
         metrics.resident_kv.set_function(
