@@ -86,9 +86,10 @@ class DaemonConfig:
     breaker_reset_s: float = 30.0  # how long an open breaker skips the prefill server
     memory_reserve_mb: int = 256  # admission keeps this much system memory available
     # Memory the daemon may use beyond kv_memory_mb for the work of turns, transient: onnxruntime's working memory
-    # for their prompt runs and the ingest thread's scratch (copies and decodes of a conversation's KV). SmolLM2:
-    # a run of 256 rows after 4096 positions ~49 MiB, two slots' turns ~98 MiB (docs/memory.md).
-    working_memory_mb: int = 128
+    # for their prompt runs and the ingest thread's scratch (copies and decodes of a conversation's KV). 0: sized at
+    # start for every slot's prompt runs at max_context plus one float32 copy of a max_context conversation's KV
+    # (SmolLM2, 2 slots of 4096: 2 x 49 + 180 = 278 MiB; logged at start). See docs/serving.md, "Working memory".
+    working_memory_mb: int = 0
     client_timeout_s: float = 30.0  # longest wait for a client to send its body or accept more of the answer
     header_timeout_s: float = 10.0  # longest a connection may take to send a request's headers
     allow_special_tokens: bool = False  # client text may spell control tokens (<|im_start|>...); off: plain text

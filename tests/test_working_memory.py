@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgedecode.config import ConfigError, load_config
-from edgedecode.daemon.memory.working import KVMemoryError, WorkingMemory
+from edgedecode.daemon.memory.working import KVMemoryError, WorkingMemory, sized_allowance_bytes
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS
 from edgedecode.runtime.runner import prompt_run_bytes
 
@@ -61,9 +61,25 @@ def test_a_prompt_runs_estimate_grows_with_its_rows_and_past_and_covers_the_meas
     assert run >= 23 * MIB  # a 256-row run at past 2048 raised the peak RSS ~23 MiB over its KV (runner.py)
 
 
+def test_the_default_allowance_holds_every_slots_largest_prompt_run_and_one_conversations_float32_kv(smollm2_model):
+    from edgedecode.daemon.metrics import DaemonMetrics
+    from edgedecode.daemon.run import build_engines
+    from edgedecode.daemon.service import DecodeService
+
+    spec = smollm2_model.spec
+    config = load_config(None, env={}, overrides={"daemon": {"slots": 2, "max_context": 512}, "model": {"threads": 2}})
+    service = DecodeService(
+        smollm2_model, build_engines(smollm2_model, config), config, DaemonMetrics(), lambda: None, ""
+    )
+    asyncio.run(service.close())
+    sized = 2 * prompt_run_bytes(spec, PREFILL_CHUNK_TOKENS, 512) + 512 * 2 * spec.kv_bytes_per_token_fp16
+    assert service.memory.working.allowance_bytes == sized
+    assert sized_allowance_bytes(lambda rows, past: rows * past, 3, 100, 10) == 3 * 100 * 100 + 100 * 10  # rows <= past
+
+
 def test_config_working_memory_default_and_validation():
-    assert load_config(None, env={}).daemon.working_memory_mb == 128
-    assert load_config(None, env={}, overrides={"daemon": {"working_memory_mb": 0}}).daemon.working_memory_mb == 0
+    assert load_config(None, env={}).daemon.working_memory_mb == 0  # sized at start
+    assert load_config(None, env={}, overrides={"daemon": {"working_memory_mb": 64}}).daemon.working_memory_mb == 64
     with pytest.raises(ConfigError, match=r"daemon\.working_memory_mb >= 0"):
         load_config(None, env={}, overrides={"daemon": {"working_memory_mb": -1}})
 

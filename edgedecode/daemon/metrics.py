@@ -168,6 +168,11 @@ class ConversationMetrics:
             "the KV scratch of moves to the store, restores and re-encodes.",
             registry=registry,
         )
+        self.working_memory_allowance = Gauge(
+            "edgedecode_working_memory_allowance_bytes",
+            "daemon.working_memory_mb in bytes (as sized at start where it is 0).",
+            registry=registry,
+        )
         self.working_memory_peak = Gauge(
             "edgedecode_working_memory_peak_bytes",
             "The most bytes of working memory daemon.working_memory_mb has counted at once since the daemon started.",

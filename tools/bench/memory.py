@@ -30,7 +30,7 @@ resumes are replayed in process and scored (tools/study/memory_quality.py). The 
 and docs/memory.png: tools/bench/memory_report.py and tools/bench/memory_docs.py.
 
     python tools/bench/memory.py [--conversations 8 32 128] [--conversation-tokens 1024 512 256]
-        [--budgets 0.25 0.5 1.0] [--turns 3] [--max-tokens 8] [--seed 0] [--slots 2] [--working-memory-mb 128]
+        [--budgets 0.25 0.5 1.0] [--turns 3] [--max-tokens 8] [--seed 0] [--slots 2] [--working-memory-mb 0]
         [--resume-tokens 2048] [--resume-new-tokens 32] [--resume-runs 5] [--quality-per-class 4]
         [--threads 2] [--edge-cpus 0,1] [--json PATH] [--write-docs] [--docs-dir docs]
     python tools/bench/memory.py --report RUN.json [--write-docs --docs-dir DIR]   # a saved run's report
@@ -74,6 +74,7 @@ END_METRICS = (  # kept from the daemon's /metrics at the end of a cell
     "edgedecode_active_kv_evicted_tokens_total",
     "edgedecode_kv_memory_peak_bytes",
     "edgedecode_working_memory_peak_bytes",
+    "edgedecode_working_memory_allowance_bytes",
 )
 FILLER_TOKENS = 16  # the prompts of the conversations that push the long one out of its slot
 RESUME_BUDGET_MB = 2048  # the 2k daemon's budget: never what decides there
@@ -94,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--working-memory-mb",
         type=int,
         default=DaemonConfig.working_memory_mb,
-        help="daemon.working_memory_mb of the cells' daemons (their RSS growth is held to it plus the budget)",
+        help="daemon.working_memory_mb of the cells' daemons (0: sized by the daemon)",
     )
     p.add_argument("--resume-tokens", type=int, default=2048)
     p.add_argument("--resume-new-tokens", type=int, default=32)
@@ -198,7 +199,9 @@ def run_cell(
         "turns": args.turns,
         "budget": asdict(cell_budget) | {"nbytes": cell_budget.nbytes, "feasible": cell_budget.feasible},
         "rss_start_bytes": rss_start,
-        "working_memory_bytes": args.working_memory_mb << 20,
+        "working_memory_bytes": int(
+            end.get("edgedecode_working_memory_allowance_bytes{}", args.working_memory_mb << 20)
+        ),
         "weights_bytes": weights_bytes,
         "records": records,
         "kv_samples": sampler.kv_rows,

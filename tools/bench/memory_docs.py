@@ -34,7 +34,8 @@ METHOD = (
     "(psutil) and its /metrics (a scrape that takes longer skips ticks: the rates achieved are in the table): "
     "`edgedecode_kv_memory_bytes{{state}}` and the high-water mark "
     "`edgedecode_kv_memory_peak_bytes`, and the working memory counted against daemon.working_memory_mb "
-    "({working_memory_mb} MiB; `edgedecode_working_memory_peak_bytes`). RSS growth is the most sampled RSS less the "
+    "(`edgedecode_working_memory_allowance_bytes`; its peak, `edgedecode_working_memory_peak_bytes`, is in the "
+    "table). RSS growth is the most sampled RSS less the "
     'RSS after start, before any turn; it is held to the budget plus that allowance. "Weights" in the RSS goal '
     "is the GGUF's bytes (the process's fixed cost beyond them, Python, onnxruntime's session and its prepacked "
     "copies, the tokenizer, counts against the goal). Quality: conversations with a compressed resume are "
@@ -58,7 +59,7 @@ def write_docs(run: dict, directory: Path) -> None:
     plot(run, rows, directory / "memory.png")
     sizes = sorted({(c["conversations"], c["tokens"]) for c in run["cells"]})
     method = METHOD.format(
-        **{"working_memory_mb": 0, **args},
+        **args,
         tokens_note=", ".join(f"{t} ({n} conversations)" for n, t in sizes),
         fp16=run["bytes_per_token"]["fp16"],
         slot=run["bytes_per_token"]["slot"],

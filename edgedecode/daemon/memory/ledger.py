@@ -51,6 +51,7 @@ from edgedecode.daemon.memory.conversation import (
     StoredConversation,
     own_drop_order,
     reencode_scratch_nbytes,
+    restore_scratch_nbytes,
 )
 from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.daemon.memory.working import KVMemoryError, WorkingMemory
@@ -137,6 +138,8 @@ class MemoryLedger:
                 metrics.sessions.labels(state).set_function(functools.partial(self._sessions, busy))
                 metrics.kv_memory.labels(state).set_function(functools.partial(self._held, busy))
             metrics.working_memory.set_function(lambda: self.working.nbytes)
+            if working_bytes is not None:
+                metrics.working_memory_allowance.set(working_bytes)
             metrics.working_memory_peak.set_function(lambda: self.working.peak_nbytes)
 
     # --- the books ----------------------------------------------------------------------------------
@@ -415,7 +418,8 @@ class MemoryLedger:
             return Resume(0, "evicted")
         try:
             loop = asyncio.get_running_loop()
-            with self.working.scratch(entry.n_tokens * self.bytes_per_slot_token, "a restore"):
+            staged = restore_scratch_nbytes(entry) if slot.engine.kv_preallocated else 0  # CPU: read into the slot
+            with self.working.scratch(staged, "a restore"):
                 keep = await loop.run_in_executor(self._ingest, slot.engine.restore, prompt_ids, entry.payload)
         except KVMemoryError as exc:
             self.settle(slot)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS
 
 
 class KVMemoryError(EdgeDecodeError):
@@ -34,6 +35,17 @@ class KVMemoryError(EdgeDecodeError):
     http_status = 503
     http_code = "insufficient_memory"
     retry_after_s = 5
+
+
+def sized_allowance_bytes(
+    prompt_run_bytes: Callable[[int, int], int], slots: int, max_context: int, float32_bytes_per_token: int
+) -> int:
+    """The allowance ``daemon.working_memory_mb = 0`` stands for: every slot's turn running its largest
+    prompt run (PREFILL_CHUNK_TOKENS rows after ``max_context`` positions) while the ingest thread holds a
+    float32 copy of a ``max_context``-token conversation's KV (the most one move, restore or re-encode needs
+    short of a move with dropped tokens)."""
+    rows = min(PREFILL_CHUNK_TOKENS, max_context)
+    return slots * prompt_run_bytes(rows, max_context) + max_context * float32_bytes_per_token
 
 
 class WorkingMemory:
