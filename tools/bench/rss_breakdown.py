@@ -39,7 +39,7 @@ VARIANTS = {
     "default": {},
     "prefill chunk 512": {"chunk": 512},
     "prefill chunk 128": {"chunk": 128},
-    "no CPU memory arena": {"arena": False},
+    "no CPU memory arena": {"arena": False, "shrink": False},  # no arena to shrink (onnxruntime refuses the option)
     "no prepacking": {"config": {"session.disable_prepacking": "1"}},
     "arena kept after prompt runs": {"shrink": False},
 }
