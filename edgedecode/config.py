@@ -87,8 +87,8 @@ class DaemonConfig:
     memory_reserve_mb: int = 256  # admission keeps this much system memory available
     # Memory the daemon may use beyond kv_memory_mb for the work of turns, transient: onnxruntime's working memory
     # for their prompt runs and the ingest thread's scratch (copies and decodes of a conversation's KV). 0: sized at
-    # start for every slot's prompt runs at max_context plus one float32 copy of a max_context conversation's KV
-    # (SmolLM2, 2 slots of 4096: 2 x 49 + 180 = 278 MiB; logged at start). See docs/serving.md, "Working memory".
+    # start for every slot's prompt runs at max_context, one float32 copy of a max_context conversation's KV and 32 MiB
+    # of residue (SmolLM2, 2 slots of 4096: 2 x 49 + 180 + 32 = 310 MiB; logged). docs/serving.md, "Working memory".
     working_memory_mb: int = 0
     client_timeout_s: float = 30.0  # longest wait for a client to send its body or accept more of the answer
     header_timeout_s: float = 10.0  # longest a connection may take to send a request's headers

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgedecode.config import ConfigError, load_config
-from edgedecode.daemon.memory.working import KVMemoryError, WorkingMemory, sized_allowance_bytes
+from edgedecode.daemon.memory.working import RESIDUE_BYTES, KVMemoryError, WorkingMemory, sized_allowance_bytes
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS
 from edgedecode.runtime.runner import prompt_run_bytes
 
@@ -73,8 +73,9 @@ def test_the_default_allowance_holds_every_slots_largest_prompt_run_and_one_conv
     )
     asyncio.run(service.close())
     sized = 2 * prompt_run_bytes(spec, PREFILL_CHUNK_TOKENS, 512) + 512 * 2 * spec.kv_bytes_per_token_fp16
-    assert service.memory.working.allowance_bytes == sized
-    assert sized_allowance_bytes(lambda rows, past: rows * past, 3, 100, 10) == 3 * 100 * 100 + 100 * 10  # rows <= past
+    assert service.memory.working.allowance_bytes == sized + RESIDUE_BYTES
+    rows_times_past = sized_allowance_bytes(lambda rows, past: rows * past, 3, 100, 10)
+    assert rows_times_past == 3 * 100 * 100 + 100 * 10 + RESIDUE_BYTES  # rows <= past
 
 
 def test_config_working_memory_default_and_validation():

@@ -37,15 +37,21 @@ class KVMemoryError(EdgeDecodeError):
     retry_after_s = 5
 
 
+# What the process keeps after its first turns beyond any one turn's work: glibc's and onnxruntime's bookkeeping,
+# the arena's first region, Python objects. Measured: 22 MiB after a 2048-token turn (tools/bench/rss_breakdown.py),
+# 10-23 MiB above the KV and the counted working memory in tools/bench/memory.py's 128-conversation cells.
+RESIDUE_BYTES = 32 << 20
+
+
 def sized_allowance_bytes(
     prompt_run_bytes: Callable[[int, int], int], slots: int, max_context: int, float32_bytes_per_token: int
 ) -> int:
     """The allowance ``daemon.working_memory_mb = 0`` stands for: every slot's turn running its largest
     prompt run (PREFILL_CHUNK_TOKENS rows after ``max_context`` positions) while the ingest thread holds a
     float32 copy of a ``max_context``-token conversation's KV (the most one move, restore or re-encode needs
-    short of a move with dropped tokens)."""
+    short of a move with dropped tokens), plus the process's residue (``RESIDUE_BYTES``, never held by a turn)."""
     rows = min(PREFILL_CHUNK_TOKENS, max_context)
-    return slots * prompt_run_bytes(rows, max_context) + max_context * float32_bytes_per_token
+    return slots * prompt_run_bytes(rows, max_context) + max_context * float32_bytes_per_token + RESIDUE_BYTES
 
 
 class WorkingMemory:
