@@ -85,6 +85,11 @@ class DaemonConfig:
     breaker_failures: int = 3  # consecutive prefill failures that open the circuit breaker
     breaker_reset_s: float = 30.0  # how long an open breaker skips the prefill server
     memory_reserve_mb: int = 256  # admission keeps this much system memory available
+    # Memory the daemon may use beyond kv_memory_mb for the work of turns, transient: onnxruntime's working memory
+    # for their prompt runs and the ingest thread's scratch (copies and decodes of a conversation's KV). 0: sized at
+    # start for every slot's prompt runs at max_context, one float32 copy of a max_context conversation's KV and 32 MiB
+    # of residue (SmolLM2, 2 slots of 4096: 2 x 49 + 180 + 32 = 310 MiB; logged). docs/serving.md, "Working memory".
+    working_memory_mb: int = 0
     client_timeout_s: float = 30.0  # longest wait for a client to send its body or accept more of the answer
     header_timeout_s: float = 10.0  # longest a connection may take to send a request's headers
     allow_special_tokens: bool = False  # client text may spell control tokens (<|im_start|>...); off: plain text
@@ -333,9 +338,13 @@ def _validate(config: Config, server: Literal["daemon", "prefill"] | None) -> No
         problems.append(
             f"prefill.transfer_cache_mb must be >= 0 and prefill.transfer_ttl_s in (0, {MAX_TRANSFER_TTL_S:g}]"
         )
-    if d.max_payload_bytes < 1024 or d.memory_reserve_mb < 0 or p.prefix_cache_mb < 0 or p.max_prompt_tokens < 2:
+    if (
+        d.max_payload_bytes < 1024
+        or min(d.memory_reserve_mb, d.working_memory_mb, p.prefix_cache_mb) < 0
+        or (p.max_prompt_tokens < 2)
+    ):
         problems.append(
-            "daemon.max_payload_bytes >= 1024, daemon.memory_reserve_mb >= 0, "
+            "daemon.max_payload_bytes >= 1024, daemon.memory_reserve_mb >= 0, daemon.working_memory_mb >= 0, "
             "prefill.prefix_cache_mb >= 0 and prefill.max_prompt_tokens >= 2 are required"
         )
     problems += _fleet_problems(config.fleet)

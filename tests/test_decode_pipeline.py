@@ -117,7 +117,7 @@ class FakeEngine:
     def release_unused(self) -> None:
         self.buffer[:, :, :, self.length :] = 0
 
-    def export_positions(self) -> tuple[KVSnapshot, np.ndarray]:
+    def export_positions(self, view: bool = False) -> tuple[KVSnapshot, np.ndarray]:
         n = len(self.history)
         kv = self.buffer[:, :, :, :n]
         producer = KVProducer("fake", "ab" * 32, "float32")
@@ -199,7 +199,13 @@ class _Decoder:
 
 
 MODEL = SimpleNamespace(
-    spec=SimpleNamespace(kv_bytes_per_token_fp16=2 * 2 * LAYERS * HEADS * HEAD_DIM, kv_contract=CONTRACT),
+    spec=SimpleNamespace(
+        kv_bytes_per_token_fp16=2 * 2 * LAYERS * HEADS * HEAD_DIM,
+        kv_contract=CONTRACT,
+        n_heads=HEADS,  # the shape prompt runs' working memory is estimated from
+        ffn_size=4 * HEADS * HEAD_DIM,
+        hidden_size=HEADS * HEAD_DIM,
+    ),
     tokenizer=SimpleNamespace(stream_decoder=_Decoder),
     record=SimpleNamespace(name="fake"),
 )

@@ -193,3 +193,23 @@ def test_the_docs_hold_the_tables_and_the_plot(tools, tmp_path):
     assert "| 4 | 256 | 25 % | 5 (5,898,240) | 4.4 | 8/9 | 0.900; 0.900 |" in text
     assert "| 4 | 25 % | 1, 200 (41) | 3, 250 (41) | 1, 600 (81) | 3, 300 (41) |" in text
     assert (tmp_path / "memory.png").stat().st_size > 10_000
+
+
+def test_rss_growth_is_held_to_the_budget_plus_the_working_memory_and_the_weights_are_the_ggufs_bytes(tools):
+    _, _, report, _ = tools
+    run = _run(4.5 * MIB, 0.1)
+    cell = run["cells"][0]
+    cell |= {"weights_bytes": 100 * MIB, "working_memory_bytes": 10 * MIB}
+    cell["metrics_end"]["edgedecode_working_memory_peak_bytes{}"] = 6 * MIB
+    rows = [report.summarise(cell, run["quality"])]
+    assert (rows[0]["rss_growth"], rows[0]["growth_bound"]) == (19 * MIB, 15 * MIB)  # RSS 400 → 419 MiB
+    assert rows[0]["rss_ratio"] == pytest.approx(419 / 105)
+    goals = "\n".join(report.goal_checks(run, rows))
+    assert (
+        "0 of 1 cells met; worst 19.0 MiB against 15.0 MiB, 1.27× (4 conversations, 25 %: MISSED (27 % over))" in goals
+    )
+    assert "weights = the GGUF's bytes (100.0 MiB): 0 of 1 cells met; worst 3.99×" in goals
+    assert "| 400.0 → 419.0 | 19.0 ÷ 15.0 = 1.27 | 6.0 | 3.99 |" in "\n".join(report.memory_table(rows))
+    cell["working_memory_bytes"] = 14 * MIB
+    goals = "\n".join(report.goal_checks(run, [report.summarise(cell, run["quality"])]))
+    assert "1 of 1 cells met; worst 19.0 MiB against 19.0 MiB, 1.00× (4 conversations, 25 %: met)" in goals

@@ -162,6 +162,22 @@ class ConversationMetrics:
             "The most bytes of KV daemon.kv_memory_mb has counted at once since the daemon started.",
             registry=registry,
         )
+        self.working_memory = Gauge(
+            "edgedecode_working_memory_bytes",
+            "Bytes of working memory counted against daemon.working_memory_mb: the prompt runs of turns and "
+            "the KV scratch of moves to the store, restores and re-encodes.",
+            registry=registry,
+        )
+        self.working_memory_allowance = Gauge(
+            "edgedecode_working_memory_allowance_bytes",
+            "daemon.working_memory_mb in bytes (as sized at start where it is 0).",
+            registry=registry,
+        )
+        self.working_memory_peak = Gauge(
+            "edgedecode_working_memory_peak_bytes",
+            "The most bytes of working memory daemon.working_memory_mb has counted at once since the daemon started.",
+            registry=registry,
+        )
         self.active_evicted = Counter(
             "edgedecode_active_kv_evicted_tokens_total",
             "Tokens of an active conversation's own KV evicted so that its turn fits daemon.kv_memory_mb "

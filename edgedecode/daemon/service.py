@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import logging
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
 from edgedecode.config import Config
 from edgedecode.daemon.memory.ledger import MemoryLedger
 from edgedecode.daemon.memory.store import ConversationStore
+from edgedecode.daemon.memory.working import sized_allowance_bytes
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest
 from edgedecode.daemon.pull import calibration as calibrations
@@ -36,8 +39,11 @@ from edgedecode.daemon.worker import DecodeWorker
 from edgedecode.errors import RequestError
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.constraint import GrammarCompiler
+from edgedecode.runtime.runner import prompt_run_bytes
 
 WORKER_STALL_SECONDS = 60.0  # a step taking longer than this marks the daemon unhealthy (watchdog)
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeService:
@@ -80,6 +86,8 @@ class DecodeService:
             reserve_bytes=d.memory_reserve_mb << 20,
             ingest=self.remote.ingest,
             metrics=metrics.conversations,
+            working_bytes=self._working_bytes(d.working_memory_mb),
+            prompt_run_bytes=functools.partial(prompt_run_bytes, spec),
         )
         kv_bytes_per_slot_token = engines[0].kv_bytes_per_slot
         metrics.resident_kv.set_function(
@@ -88,6 +96,18 @@ class DecodeService:
         metrics.queue_depth.set_function(lambda: self.pool.queued)
         metrics.active.set_function(lambda: self.pool.busy)
         metrics.breaker_open.set_function(lambda: float(self.remote.breaker.state == "open"))
+
+    def _working_bytes(self, working_memory_mb: int) -> int:
+        """``daemon.working_memory_mb`` in bytes; 0: sized for this model, its slots and max_context (logged)."""
+        if working_memory_mb:
+            return working_memory_mb << 20
+        spec = self.model.spec
+        float32_per_token = 2 * spec.kv_bytes_per_token_fp16
+        sized = sized_allowance_bytes(
+            functools.partial(prompt_run_bytes, spec), len(self.pool.slots), self.max_context, float32_per_token
+        )
+        logger.info("daemon.working_memory_mb = 0: %d MiB of working memory", sized >> 20)
+        return sized
 
     async def start(self) -> None:
         """Open what pulls KV (on the serving event loop)."""

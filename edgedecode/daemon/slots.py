@@ -80,8 +80,9 @@ class DecodeEngine(Protocol):
         """Take a kept conversation's KV back from its EDKV payload; returns the positions to keep."""
         ...
 
-    def export_positions(self) -> tuple[KVSnapshot, np.ndarray]:
-        """The held KV over every position processed, and which positions it holds."""
+    def export_positions(self, view: bool = False) -> tuple[KVSnapshot, np.ndarray]:
+        """The held KV over every position processed, and which positions it holds (``view``: views of the
+        KV buffers where it can: host KV, no token dropped)."""
         ...
 
     def given_importance(self) -> np.ndarray:

@@ -196,10 +196,11 @@ class Engine:
         """A copy of the cached KV with its token ids, positions, layout contract and producer."""
         return self.sequence.snapshot(self.producer)
 
-    def export_positions(self) -> tuple[KVSnapshot, np.ndarray]:
+    def export_positions(self, view: bool = False) -> tuple[KVSnapshot, np.ndarray]:
         """The cached KV over every position processed, for ``restore``, and which positions it holds
-        (``Sequence.snapshot_positions``)."""
-        return self.sequence.snapshot_positions(self.producer)
+        (``Sequence.snapshot_positions``; ``view``: views of the cache where it can, valid until the
+        engine runs or resets)."""
+        return self.sequence.snapshot_positions(self.producer, view)
 
     # -- computed: tokens run through the graph after the held ones
 

@@ -262,13 +262,25 @@ class Sequence:
             raise KVInjectionError("nothing to export: no prompt has been processed")
         return self.cache.snapshot(self.tokens[: self.length], self.positions[0, : self.length], producer)
 
-    def snapshot_positions(self, producer: KVProducer) -> tuple[KVSnapshot, np.ndarray]:
+    @property
+    def exports_views(self) -> bool:
+        """Whether ``snapshot_positions(view=True)`` copies no KV: it is on the host and no token was dropped."""
+        return self.cache.device == "cpu" and self.length == self.next_position
+
+    def snapshot_positions(self, producer: KVProducer, view: bool = False) -> tuple[KVSnapshot, np.ndarray]:
         """The held KV laid out over every position before ``next_position`` (the whole conversation,
         for ``Engine.restore``), and bool [n]: whether a position's KV is held (False: the token was
-        dropped; its KV here is zeros, its id the one processed)."""
+        dropped; its KV here is zeros, its id the one processed).
+
+        ``view``: where the KV is on the host and no token was dropped (``exports_views``), its keys and
+        values are views of the cache, no copy: valid until the sequence runs, is reset or evicts."""
         if self.length == 0:
             raise KVInjectionError("nothing to export: no prompt has been processed")
         n = self.next_position
+        if view and self.exports_views:
+            host, ids, positions = self.cache.host, self.history[:n].copy(), np.arange(n, dtype=np.int64)
+            keys, values = host[:, 0, 0, :, :n], host[:, 1, 0, :, :n]
+            return KVSnapshot(self.spec.kv_contract, ids, positions, keys, values, producer), np.ones(n, bool)
         held = np.zeros(n, bool)
         held[self.positions[0, : self.length]] = True
         held_kv = self.snapshot(producer)

@@ -10,7 +10,9 @@ at a time in a shuffled order (--seed), each a streamed completion of --max-toke
 (tools/bench/memory_workload.py). A thread samples the daemon's KV memory (/metrics) and RSS every 100 ms
 (tools/bench/memory_sampler.py). Every turn's client TTFT and turn report are kept; the report's
 ``kv.resume`` says whether the conversation was resident in its slot, came back from the compressed
-store, or had been evicted (re-prefilled).
+store, or had been evicted (re-prefilled). The daemon's RSS growth over the cell (its most sampled
+RSS less its RSS after start) is held to the budget plus the cell's daemon.working_memory_mb
+(--working-memory-mb); the RSS goal's weights are the GGUF's bytes.
 
 The default sizes make every cell feasible in principle: the largest turn (last prompt +
 max_tokens, float32 in a slot: 2 × its FP16 bytes) must fit the budget with every other
@@ -28,7 +30,7 @@ resumes are replayed in process and scored (tools/study/memory_quality.py). The 
 and docs/memory.png: tools/bench/memory_report.py and tools/bench/memory_docs.py.
 
     python tools/bench/memory.py [--conversations 8 32 128] [--conversation-tokens 1024 512 256]
-        [--budgets 0.25 0.5 1.0] [--turns 3] [--max-tokens 8] [--seed 0] [--slots 2]
+        [--budgets 0.25 0.5 1.0] [--turns 3] [--max-tokens 8] [--seed 0] [--slots 2] [--working-memory-mb 0]
         [--resume-tokens 2048] [--resume-new-tokens 32] [--resume-runs 5] [--quality-per-class 4]
         [--threads 2] [--edge-cpus 0,1] [--json PATH] [--write-docs] [--docs-dir docs]
     python tools/bench/memory.py --report RUN.json [--write-docs --docs-dir DIR]   # a saved run's report
@@ -54,6 +56,7 @@ from dataclasses import asdict
 import numpy as np
 import psutil
 
+from edgedecode.config import DaemonConfig
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.model.loader import LoadedModel, load_model
 from tools.bench.memory_docs import write_docs
@@ -70,6 +73,8 @@ END_METRICS = (  # kept from the daemon's /metrics at the end of a cell
     "edgedecode_kv_retier_total",
     "edgedecode_active_kv_evicted_tokens_total",
     "edgedecode_kv_memory_peak_bytes",
+    "edgedecode_working_memory_peak_bytes",
+    "edgedecode_working_memory_allowance_bytes",
 )
 FILLER_TOKENS = 16  # the prompts of the conversations that push the long one out of its slot
 RESUME_BUDGET_MB = 2048  # the 2k daemon's budget: never what decides there
@@ -86,6 +91,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slots", type=int, default=2)
+    p.add_argument(
+        "--working-memory-mb",
+        type=int,
+        default=DaemonConfig.working_memory_mb,
+        help="daemon.working_memory_mb of the cells' daemons (0: sized by the daemon)",
+    )
     p.add_argument("--resume-tokens", type=int, default=2048)
     p.add_argument("--resume-new-tokens", type=int, default=32)
     p.add_argument("--resume-runs", type=int, default=5, help="0: skip the long-conversation resume")
@@ -140,11 +151,19 @@ def send_turn(url: str, session: str, prompt: np.ndarray, max_tokens: int) -> St
     return streamed_completion(url, body, timeout=TURN_TIMEOUT_S)
 
 
-def run_cell(directory: Path, label: str, convs: list[Conversation], cell_budget: Budget, args) -> dict:
-    """One daemon under ``cell_budget``, every conversation's turns in the shuffled order, sampled."""
+def run_cell(
+    directory: Path, label: str, convs: list[Conversation], cell_budget: Budget, args, weights_bytes: int
+) -> dict:
+    """One daemon under ``cell_budget``, every conversation's turns in the shuffled order, sampled;
+    ``weights_bytes``: the GGUF's size (the RSS goal's weights)."""
     started = time.perf_counter()
     max_context = max(len(c.ids) for c in convs) + args.max_tokens + 8
-    settings = {"kv_memory_mb": cell_budget.mb, "max_sessions": len(convs), "max_context": max_context}
+    settings = {
+        "kv_memory_mb": cell_budget.mb,
+        "working_memory_mb": args.working_memory_mb,
+        "max_sessions": len(convs),
+        "max_context": max_context,
+    }
     records: list[dict] = []
     completed: set[int] = set()
     with daemon(directory, f"cell-{len(convs)}-{cell_budget.fraction:g}", args, **settings) as (process, url):
@@ -180,6 +199,10 @@ def run_cell(directory: Path, label: str, convs: list[Conversation], cell_budget
         "turns": args.turns,
         "budget": asdict(cell_budget) | {"nbytes": cell_budget.nbytes, "feasible": cell_budget.feasible},
         "rss_start_bytes": rss_start,
+        "working_memory_bytes": int(
+            end.get("edgedecode_working_memory_allowance_bytes{}", args.working_memory_mb << 20)
+        ),
+        "weights_bytes": weights_bytes,
         "records": records,
         "kv_samples": sampler.kv_rows,
         "rss_samples": sampler.rss_rows,
@@ -262,7 +285,7 @@ def run_grid(directory: Path, model: LoadedModel, args: argparse.Namespace, slot
                 file=sys.stderr,
                 flush=True,
             )
-            cells.append(run_cell(directory, label, convs, cell_budget, args))
+            cells.append(run_cell(directory, label, convs, cell_budget, args, model.record.size_bytes))
             by_label[label] = convs
     return cells, by_label
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Where the decode daemon's memory goes: the process's RSS after each stage of what the daemon does
 at start and on a turn, for onnxruntime's default CPU session settings and the variants that could
-cut memory (the prefill chunk; no CPU memory arena; no weight prepacking), each measured in a fresh
+cut memory (the prefill chunk; no CPU memory arena; no weight prepacking) or that they replaced (the arena
+kept after prompt runs, as before issue 34), each measured in a fresh
 process with the daemon's heap settings (serving/heap.py).
 
 Stages (a daemon's own order): Python and the imports; the model's spec and tokenizer (the GGUF
@@ -38,8 +39,9 @@ VARIANTS = {
     "default": {},
     "prefill chunk 512": {"chunk": 512},
     "prefill chunk 128": {"chunk": 128},
-    "no CPU memory arena": {"arena": False},
+    "no CPU memory arena": {"arena": False, "shrink": False},  # no arena to shrink (onnxruntime refuses the option)
     "no prepacking": {"config": {"session.disable_prepacking": "1"}},
+    "arena kept after prompt runs": {"shrink": False},
 }
 DEFAULT_VARIANTS = ["default", "prefill chunk 512", "no CPU memory arena"]  # no prepacking: ~70x slower decode
 
@@ -63,6 +65,7 @@ def measure(variant: dict, model_name: str | None, sizes: tuple[int, int, int, i
     from edgedecode.model.graph import GraphOptions
     from edgedecode.model.loader import load_model
     from edgedecode.runtime import engine as engine_module
+    from edgedecode.runtime import runner as runner_module
     from edgedecode.runtime.engine import Engine
     from edgedecode.runtime.sampler import SamplingParams
     from edgedecode.runtime.session import import_onnxruntime
@@ -72,6 +75,7 @@ def measure(variant: dict, model_name: str | None, sizes: tuple[int, int, int, i
     stages.append(("imports (numpy, onnxruntime, tokenizers, ...)", rss_mib()))
     _configure_sessions(ort, variant)
     engine_module.PREFILL_CHUNK_TOKENS = variant.get("chunk", engine_module.PREFILL_CHUNK_TOKENS)
+    runner_module.SHRINK_ARENA_AFTER_PROMPT_RUNS = variant.get("shrink", runner_module.SHRINK_ARENA_AFTER_PROMPT_RUNS)
     model = load_model(model_name)
     stages.append(("model spec and tokenizer", rss_mib()))
     options = GraphOptions.for_device("decode", "cpu")

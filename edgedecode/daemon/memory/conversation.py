@@ -199,6 +199,23 @@ def _encoded(
     return b"".join(frames), sum(len(frame) for frame in frames[1:-1])  # less the header and the trailer
 
 
+def reencode_scratch_nbytes(entry: StoredConversation) -> int:
+    """Bytes a re-encode of ``entry`` (re-tier or drop) decodes it into: float32 KV of all its tokens, and a
+    second copy of its kept tokens' where some were dropped (``_decoded``)."""
+    return (entry.n_tokens + (entry.n_kept if entry.n_kept < entry.n_tokens else 0)) * _float32_bytes_per_token(entry)
+
+
+def restore_scratch_nbytes(entry: StoredConversation) -> int:
+    """Bytes a restore of ``entry`` stages its kept tokens in where the slot's KV is on the device (float32
+    host staging); on the CPU the reader writes into the slot itself."""
+    return entry.n_kept * _float32_bytes_per_token(entry)
+
+
+def _float32_bytes_per_token(entry: StoredConversation) -> int:
+    c = entry.contract
+    return c.n_layers * 2 * c.n_kv_heads * c.head_dim * np.dtype(np.float32).itemsize
+
+
 def _reencoded(entry: StoredConversation, tiers: np.ndarray, workers: int) -> StoredConversation:
     """``entry``'s KV encoded again at ``tiers``."""
     snapshot, importance = _decoded(entry)

@@ -1,6 +1,7 @@
 """The decode daemon's KV memory, kept in one ledger: ``daemon.kv_memory_mb`` (the KV of every
-conversation the daemon keeps, in its slots and compressed in the store) and ``daemon.memory_reserve_mb``
-(system memory a turn must leave available), every slot's reservation, and the pressure ladder.
+conversation the daemon keeps, in its slots and compressed in the store), ``daemon.memory_reserve_mb``
+(system memory a turn must leave available), every slot's reservation, the pressure ladder, and the
+working memory of turns and of the ingest thread against ``daemon.working_memory_mb`` (``memory.working``).
 
 A turn reserves, for its slot, the bytes of the KV it will hold: the slots its kept prefix holds, its
 new prompt tokens and its completion, before anything is fetched (``admit``); when it ends the
@@ -22,7 +23,8 @@ When a turn's room does not fit, the ladder runs its rungs in order, each only a
    conversation longer than the budget goes on as a window with attention sinks.
 
 What still does not fit is a 503 naming the budget (``KVMemoryError``), before anything was fetched;
-so is a turn whose KV would eat into ``memory_reserve_mb``.
+so is a turn whose KV would eat into ``memory_reserve_mb``, or whose prompt runs do not fit the
+working memory left beside the other turns'.
 
 Threads: ``admit``, ``resume`` and ``settle`` run on the event loop; everything that encodes, decodes
 or writes KV (exports, restores, evictions, and rungs 2-4, which re-encode) runs on the ingest
@@ -43,26 +45,25 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
-from edgedecode.daemon.memory.conversation import DEFAULT_TIER, LadderStep, StoredConversation, own_drop_order
+from edgedecode.daemon.memory.conversation import (
+    DEFAULT_TIER,
+    LadderStep,
+    StoredConversation,
+    own_drop_order,
+    reencode_scratch_nbytes,
+    restore_scratch_nbytes,
+)
 from edgedecode.daemon.memory.store import ConversationStore
+from edgedecode.daemon.memory.working import KVMemoryError, WorkingMemory
 from edgedecode.daemon.metrics import ConversationMetrics
 from edgedecode.daemon.slots import Slot, SlotPool
-from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import KVFormatError
+from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS
 from edgedecode.runtime.kvcache import KVInjectionError
 
 logger = logging.getLogger(__name__)
-
-
-class KVMemoryError(EdgeDecodeError):
-    """A turn's KV does not fit the memory the daemon may use for it, even with every idle
-    conversation evicted, or it would eat into the system memory reserve (503)."""
-
-    http_status = 503
-    http_code = "insufficient_memory"
-    retry_after_s = 5
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class MemoryLedger:
         reserve_bytes: ``daemon.memory_reserve_mb``.
         ingest: the thread that writes into the slots' KV and does every KV encode (None: asyncio's default).
         metrics: where sessions, KV memory and the ladder are counted (None: nowhere).
+        working_bytes: ``daemon.working_memory_mb`` (None: working memory counted, never refused).
+        prompt_run_bytes: a prompt run's working memory by (rows, past) (``runtime.runner.prompt_run_bytes``
+            for the model; None: the turns' prompt runs hold none).
 
     Raises:
         KVMemoryError: the slots' KV buffers, allocated whole up front (CUDA), exceed the budget.
@@ -99,6 +103,8 @@ class MemoryLedger:
         reserve_bytes: int = 0,
         ingest: Executor | None = None,
         metrics: ConversationMetrics | None = None,
+        working_bytes: int | None = None,
+        prompt_run_bytes: Callable[[int, int], int] | None = None,
     ) -> None:
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
@@ -108,6 +114,8 @@ class MemoryLedger:
         self.reserve_bytes = reserve_bytes
         self._ingest = ingest
         self._metrics = metrics
+        self.working = WorkingMemory(working_bytes)
+        self._prompt_run_bytes = prompt_run_bytes
         self.bytes_per_slot_token = pool.slots[0].engine.kv_bytes_per_slot if pool.slots else 0
         self._reservations = {slot.index: 0 for slot in pool.slots}
         self._carried = 0  # bytes of conversations taken from the store for a slot, not yet in it
@@ -129,6 +137,10 @@ class MemoryLedger:
             for state, busy in (("active", True), ("resident", False)):
                 metrics.sessions.labels(state).set_function(functools.partial(self._sessions, busy))
                 metrics.kv_memory.labels(state).set_function(functools.partial(self._held, busy))
+            metrics.working_memory.set_function(lambda: self.working.nbytes)
+            if working_bytes is not None:
+                metrics.working_memory_allowance.set(working_bytes)
+            metrics.working_memory_peak.set_function(lambda: self.working.peak_nbytes)
 
     # --- the books ----------------------------------------------------------------------------------
 
@@ -220,8 +232,8 @@ class MemoryLedger:
         it frees something, until ``nbytes`` more fit."""
         store = self.store
         rungs: tuple[Callable[[str, int], LadderStep | None], ...] = (
-            lambda session, _: store.retier(session),
-            store.drop,
+            lambda session, _: self._reencoding(session, lambda: store.retier(session)),
+            lambda session, shortfall: self._reencoding(session, lambda: store.drop(session, shortfall)),
             lambda session, _: store.evict(session, "memory"),
         )
         steps: list[LadderStep] = []
@@ -239,6 +251,18 @@ class MemoryLedger:
                         steps.append(step)
                         freed = True
         return steps
+
+    def _reencoding(self, session: str, rung: Callable[[], LadderStep | None]) -> LadderStep | None:
+        """``rung()``, a re-encode of the stored ``session``, with its scratch held as working memory;
+        None (nothing done: the ladder goes on to its next rung) where the scratch does not fit."""
+        entry = self.store.peek(session)
+        if entry is None:
+            return None
+        try:
+            with self.working.scratch(reencode_scratch_nbytes(entry), "re-encoding a kept conversation"):
+                return rung()
+        except KVMemoryError:
+            return None
 
     def _publish(self) -> None:
         self._peak_nbytes = max(self._peak_nbytes, self.nbytes)
@@ -295,6 +319,9 @@ class MemoryLedger:
                 evicted and this one's droppable kept tokens evicted (503).
         """
         self._check_available(new_tokens * self.bytes_per_slot_token)
+        if self._prompt_run_bytes is not None and new_tokens > 0:
+            rows = min(PREFILL_CHUNK_TOKENS, new_tokens)
+            self.working.hold_turn(slot.index, self._prompt_run_bytes(rows, keep + new_tokens))
         evicted = 0
         while True:
             kept_slots = int(np.searchsorted(slot.engine.held_positions, keep))
@@ -315,6 +342,7 @@ class MemoryLedger:
         reserved = self.reserved(slot.index)
         if reserved > held:
             self.release(slot.index, reserved - held)
+        self.working.release_turn(slot.index)
         slot.engine.release_unused()
 
     def _check_available(self, need: int) -> None:
@@ -390,7 +418,14 @@ class MemoryLedger:
             return Resume(0, "evicted")
         try:
             loop = asyncio.get_running_loop()
-            keep = await loop.run_in_executor(self._ingest, slot.engine.restore, prompt_ids, entry.payload)
+            staged = restore_scratch_nbytes(entry) if slot.engine.kv_preallocated else 0  # CPU: read into the slot
+            with self.working.scratch(staged, "a restore"):
+                keep = await loop.run_in_executor(self._ingest, slot.engine.restore, prompt_ids, entry.payload)
+        except KVMemoryError as exc:
+            self.settle(slot)
+            self.store.record_eviction(entry.session_id, "memory")
+            logger.info("KV memory: evict %s (%d tokens): %s", entry.session_id, entry.n_tokens, exc)
+            return Resume(0, "evicted")
         except (KVFormatError, KVInjectionError) as exc:
             logger.warning("the kept KV of conversation %s was not restored: %s", entry.session_id, exc)
             keep = 0
@@ -400,28 +435,44 @@ class MemoryLedger:
     async def _move_out(self, slot: Slot, session: str | None) -> None:
         """Keep the slot's conversation ``session`` compressed, if max_sessions leaves room for it
         beside the conversations resident in slots (else it is evicted, counted); empty the slot."""
-        engine, loop = slot.engine, asyncio.get_running_loop()
-        exported = None
-        if session is not None and engine.length > 0:
+        entry = None
+        if session is not None and slot.engine.length > 0:
             if self._room_in_store() > 0:
-                exported = await loop.run_in_executor(self._ingest, engine.export_positions)
-                importance, window_from = engine.given_importance(), engine.windowed_from
-                if window_from >= exported[0].n_tokens:  # its windowed layers hold nothing to go on from (kv.window)
-                    logger.info("KV memory: nothing of %s can be kept: its KV ends before its window", session)
-                    exported = None
+                entry = await self._compressed(slot, session)
             else:
                 self.store.record_eviction(session, "max_sessions")
-        engine.reset()
+        slot.engine.reset()
         self.settle(slot)
-        if exported is None or session is None:
+        if entry is None:
             return
-        snapshot, held = exported
-        tiers = np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8)
-        entry = await loop.run_in_executor(
-            self._ingest, self.store.compress, session, snapshot, importance, tiers, window_from
-        )
         await self._compress_idle_until_fits(entry.nbytes)  # idle residents go before any kept one is evicted
+        loop = asyncio.get_running_loop()
         self._log(await loop.run_in_executor(self._ingest, self.keep, entry, max(self._room_in_store(), 1)))
+
+    async def _compressed(self, slot: Slot, session: str) -> StoredConversation | None:
+        """The slot's conversation compressed for the store (its KV still counted in the slot's
+        reservation meanwhile), read from the slot in place on the CPU with no token dropped, else
+        from a copy held as working-memory scratch; None where nothing of it can be kept, or the copy
+        does not fit the working memory (the conversation is evicted, counted)."""
+        engine, loop = slot.engine, asyncio.get_running_loop()
+        length, processed = engine.length, int(engine.held_positions[-1]) + 1
+        in_place = not engine.kv_preallocated and processed == length
+        copied = 0 if in_place else (length + (processed if processed != length else 0)) * self.bytes_per_slot_token
+        try:
+            with self.working.scratch(copied, "moving a conversation to the store"):
+                snapshot, held = await loop.run_in_executor(self._ingest, engine.export_positions, True)
+                importance, window_from = engine.given_importance(), engine.windowed_from
+                if window_from >= snapshot.n_tokens:  # its windowed layers hold nothing to go on from (kv.window)
+                    logger.info("KV memory: nothing of %s can be kept: its KV ends before its window", session)
+                    return None
+                tiers = np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8)
+                return await loop.run_in_executor(
+                    self._ingest, self.store.compress, session, snapshot, importance, tiers, window_from
+                )
+        except KVMemoryError as exc:
+            self.store.record_eviction(session, "memory")
+            logger.info("KV memory: evict %s (%d tokens): %s", session, length, exc)
+            return None
 
     def _room_in_store(self) -> int:
         """Conversations the store may hold beside those resident in slots (max_sessions in all)."""
