@@ -1,16 +1,20 @@
 """`edgedecode probe`: which KV tiers a model tolerates, measured once per deployment.
 
-For each quantized tier, every context token is sent at that tier; perplexity of a teacher-forced
-continuation (t-interval over contexts) and needle retrieval (Wilson interval) are compared with
-FP16 transfer. A tier is tolerated when the upper end of its Δ PPL interval stays under the limit
-and its needle rate is not below FP16's interval. Dropping half the droppable tokens (least
-attended first; not pinned, not a windowed model's tail: kv/window.py) calibrates DROP, so each
-tier's distortion is per-token KL relative to a dropped token's: the exchange rate the allocator
-trades bytes with. The verdict is saved beside the model.
+For each quantized tier, every context token is sent at that tier (INT4, INT3 and INT2 rotated, as an
+EDKV 1.3 receiver gets them); perplexity of a teacher-forced continuation (t-interval over contexts)
+and needle retrieval (Wilson interval) are compared with FP16 transfer. A tier is tolerated when the
+upper end of its Δ PPL interval stays under the limit and its needle rate is not below FP16's
+interval. Dropping half the droppable tokens (least attended first; not pinned, not a windowed
+model's tail: kv/window.py) calibrates DROP, so each tier's distortion is per-token KL relative to a
+dropped token's: the exchange rate the allocator trades bytes with. A tier that is not tolerated for
+every token is still allowed where it loses less per token than dropping it: the allocator gives such
+a tier only to tokens it would otherwise drop (the least important), as DROP itself is always
+allowed. The verdict is saved beside the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -128,8 +132,14 @@ def run_probe(
             )
         )
         distortion[tier] = max(per_token[tier] / per_token[Tier.DROP], 0.0) if per_token[Tier.DROP] > 0 else 1.0
-        if ppl_ok and needle_ok:
+        below_drop = distortion[tier] < distortion[Tier.DROP]
+        if (ppl_ok and needle_ok) or below_drop:
             allowed.append(tier)
+        if below_drop and not (ppl_ok and needle_ok):
+            verdicts[-1] = dataclasses.replace(
+                verdicts[-1],
+                reason=f"{reason}; allowed in place of DROP (distortion {distortion[tier]:.2f} per token, DROP's 1)",
+            )
     allowed.append(Tier.DROP)
     source = (
         f"edgedecode probe: {s.contexts} contexts × {s.continuation_tokens} tokens, needle "

@@ -54,13 +54,20 @@ class TierProfile:
     """Which tiers a model tolerates and how much of a token's contribution each one loses.
 
     ``distortion`` is relative to dropping the token (DROP = 1, FP16 = 0). The defaults come from
-    research/kv_calibration.md on SmolLM2 (KL per affected token vs that of dropped tokens);
-    ``edgedecode probe`` measures them per model and saves them beside it.
+    research/kv_calibration.md on SmolLM2 (KL per affected token vs that of dropped tokens; INT3, rotated:
+    docs/kv-quality.md); ``edgedecode probe`` measures them per model and saves them beside it.
     """
 
     allowed: tuple[Tier, ...] = (Tier.FP16, Tier.INT8, Tier.INT4, Tier.DROP)
     distortion: Mapping[Tier, float] = field(
-        default_factory=lambda: {Tier.FP16: 0.0, Tier.INT8: 0.0002, Tier.INT4: 0.07, Tier.INT2: 3.0, Tier.DROP: 1.0}
+        default_factory=lambda: {
+            Tier.FP16: 0.0,
+            Tier.INT8: 0.0002,
+            Tier.INT4: 0.07,
+            Tier.INT3: 0.3,
+            Tier.INT2: 3.0,
+            Tier.DROP: 1.0,
+        }
     )
     source: str = "default (research/kv_calibration.md)"
 

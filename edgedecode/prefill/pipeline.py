@@ -16,6 +16,7 @@ from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance, relative_importance
 from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
+from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.window import tail_mask, tail_tokens, window_start, windowed_cost_scale
@@ -168,9 +169,11 @@ def encode_within_budget(
     workers: int = 1,
     transfer: TransferRef | None = None,
     windowed: bool = False,
+    rotation: Rotation | None = None,
 ) -> EncodedKV:
     """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``
-    (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference).
+    (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference;
+    ``rotation``: the tiers rotated before quantizing, for a receiver that reads EDKV 1.3).
 
     For a model with sliding-window layers the prompt's tail (``kv.window``) is never dropped; with
     ``windowed`` (the receiver reads EDKV 2.0) the windowed layers carry only that tail, and the
@@ -203,7 +206,7 @@ def encode_within_budget(
         start = window_start(tiers != Tier.DROP, tail_tokens(contract)) if windowed else None
         scale = np.ones(n) if start is None else windowed_cost_scale(n, contract, start)
         raw = int(np.sum(np.array([costs[tier] for tier in Tier])[tiers] * scale))
-        frames = payload_frames(snapshot, tiers, meta, importance, transfer, workers, start)
+        frames = payload_frames(snapshot, tiers, meta, importance, transfer, workers, start, rotation)
         return EncodedKV(frames, tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
@@ -243,12 +246,19 @@ def through_wire(
     profile: TierProfile | None = None,
     pdtrim_head_fraction: float = 0.5,
     windowed: bool = False,
+    rotation: Rotation | None = None,
 ) -> tuple[KVSnapshot, EncodedKV]:
     """What a decoder with contract ``receiver`` gets for this prefill at ``budget`` under ``policy``;
     ``windowed``: as EDKV 2.0, the windowed layers' cells before the window read as zeros (a sliding
-    layer never attends to them), as the daemon asks for it."""
+    layer never attends to them), as the daemon asks for it; ``rotation``: as EDKV 1.3, those tiers rotated."""
     encoded = encode_within_budget(
-        scored, budget, policy, profile=profile, pdtrim_head_fraction=pdtrim_head_fraction, windowed=windowed
+        scored,
+        budget,
+        policy,
+        profile=profile,
+        pdtrim_head_fraction=pdtrim_head_fraction,
+        windowed=windowed,
+        rotation=rotation,
     )
     return decode_snapshot(b"".join(encoded.frames), receiver), encoded
 
@@ -261,10 +271,11 @@ def payload_frames(
     transfer: TransferRef | None = None,
     workers: int = 1,
     window_start: int | None = None,
+    rotation: Rotation | None = None,
 ) -> list[bytes]:
     """The frames of a served payload: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with
     each token's ``importance`` (``relative_importance``) for the receiver's memory ladder (and the
-    windowed layers from ``window_start`` on only, where given)."""
+    windowed layers from ``window_start`` on only, where given; ``rotation``'s tiers rotated)."""
     return list(
         encode_payload(
             snapshot,
@@ -275,6 +286,7 @@ def payload_frames(
             transfer=transfer,
             importance=importance,
             window_start=window_start,
+            rotation=rotation,
         )
     )
 

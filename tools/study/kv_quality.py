@@ -48,6 +48,8 @@ from edgedecode.evaluation.scoring import mean_kl, score_continuation, top1_agre
 from edgedecode.evaluation.stats import mean_interval, wilson_interval
 from edgedecode.evaluation.texts import pydoc_corpus, read_text_file, token_windows
 from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
+from edgedecode.kv.rotation import DEFAULT_ROTATION, Rotation
+from edgedecode.kv.tiers import Tier
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.model.registry import DEFAULT_MODEL
@@ -76,6 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--niah-tokens", type=int, default=2048)
     p.add_argument("--niah-depths", type=int, default=10)
     p.add_argument("--niah-trials", type=int, default=5, help="trials per depth (0 skips the needle test)")
+    p.add_argument("--profile", type=Path, help="the tier profile (default: the probe's, saved beside the model)")
+    p.add_argument(
+        "--edkv", choices=("1.2", "1.3"), default="1.3", help="1.2: a receiver of today's format: no INT3, no rotation"
+    )
     cli.add_threads(p, None)
     p.add_argument("--out", type=Path, default=Path("docs"), help="where the raw results and the plot go")
     p.add_argument("--report", type=Path, help="the markdown report to update (default: OUT/kv-quality.md)")
@@ -113,13 +119,20 @@ def _score_context(args, window, prefiller, scorer, configs, profile, contract, 
     """One context window scored under FP16 transfer and every configuration, into ``rows``."""
     context, continuation = window[: args.context_tokens], window[args.context_tokens :]
     scored = prefill_and_score(prefiller, context)
-    fp16_kv, fp16_encoded = through_wire(scored, 1.0, "ours", contract, windowed=True)
+    fp16_kv, fp16_encoded = through_wire(scored, 1.0, "ours", contract, windowed=True, rotation=rotation(args))
     reference = score_continuation(scorer, context, continuation, fp16_kv)
     rows.setdefault(FP16 + (0.5,), []).append(_row(reference, reference, fp16_encoded))
     for policy, budget, fraction in configs:
         try:
             kv, encoded = through_wire(
-                scored, budget, policy, contract, profile=profile, pdtrim_head_fraction=fraction, windowed=True
+                scored,
+                budget,
+                policy,
+                contract,
+                profile=profile,
+                pdtrim_head_fraction=fraction,
+                windowed=True,
+                rotation=rotation(args),
             )
         except BudgetTooSmallError as exc:  # e.g. a windowed model's tail alone costs more
             rows.setdefault((policy, budget, fraction), []).append({"refused_below": exc.minimum})
@@ -127,6 +140,11 @@ def _score_context(args, window, prefiller, scorer, configs, profile, contract, 
         rows.setdefault((policy, budget, fraction), []).append(
             _row(reference, score_continuation(scorer, context, continuation, kv), encoded)
         )
+
+
+def rotation(args: argparse.Namespace) -> Rotation | None:
+    """The rotation a receiver of ``--edkv`` gets: EDKV 1.3's default, or none for a 1.2 receiver."""
+    return DEFAULT_ROTATION if args.edkv == "1.3" else None
 
 
 def _row(reference, score, encoded) -> dict:
@@ -203,6 +221,7 @@ def needle_study(args, model, prefiller, decoder, configs, profile) -> list[dict
                         profile=profile,
                         pdtrim_head_fraction=fraction,
                         windowed=True,
+                        rotation=rotation(args),
                     )
                 except BudgetTooSmallError:
                     continue  # reported once, by the perplexity study
@@ -297,6 +316,11 @@ def report_section(result: dict, plot_link: str) -> list[str]:
             if result.get("wire") == "windowed"
             else ""
         )
+        + (
+            "EDKV 1.3: INT4, INT3 and INT2 Hadamard-rotated before quantizing (kv-format.md §4a). "
+            if result.get("edkv") == "1.3"
+            else "EDKV 1.2: no INT3, no rotation. "
+        )
         + "Scoring: the INT4 graph at accuracy_level 0 (exact arithmetic; the deployed acc-4 graph's int8 "
         "activations add KL of their own to any input change, 0.002–0.004 on SmolLM2); the needle test decodes "
         "with the deployed acc-4 graph. "
@@ -316,7 +340,7 @@ def report_section(result: dict, plot_link: str) -> list[str]:
         "### Perplexity and KL",
         "",
         "| b | policy | Δ PPL % (95 % CI) | worst context | mean KL | top-1 | b_raw | b_wire "
-        "| tiers FP16/INT8/INT4/INT2/DROP |",
+        "| tiers FP16/INT8/INT4/INT3/INT2/DROP |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in result["perplexity"]["rows"]:
@@ -325,7 +349,7 @@ def report_section(result: dict, plot_link: str) -> list[str]:
         lines.append(
             f"| {e['budget']:g} | {name} | {e['dppl_pct']:+.2f} ({e['dppl_low']:+.2f} … {e['dppl_high']:+.2f}) | "
             f"{e['worst_dppl_pct']:+.2f} | {e['kl']:.4f} | {100 * e['top1']:.1f} % | {e['b_raw']:.3f} | "
-            f"{e['b_wire']:.3f} | {t['FP16']}/{t['INT8']}/{t['INT4']}/{t['INT2']}/{t['DROP']} |"
+            f"{e['b_wire']:.3f} | {t['FP16']}/{t['INT8']}/{t['INT4']}/{t.get('INT3', 0)}/{t['INT2']}/{t['DROP']} |"
         )
     refused = result["perplexity"].get("refused", [])
     if refused:
@@ -411,7 +435,11 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict:
     longest = max(args.context_tokens + args.continuation_tokens, args.niah_tokens + 256) + 64
     prefiller = Engine(model, GraphOptions("prefill"), max_context=longest, threads=args.threads)
     scorer = Engine(model, GraphOptions(accuracy_level=0), max_context=longest, threads=args.threads)
-    profile = TierProfile.load(profile_path(model))
+    profile = TierProfile.load(args.profile or profile_path(model))
+    if args.edkv == "1.2":  # today's receivers: no INT3
+        profile = TierProfile(
+            tuple(t for t in profile.allowed if t is not Tier.INT3), profile.distortion, profile.source
+        )
 
     configs = variants(policies, budgets, fractions)
     perplexity = summarise_perplexity(perplexity_study(args, model, prefiller, scorer, configs, profile))
@@ -438,6 +466,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict:
         "text": str(args.text_file) if args.text_file else "pydoc_data.topics",
         "tier_profile": profile.source,
         "wire": "windowed" if model.spec.kv_contract.sliding_window else "full",
+        "edkv": args.edkv,
         "allowed_tiers": [t.name for t in profile.allowed],
         "wall_seconds": round(time.perf_counter() - started, 1),
         "perplexity": perplexity,

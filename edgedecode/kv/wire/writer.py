@@ -15,6 +15,7 @@ import numpy as np
 import zstandard
 
 from edgedecode.kv.quant import DEFAULT_LAYOUTS, QuantLayout, quantize
+from edgedecode.kv.rotation import Rotation, check_head_dim, hadamard_signs, rotate
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
 from edgedecode.kv.wire.chunks import ChunkPlan, chunk_rects, plan_chunk, section_arrays
@@ -25,6 +26,7 @@ from edgedecode.kv.wire.frames import (
     HEADER_CRC,
     HEADER_MAGIC,
     HEADER_PREFIX,
+    LOWBIT_MINOR,
     MAJOR,
     MINOR,
     TRAILER,
@@ -62,8 +64,10 @@ def encode_payload(
     transfer: TransferRef | None = None,
     importance: np.ndarray | None = None,
     window_start: int | None = None,
+    rotation: Rotation | None = None,
 ) -> Iterator[bytes]:
-    """Encode `snapshot` as an EDKV stream: 1.2, or 2.0 where `window_start` cuts the windowed layers.
+    """Encode `snapshot` as an EDKV stream: 1.2, or 2.0 where `window_start` cuts the windowed layers; 1.3 (2.1)
+    where INT3 or a rotation is used, which only a reader of 1.3 (2.1) reads right.
 
     Args:
         snapshot: the KV to send; keys/values ``[layers, kv_heads, n, head_dim]`` (float16 or float32).
@@ -81,6 +85,8 @@ def encode_payload(
             written as float16 (EDKV 1.2 header field): what a receiver ranks tokens by when it must drop some later.
         window_start: the contract's windowed (sliding-window) layers carry the tokens from this index on only
             (EDKV 2.0 ``window``; ``kv.window`` says which tokens a receiver needs); None: every cell is sent.
+        rotation: rotate the K and V of these tiers before quantizing (EDKV 1.3 ``rotation``, ``kv.rotation``);
+            written only when the tier map uses one of them. A head_dim it cannot rotate is a ValueError.
 
     Returns:
         An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
@@ -88,7 +94,7 @@ def encode_payload(
         (ValueError on values a quantizer cannot represent).
     """
     window = None if window_start is None else WindowCut(snapshot.contract.sliding_layers, window_start)
-    header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window)
+    header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window, rotation)
     if transfer is not None or importance is not None:
         given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
         header = dataclasses.replace(header, transfer=transfer, importance=given)
@@ -98,8 +104,7 @@ def encode_payload(
         raise KVMalformedError("meta", f"meta must be JSON-serialisable: {e}") from None
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    version = (WINDOW_MAJOR, WINDOW_MINOR) if window is not None else (MAJOR, MINOR)
-    return _frames(snapshot, body, plans, level, workers, version)
+    return _frames(snapshot, body, plans, level, workers, (header.major, header.minor), header.rotation)
 
 
 def _build_header(
@@ -111,6 +116,7 @@ def _build_header(
     level: int,
     meta: dict[str, Any] | None,
     window: WindowCut | None,
+    rotation: Rotation | None,
 ) -> tuple[EDKVHeader, list[ChunkPlan]]:
     c, n = snapshot.contract, snapshot.n_tokens
     shape = (c.n_layers, c.n_kv_heads, n, c.head_dim)
@@ -133,6 +139,14 @@ def _build_header(
     if meta is not None:
         check_meta(meta)
     used = {tier: layouts[tier] for tier in QUANTIZED_TIERS if (tiers == tier).any()}
+    if rotation is not None and not set(rotation.tiers) & set(used):
+        rotation = None  # nothing it would rotate: the stream stays readable by older readers
+    if rotation is not None:
+        check_head_dim(c.head_dim)
+    major = MAJOR if window is None else WINDOW_MAJOR
+    minor = MINOR if window is None else WINDOW_MINOR
+    if rotation is not None or Tier.INT3 in used:
+        minor = LOWBIT_MINOR[major]
     count = -(-c.n_layers // chunk_layers) * -(-n // chunk_tokens)
     if count > max_chunks(n, c.n_layers):
         raise ValueError(
@@ -160,14 +174,21 @@ def _build_header(
         zstd_level=level,
         meta={} if meta is None else meta,
         window=window,
-        major=MAJOR if window is None else WINDOW_MAJOR,
-        minor=MINOR if window is None else WINDOW_MINOR,
+        major=major,
+        minor=minor,
+        rotation=rotation,
     )
     return header, plans
 
 
 def _frames(
-    snapshot: KVSnapshot, body: bytes, plans: list[ChunkPlan], level: int, workers: int, version: tuple[int, int]
+    snapshot: KVSnapshot,
+    body: bytes,
+    plans: list[ChunkPlan],
+    level: int,
+    workers: int,
+    version: tuple[int, int],
+    rotation: Rotation | None,
 ) -> Iterator[bytes]:
     digest = hashlib.sha256()
     frame = HEADER_PREFIX.pack(HEADER_MAGIC, *version, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
@@ -178,7 +199,7 @@ def _frames(
     def encode(plan: ChunkPlan) -> bytes:
         if not hasattr(compressors, "zstd"):
             compressors.zstd = zstandard.ZstdCompressor(level=level)
-        return compressors.zstd.compress(_raw_chunk(snapshot, plan))
+        return compressors.zstd.compress(_raw_chunk(snapshot, plan, rotation))
 
     with ThreadPoolExecutor(workers, thread_name_prefix="edkv-encode") if workers > 1 else nullcontext() as pool:
         for index, compressed in enumerate(pool.map(encode, plans) if pool else map(encode, plans)):
@@ -188,13 +209,17 @@ def _frames(
     yield TRAILER.pack(TRAILER_MAGIC, len(plans), digest.digest())
 
 
-def _raw_chunk(snapshot: KVSnapshot, plan: ChunkPlan) -> bytearray:
-    """The chunk's bytes before zstd: every section quantized (or cast to float16) into its place."""
+def _raw_chunk(snapshot: KVSnapshot, plan: ChunkPlan, rotation: Rotation | None) -> bytearray:
+    """The chunk's bytes before zstd: every section quantized (rotated first where `rotation` says so, or cast to
+    float16) into its place."""
     raw = bytearray(plan.raw_nbytes)
     c = snapshot.contract
     for section in plan.sections:
         source = (snapshot.keys, snapshot.values)[section.kv][section.layer_start : section.layer_stop]
         rows = source[:, :, section.tokens, :]  # [layers, H, m, D]
+        if rotation is not None and rotation.rotates(section.tier):
+            signs = hadamard_signs(rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)
+            rows = _rotated(rows, signs[section.layer_start : section.layer_stop, section.kv])
         arrays = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
         if section.layout is None:
             with np.errstate(over="ignore"):  # refused just below, with the layers named
@@ -208,3 +233,10 @@ def _raw_chunk(snapshot: KVSnapshot, plan: ChunkPlan) -> bytearray:
         for array, part in zip(arrays, quantize(rows, section.layout)):
             array[...] = part
     return raw
+
+
+def _rotated(rows: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """`rotate`, refusing non-finite rows first (a rotation would spread one inf or NaN over its whole row)."""
+    if not np.isfinite(rows).all():
+        raise ValueError("cannot quantize non-finite KV values (inf or NaN)")
+    return rotate(rows.astype(np.float32, copy=False), signs)
