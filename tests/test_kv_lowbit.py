@@ -24,7 +24,7 @@ from tests.test_kv_format import contract, read, rewrite_header, small_layouts, 
 from tests.test_kv_quant import per_value
 
 FIXTURE = Path(__file__).parent / "vectors" / "edkv"
-ROTATED = Rotation("hadamard", 7, (Tier.INT4, Tier.INT3, Tier.INT2))
+ROTATED = Rotation("hadamard", 7, (Tier.INT4, Tier.INT3, Tier.INT2), 16)
 
 
 def layouts_with_int3(head_dim: int) -> dict[Tier, tuple[QuantLayout, QuantLayout]]:
@@ -79,7 +79,7 @@ def test_int3_round_trips_within_the_quantizer_bound_in_every_slot() -> None:
 def rotated_bound(x: np.ndarray, layout: QuantLayout, signs: np.ndarray) -> np.ndarray:
     """Per head vector, the L2 norm of the per-element quantizer bound in the rotated domain (an orthogonal
     rotation back keeps the error's L2 norm)."""
-    r = rotate(x, signs)
+    r = rotate(x, signs, ROTATED.block)
     _, scales, _ = quantize(r, layout)
     half_steps = per_value(scales, layout, r.shape[-2]) / 2
     return np.sqrt((half_steps**2).sum(-1)) * (1 + 1e-5) + 1e-6
@@ -122,8 +122,10 @@ def test_rotated_sections_land_the_same_in_float16_scattered_and_streamed_destin
 
 
 def test_hadamard_is_orthogonal_and_its_own_inverse() -> None:
-    h = hadamard(64)
-    np.testing.assert_allclose(h @ h, np.eye(64), atol=1e-6)
+    for block in (2, 32, 64):
+        h = hadamard(block)
+        np.testing.assert_allclose(h @ h, np.eye(block), atol=1e-6)
+        assert set(np.unique(np.abs(h) * np.sqrt(block)).round(5)) == {1.0}
     signs = hadamard_signs(1, 2, 3, 64)
     assert set(np.unique(signs)) == {-1.0, 1.0} and signs.shape == (2, 2, 3, 64)
     assert not np.array_equal(signs, hadamard_signs(2, 2, 3, 64))  # the seed matters
@@ -144,6 +146,9 @@ def rotated_payload() -> bytes:
         (lambda r: r.update(tiers=["fp16"]), KVMalformedError, "rotation.tiers"),
         (lambda r: r.update(tiers=[]), KVMalformedError, "rotation.tiers"),
         (lambda r: r.pop("kind"), KVMalformedError, "rotation.kind"),
+        (lambda r: r.update(block=24), KVMalformedError, "rotation.block"),
+        (lambda r: r.update(block=1), KVMalformedError, "rotation.block"),
+        (lambda r: r.update(block=32), KVMalformedError, "rotation"),  # head_dim 16 is not a multiple of 32
     ],
 )
 def test_bad_rotations_are_typed_errors_naming_their_field(change, error, field) -> None:
@@ -165,13 +170,16 @@ def test_rotation_is_read_from_1_3_on_and_int3_refused_before() -> None:
     assert caught.value.field == "tiers"
 
 
-def test_rotation_needs_a_power_of_two_head_dim() -> None:
-    snap = snapshot(20, head_dim=24)
+def test_rotation_blocks_must_tile_head_dim() -> None:
+    snap = snapshot(20, head_dim=24)  # 24 = 3 blocks of 8, not of 16
     layouts = {Tier.INT4: (QuantLayout("channel", 4, 4), QuantLayout("token", 8, 4))}
-    with pytest.raises(ValueError, match="power-of-two"):
+    with pytest.raises(ValueError, match="multiple of the rotation block"):
         encode(snap, np.full(20, Tier.INT4, np.uint8), layouts=layouts, rotation=ROTATED)
+    by8 = Rotation("hadamard", 7, (Tier.INT4,), 8)
+    out = decode_snapshot(encode(snap, np.full(20, Tier.INT4, np.uint8), layouts=layouts, rotation=by8), snap.contract)
+    assert np.abs(out.values - snap.values).max() < 0.5
     plain = encode(snap, np.full(20, Tier.INT4, np.uint8), layouts=layouts)
-    rotation = {"kind": "hadamard", "seed": 1, "tiers": ["int4"]}
+    rotation = {"kind": "hadamard", "seed": 1, "block": 16, "tiers": ["int4"]}
     forged = rewrite_header(plain, lambda doc: doc.update(rotation=rotation), 1, 3)
     with pytest.raises(KVMalformedError) as caught:
         read(forged, snap.contract, 20)
@@ -184,6 +192,8 @@ def test_the_default_rotation_rotates_the_tiers_below_int8() -> None:
         Rotation("hadamard", 1, (Tier.FP16,))
     with pytest.raises(ValueError):
         Rotation("walsh", 1, (Tier.INT4,))
+    with pytest.raises(ValueError):
+        Rotation("hadamard", 1, (Tier.INT4,), 48)
 
 
 def test_dequantize_of_int3_matches_its_params_shape() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from edgedecode.kv.quant import QuantLayout
-from edgedecode.kv.rotation import MAX_SEED, ROTATION_KINDS, Rotation, check_head_dim
+from edgedecode.kv.rotation import MAX_BLOCK, MAX_SEED, ROTATION_KINDS, Rotation
 from edgedecode.kv.snapshot import KVProducer, increasing_positions
 from edgedecode.kv.tiers import QUANTIZED_TIERS, TIER_BITS, Tier
 from edgedecode.kv.wire.chunks import chunk_sizes
@@ -185,7 +185,8 @@ class EDKVHeader:
             doc["window"] = {"layers": list(self.window.layers), "start": self.window.start}
         if self.rotation is not None:
             r = self.rotation
-            doc["rotation"] = {"kind": r.kind, "seed": r.seed, "tiers": [t.name.lower() for t in r.tiers]}
+            tiers = [t.name.lower() for t in r.tiers]
+            doc["rotation"] = {"kind": r.kind, "seed": r.seed, "block": r.block, "tiers": tiers}
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -246,14 +247,14 @@ class EDKVHeader:
             check_importance(self.importance, n)
 
     def _check_lowbit(self) -> None:
-        """INT3 and ``rotation`` come with 1.3 / 2.1; a rotation needs a power-of-two head_dim."""
+        """INT3 and ``rotation`` come with 1.3 / 2.1; a rotation's blocks must tile head_dim."""
         if self.minor < LOWBIT_MINOR.get(self.major, self.minor + 1) and (self.tiers == Tier.INT3).any():
             raise KVMalformedError(
                 "tiers", f"tier code {int(Tier.INT3)} (INT3) in an EDKV {self.major}.{self.minor} stream"
             )
         if self.rotation is not None:
             try:
-                check_head_dim(self.contract.head_dim)
+                self.rotation.check_head_dim(self.contract.head_dim)
             except ValueError as e:
                 raise KVMalformedError("rotation", str(e)) from None
 
@@ -564,7 +565,8 @@ def _layouts(doc: dict[str, Any]) -> dict[Tier, tuple[QuantLayout, QuantLayout]]
 
 
 def _rotation(doc: dict[str, Any]) -> Rotation:
-    """{"kind": "hadamard", "seed": int, "tiers": ["int4", ...]} -> Rotation; an unknown kind is unsupported."""
+    """{"kind": "hadamard", "seed": int, "block": int, "tiers": ["int4", ...]} -> Rotation; an unknown kind is
+    unsupported."""
     kind = _name(doc, "kind", "rotation.")
     if kind not in ROTATION_KINDS:
         raise KVUnsupportedError(
@@ -573,6 +575,9 @@ def _rotation(doc: dict[str, Any]) -> Rotation:
     seed = doc_field(doc, "seed", int, "rotation.")
     if not 0 <= seed <= MAX_SEED:
         raise KVMalformedError("rotation.seed", f"must be in [0, {MAX_SEED}]")
+    block = doc_field(doc, "block", int, "rotation.")
+    if not (2 <= block <= MAX_BLOCK and not block & (block - 1)):
+        raise KVMalformedError("rotation.block", f"must be a power of two in [2, {MAX_BLOCK}]")
     names = doc_field(doc, "tiers", list, "rotation.")
     tiers = [Tier.__members__.get(name.upper()) if isinstance(name, str) else None for name in names[:8]]
     if (
@@ -584,7 +589,7 @@ def _rotation(doc: dict[str, Any]) -> Rotation:
         raise KVMalformedError(
             "rotation.tiers", f"must name distinct quantized tiers, at least one, got {_describe(names)}"
         )
-    return Rotation(kind, seed, tuple(t for t in tiers if t is not None))
+    return Rotation(kind, seed, tuple(t for t in tiers if t is not None), block)
 
 
 def _layout(doc: dict[str, Any], where: str) -> QuantLayout:

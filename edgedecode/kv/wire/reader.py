@@ -416,7 +416,7 @@ class EDKVReader:
             codes, scales, zeros = arrays
             rotated = self._rotated[0, : out.size].reshape(out.shape)
             dequantize_into(codes, scales, zeros, section.layout, rotated)
-            unrotate_into(rotated, self._signs[layers, section.kv], out, self._rotated[1])
+            unrotate_into(rotated, self._signs[layers, section.kv], rotation.block, out, self._rotated[1])
         else:
             codes, scales, zeros = arrays
             dequantize_into(codes, scales, zeros, section.layout, out, self._scratch)

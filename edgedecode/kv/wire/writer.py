@@ -15,7 +15,7 @@ import numpy as np
 import zstandard
 
 from edgedecode.kv.quant import DEFAULT_LAYOUTS, QuantLayout, quantize
-from edgedecode.kv.rotation import Rotation, check_head_dim, hadamard_signs, rotate
+from edgedecode.kv.rotation import Rotation, hadamard_signs, rotate
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
 from edgedecode.kv.wire.chunks import ChunkPlan, chunk_rects, plan_chunk, section_arrays
@@ -86,7 +86,7 @@ def encode_payload(
         window_start: the contract's windowed (sliding-window) layers carry the tokens from this index on only
             (EDKV 2.0 ``window``; ``kv.window`` says which tokens a receiver needs); None: every cell is sent.
         rotation: rotate the K and V of these tiers before quantizing (EDKV 1.3 ``rotation``, ``kv.rotation``);
-            written only when the tier map uses one of them. A head_dim it cannot rotate is a ValueError.
+            written only when the tier map uses one of them. A head_dim its blocks do not tile is a ValueError.
 
     Returns:
         An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
@@ -142,7 +142,7 @@ def _build_header(
     if rotation is not None and not set(rotation.tiers) & set(used):
         rotation = None  # nothing it would rotate: the stream stays readable by older readers
     if rotation is not None:
-        check_head_dim(c.head_dim)
+        rotation.check_head_dim(c.head_dim)
     major = MAJOR if window is None else WINDOW_MAJOR
     minor = MINOR if window is None else WINDOW_MINOR
     if rotation is not None or Tier.INT3 in used:
@@ -219,7 +219,7 @@ def _raw_chunk(snapshot: KVSnapshot, plan: ChunkPlan, rotation: Rotation | None)
         rows = source[:, :, section.tokens, :]  # [layers, H, m, D]
         if rotation is not None and rotation.rotates(section.tier):
             signs = hadamard_signs(rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)
-            rows = _rotated(rows, signs[section.layer_start : section.layer_stop, section.kv])
+            rows = _rotated(rows, signs[section.layer_start : section.layer_stop, section.kv], rotation.block)
         arrays = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
         if section.layout is None:
             with np.errstate(over="ignore"):  # refused just below, with the layers named
@@ -235,8 +235,8 @@ def _raw_chunk(snapshot: KVSnapshot, plan: ChunkPlan, rotation: Rotation | None)
     return raw
 
 
-def _rotated(rows: np.ndarray, signs: np.ndarray) -> np.ndarray:
+def _rotated(rows: np.ndarray, signs: np.ndarray, block: int) -> np.ndarray:
     """`rotate`, refusing non-finite rows first (a rotation would spread one inf or NaN over its whole row)."""
     if not np.isfinite(rows).all():
         raise ValueError("cannot quantize non-finite KV values (inf or NaN)")
-    return rotate(rows.astype(np.float32, copy=False), signs)
+    return rotate(rows.astype(np.float32, copy=False), signs, block)
