@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_kv_format import contract, read, rewrite_header, small_layouts, snapshot
+from test_kv_quant import per_value
 
 from edgedecode.kv.quant import QuantLayout, dequantize_into, params_shape, quantize
 from edgedecode.kv.rotation import DEFAULT_ROTATION, Rotation, hadamard, hadamard_signs, rotate
@@ -20,8 +22,6 @@ from edgedecode.kv.wire import (
 )
 from edgedecode.kv.wire.frames import HEADER_PREFIX
 from edgedecode.model.spec import KVContract, KVLayout
-from tests.test_kv_format import contract, read, rewrite_header, small_layouts, snapshot
-from tests.test_kv_quant import per_value
 
 FIXTURE = Path(__file__).parent / "vectors" / "edkv"
 ROTATED = Rotation("hadamard", 7, (Tier.INT4, Tier.INT3, Tier.INT2), 16)
