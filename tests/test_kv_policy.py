@@ -72,6 +72,18 @@ def test_a_tier_worse_than_dropping_is_never_used():
     assert not np.any(tiers == Tier.INT2)
 
 
+@pytest.mark.parametrize("int3_distortion, kept_tier, dropped", [(0.2, Tier.INT3, 0), (0.43, Tier.INT4, 100)])
+def test_int3_is_used_where_it_sits_on_the_hull_between_drop_and_int4(int3_distortion, kept_tier, dropped):
+    """At b = INT3's cost (0.25): every token at INT3 when INT3 is worth its bytes; when it loses too much (the
+    probe's 0.43 on SmolLM2: a DROP -> INT3 step buys less per byte than DROP -> INT4), INT4 and drops instead."""
+    distortion = {**TierProfile().distortion, Tier.INT3: int3_distortion}
+    profile = TierProfile((Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT3, Tier.DROP), distortion)
+    tiers = allocate(np.random.default_rng(1).random(500), 0.25, COSTS, profile)
+    assert _cost(tiers) <= 0.25 + 1e-9
+    assert int((tiers == Tier.DROP).sum()) == dropped
+    assert set(np.unique(tiers)) - {Tier.DROP} == {kept_tier}
+
+
 def test_profile_round_trips_through_json(tmp_path):
     profile = TierProfile((Tier.FP16, Tier.INT4, Tier.DROP), {Tier.FP16: 0.0, Tier.INT4: 0.05, Tier.DROP: 1.0}, "probe")
     path = tmp_path / "p.json"
