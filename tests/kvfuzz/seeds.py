@@ -12,7 +12,6 @@ import numpy as np
 from test_kv_format import split_frames, with_header
 
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
-from edgedecode.kv.rotation import DEFAULT_ROTATION
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, TransferRef, encode_payload
 from edgedecode.kv.wire.frames import CHUNK_PREFIX, HEADER_CRC, HEADER_PREFIX
@@ -84,21 +83,6 @@ def build_seeds(tokenizer: Tokenizer, prefill: Engine, decoder: Engine) -> list[
                     chunk_layers=10,
                     meta=payload_meta("fuzz", 0.3),
                     transfer=transfer,
-                )
-            ),
-            3,
-        ),
-        (
-            "32t tiers by layer with INT3, INT4/INT3/INT2 rotated, 1.3",
-            prompts[2][:32],
-            0,
-            b"".join(
-                encode_payload(
-                    fine.snapshot,
-                    np.where(tiers == Tier.INT8, Tier.INT3, tiers).astype(np.uint8),
-                    chunk_tokens=16,
-                    meta=payload_meta("fuzz", 0.3),
-                    rotation=DEFAULT_ROTATION,
                 )
             ),
             3,
