@@ -18,7 +18,6 @@ import numpy as np
 
 from edgedecode.errors import RequestError
 from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
-from edgedecode.kv.rotation import DEFAULT_ROTATION
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier, parse_tiers
 from edgedecode.kv.wire import TransferRef
@@ -330,7 +329,7 @@ class PrefillService:
             workers=self.encode_threads,
             transfer=transfer,
             windowed=request.edkv_major >= WINDOW_MAJOR,
-            rotation=DEFAULT_ROTATION if request.lowbit else None,
+            rotation=self.profile.rotation() if request.lowbit else None,
         )
 
     def close(self) -> None:

@@ -48,7 +48,7 @@ from edgedecode.evaluation.scoring import mean_kl, score_continuation, top1_agre
 from edgedecode.evaluation.stats import mean_interval, wilson_interval
 from edgedecode.evaluation.texts import pydoc_corpus, read_text_file, token_windows
 from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
-from edgedecode.kv.rotation import DEFAULT_ROTATION, Rotation
+from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.tiers import Tier
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
@@ -123,7 +123,7 @@ def _score_context(args, window, prefiller, scorer, configs, profile, contract, 
     """One context window scored under FP16 transfer and every configuration, into ``rows``."""
     context, continuation = window[: args.context_tokens], window[args.context_tokens :]
     scored = prefill_and_score(prefiller, context)
-    fp16_kv, fp16_encoded = through_wire(scored, 1.0, "ours", contract, windowed=True, rotation=rotation(args))
+    fp16_kv, fp16_encoded = through_wire(scored, 1.0, "ours", contract, windowed=True, rotation=rotation(args, profile))
     reference = score_continuation(scorer, context, continuation, fp16_kv)
     rows.setdefault(FP16 + (0.5,), []).append(_row(reference, reference, fp16_encoded))
     for policy, budget, fraction in configs:
@@ -136,7 +136,7 @@ def _score_context(args, window, prefiller, scorer, configs, profile, contract, 
                 profile=profile,
                 pdtrim_head_fraction=fraction,
                 windowed=True,
-                rotation=rotation(args),
+                rotation=rotation(args, profile),
             )
         except BudgetTooSmallError as exc:  # e.g. a windowed model's tail alone costs more
             rows.setdefault((policy, budget, fraction), []).append({"refused_below": exc.minimum})
@@ -146,9 +146,9 @@ def _score_context(args, window, prefiller, scorer, configs, profile, contract, 
         )
 
 
-def rotation(args: argparse.Namespace) -> Rotation | None:
-    """The rotation a receiver of ``--edkv`` gets: EDKV 1.3's default, or none for a 1.2 receiver."""
-    return DEFAULT_ROTATION if args.edkv == "1.3" else None
+def rotation(args: argparse.Namespace, profile: TierProfile) -> Rotation | None:
+    """The rotation a receiver of ``--edkv`` gets: the profile's (EDKV 1.3), or none for a 1.2 receiver."""
+    return profile.rotation() if args.edkv == "1.3" else None
 
 
 def _row(reference, score, encoded) -> dict:
@@ -225,7 +225,7 @@ def needle_study(args, model, prefiller, decoder, configs, profile) -> list[dict
                         profile=profile,
                         pdtrim_head_fraction=fraction,
                         windowed=True,
-                        rotation=rotation(args),
+                        rotation=rotation(args, profile),
                     )
                 except BudgetTooSmallError:
                     continue  # reported once, by the perplexity study
@@ -333,7 +333,9 @@ def report_section(result: dict, plot_link: str) -> list[str]:
             else ""
         )
         + (
-            "EDKV 1.3: INT4, INT3 and INT2 Hadamard-rotated before quantizing (kv-format.md §4a). "
+            "EDKV 1.3: rotated before quantizing (kv-format.md §4a): "
+            + (", ".join(result.get("rotated", [])) or "no tier")
+            + ". "
             if result.get("edkv") == "1.3"
             else "EDKV 1.2: no INT3, no rotation. "
         )
@@ -483,6 +485,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict:
         "tier_profile": profile.source,
         "wire": "windowed" if model.spec.kv_contract.sliding_window else "full",
         "edkv": args.edkv,
+        "rotated": [t.name for t in profile.rotated] if args.edkv == "1.3" else [],
         "allowed_tiers": [t.name for t in profile.allowed],
         "wall_seconds": round(time.perf_counter() - started, 1),
         "perplexity": perplexity,
