@@ -60,7 +60,8 @@ class Rotation:
             raise ValueError(f"head_dim {head_dim} is not a multiple of the rotation block {self.block}")
 
 
-# The rotation a writer uses unless told otherwise: every tier below INT8 (INT8 is lossless without it).
+# The kind, seed and blocks senders use, on every tier below INT8 (INT8 is lossless without it): what the probe
+# tries on each model; a model's profile keeps it on the tiers it helps (kv.policy.TierProfile.rotation).
 DEFAULT_ROTATION = Rotation("hadamard", 0x5EED, (Tier.INT4, Tier.INT3, Tier.INT2), 32)
 
 
