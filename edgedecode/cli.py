@@ -108,6 +108,7 @@ def build(
     """Build (or find in the cache) the ONNX graphs of a model."""
     from edgedecode.model.graph import GraphOptions
     from edgedecode.model.loader import graph_bytes, side_file
+    from edgedecode.runtime.session import decode_options
 
     try:
         loaded = _open_model(model)
@@ -115,7 +116,12 @@ def build(
         device = {"float32": "cpu", "float16": "cuda"}.get(dtype)
         for k in kinds:
             # an unknown dtype: GraphOptions refuses it (GraphOptionsError naming the choices)
-            options = GraphOptions.for_device(k, device, accuracy_level) if device else GraphOptions(k, dtype)
+            if device is None:
+                options = GraphOptions(k, dtype)
+            elif k == "decode":
+                options = decode_options(device, accuracy_level)
+            else:
+                options = GraphOptions.for_device(k, device)
             _ensure_graph(loaded, options)
             path = loaded.graph(options)
             typer.echo(f"{k}: {path} ({graph_bytes(path)} bytes with {side_file(path).name})")
@@ -171,6 +177,7 @@ def generate(
     from edgedecode.model.graph import GraphOptions
     from edgedecode.runtime.engine import Engine
     from edgedecode.runtime.sampler import SamplingParams
+    from edgedecode.runtime.session import decode_options
 
     engine_args = _EngineArgs(max_context=max_context, threads=threads, device=device)
     handoff_seconds = 0.0
@@ -178,11 +185,11 @@ def generate(
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         loaded = _open_model(model)
         prompt_ids = _prompt_ids(loaded.tokenizer, prompt, chat, system)
-        decode_options = GraphOptions.for_device("decode", device, accuracy_level)
+        decoder_options = decode_options(device, accuracy_level)
         prefill_options = GraphOptions.for_device("prefill", device)
-        for options in (decode_options, prefill_options) if handoff else (decode_options,):
+        for options in (decoder_options, prefill_options) if handoff else (decoder_options,):
             _ensure_graph(loaded, options)
-        decoder = Engine(loaded, decode_options, **engine_args)
+        decoder = Engine(loaded, decoder_options, **engine_args)
         kv, encoded = None, None
         if handoff:
             import numpy as np
@@ -389,12 +396,12 @@ def serve(
 ) -> None:
     """Run the decode daemon: OpenAI-compatible API, KV pulled from the prefill server, INT4 decoding."""
     from edgedecode.daemon.run import run_daemon
-    from edgedecode.model.graph import GraphOptions
+    from edgedecode.runtime.session import decode_options
 
     try:
         settings = _load_config(config, "daemon", model, host=host, port=port, prefill_url=prefill_url)
         loaded = _open_model(settings.model.name)
-        _ensure_graph(loaded, GraphOptions.for_device("decode", settings.model.device))
+        _ensure_graph(loaded, decode_options(settings.model.device))
         run_daemon(loaded, settings, config, _announce("serve"))
     except EdgeDecodeError as exc:
         _fail(exc)
@@ -453,16 +460,17 @@ def info(model: str | None = typer.Option(None, "--model", "-m")) -> None:
     from edgedecode.model.graph import GraphOptions
     from edgedecode.model.loader import graph_bytes
     from edgedecode.model.registry import list_models
-    from edgedecode.runtime.session import available_devices, installed_onnxruntime
+    from edgedecode.runtime.session import available_devices, decode_options, installed_onnxruntime, kernel_summary
 
     try:
         loaded = _open_model(model)
         spec = asdict(loaded.spec)
         spec["chat_template"] = (spec["chat_template"] or "")[:80] + "…" if spec["chat_template"] else None
         graphs = {}
-        for options in (GraphOptions("decode", "float32", 4), GraphOptions("prefill", "float32", 0)):
+        for options in (decode_options("cpu"), GraphOptions("prefill", "float32", 0)):
             path = loaded.graph_path(options)
             graphs[f"{options.kind}-{options.dtype}-acc{options.accuracy_level}"] = {
+                "kernels": options.kernels,
                 "path": str(path),
                 "built": path.exists(),
                 "bytes": graph_bytes(path) if path.exists() else None,
@@ -481,6 +489,7 @@ def info(model: str | None = typer.Option(None, "--model", "-m")) -> None:
             "graphs": graphs,
             "local_models": [record.name for record in list_models()],
             "onnxruntime": {"distributions": installed_onnxruntime(), "devices": available_devices()},
+            "kernels": kernel_summary(),
         }
     except EdgeDecodeError as exc:
         _fail(exc)
@@ -497,10 +506,11 @@ def doctor(
     provider, a Jetson's onnxruntime, the configuration. Exits 1 when something needs fixing, saying how."""
     import platform
 
+    from edgedecode import kernels
     from edgedecode.config import load_config
     from edgedecode.model.registry import model_home
     from edgedecode.runtime.jetson import detect_jetson, onnxruntime_advice
-    from edgedecode.runtime.session import PROVIDERS, import_onnxruntime, installed_onnxruntime
+    from edgedecode.runtime.session import PROVIDERS, import_onnxruntime, installed_onnxruntime, kernel_summary
 
     problems = 0
 
@@ -535,6 +545,8 @@ def doctor(
             say("problem" if device == "cuda" else "note", advice)
     if device is not None and providers and PROVIDERS[device] not in providers and jetson is None:
         say("problem", f"model.device is {device}, and this onnxruntime has no {PROVIDERS[device]}")
+    # not a problem when missing: the decode graph then uses onnxruntime's own ops (slower, heavier)
+    say("ok" if kernels.load().available else "note", f"edgedecode's kernels: {kernel_summary()}")
     home = model_home()
     say("ok", f"model cache: {home} (EDGEDECODE_HOME){'' if home.exists() else ', not created yet'}")
     if problems:

@@ -63,11 +63,14 @@ class DaemonConfig:
     max_sessions: int = 16  # conversations whose KV is kept between turns, in a slot or compressed (>= slots)
     max_context: int = 4096  # KV buffer length per slot, tokens
     max_queue: int = 32  # requests waiting for a slot; more are refused with 429
-    budget: float = 0.3  # KV wire bytes / FP16 bytes asked of the prefill server (while no TTFT target applies)
-    ttft_target_ms: float = 0.0  # time-to-first-token target: the KV plan adapts to the link; 0: the fixed budget
-    min_budget: float = 0.2  # quality floor of adaptive budgets (SmolLM2: lowest b with Δ PPL <= +2 %, kv-quality.md)
-    local_dppl_pct: float = 0.0  # quality cost of prefilling here vs the server's FP16 KV (SmolLM2: -0.01 %, none)
-    split_slowdown: float = 1.3  # a split's pull vs alone, until measured here (2 cores of the H100 host: 1.27-1.28)
+    # KV wire bytes / FP16 bytes asked of the prefill server while no TTFT target applies: pinned, every turn asks
+    # it; 0 (not pinned): every turn is planned (the best quality within 1.1x of the fastest way to get the KV)
+    budget: float = 0.0
+    ttft_target_ms: float = 0.0  # time-to-first-token target the KV plan adapts to; 0: none (see budget)
+    min_budget: float = 0.0  # quality floor of planned budgets; 0: the model's calibration's (docs/adaptive.md)
+    local_dppl_pct: float = 0.0  # extra quality cost charged to prefilling here, above the calibration's measured one
+    local_prefill_tokens_per_s: float = 0.0  # this box's prefill speed, pinned; 0: measured at start and as it serves
+    split_slowdown: float = 1.5  # prior of a split's pull vs alone, until measured here (H100 host's 2 cores: 1.28)
     link_stale_margin: float = 1.5  # a link estimate idle past its lapse plans this many times slower than it was
     link_reprobe_s: float = 3600.0  # a link planned local whose last measure is this old is pulled from once; 0: never
     state_dir: str = ""  # directory kept across restarts (the link estimates); empty: nothing is kept
@@ -291,10 +294,14 @@ def _validate(config: Config, server: Literal["daemon", "prefill"] | None) -> No
         )
     if d.max_context < 64:
         problems.append("daemon.max_context must be >= 64 tokens")
-    if not 0 < d.budget <= 1:
-        problems.append(f"daemon.budget must be in (0, 1] (wire bytes / FP16 bytes), not {d.budget}")
+    if not 0 <= d.budget <= 1:
+        problems.append(f"daemon.budget must be in [0, 1] (wire bytes / FP16 bytes; 0: planned), not {d.budget}")
     if d.ttft_target_ms < 0:
-        problems.append("daemon.ttft_target_ms must be >= 0 (0: no target, the fixed budget)")
+        problems.append("daemon.ttft_target_ms must be >= 0 (0: no target)")
+    if d.local_prefill_tokens_per_s < 0:
+        problems.append(
+            f"daemon.local_prefill_tokens_per_s must be >= 0 (0: measured), not {d.local_prefill_tokens_per_s}"
+        )
     if not 1 <= d.split_slowdown <= 10:
         problems.append(f"daemon.split_slowdown must be in [1, 10], not {d.split_slowdown}")
     if not 1 <= d.link_stale_margin <= 100:
@@ -307,8 +314,8 @@ def _validate(config: Config, server: Literal["daemon", "prefill"] | None) -> No
         problems.append(f"daemon.state_dir ({d.state_dir}) must be a directory this process can write to")
     if not 0 <= d.local_dppl_pct < 1000:
         problems.append(f"daemon.local_dppl_pct must be in [0, 1000) (Δ perplexity, %), not {d.local_dppl_pct}")
-    if not 0 < d.min_budget <= 1:
-        problems.append(f"daemon.min_budget must be in (0, 1], not {d.min_budget}")
+    if not 0 <= d.min_budget <= 1:
+        problems.append(f"daemon.min_budget must be in [0, 1] (0: the model's calibration's), not {d.min_budget}")
     if d.policy not in POLICIES:
         problems.append(f"daemon.policy must be one of {', '.join(POLICIES)}, not {d.policy!r}")
     if d.min_wire_bytes < 0:

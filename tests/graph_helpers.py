@@ -14,8 +14,9 @@ def run_graph(
     spec: ModelSpec, tensors: ModelTensors, options: GraphOptions, ids: np.ndarray, device: str = "cpu"
 ) -> np.ndarray:
     """Every position's logits (float32) of one pass over ``ids`` from an empty cache."""
-    session = create_session(build_graph(spec, tensors, options).SerializeToString(), device=device, threads=2)
-    past = np.zeros((1, spec.n_kv_heads, 32, spec.head_dim), options.np_dtype)
+    graph = build_graph(spec, tensors, options).SerializeToString()
+    session = create_session(graph, device=device, threads=2, own_kernels=options.kernels == "gguf")
+    past = np.zeros((1, spec.n_kv_heads, 32, spec.head_dim), options.kv_np_dtype)
     feeds = {
         "input_ids": ids[None],
         "attention_mask": np.ones((1, len(ids)), np.int64),

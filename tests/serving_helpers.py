@@ -28,6 +28,15 @@ def metric_samples(url: str, token: str, path: str = "/metrics") -> dict[str, fl
     return scrape_metrics(url, token, path)
 
 
+def slot_kv_bytes_per_token(spec) -> int:
+    """Bytes of KV one token takes in a CPU decode slot as shipped on this host: float16 where edgedecode's
+    DecodeAttention runs (runtime.session.decode_kv_dtype), else float32. Tests that size a memory budget
+    in tokens of a slot derive it from this, so they hold whichever the host ships."""
+    from edgedecode.runtime.session import decode_options
+
+    return spec.kv_bytes_per_token_fp16 // 2 * decode_options("cpu").kv_np_dtype.itemsize
+
+
 def lighthouse_chat(sentences: int) -> list[dict]:
     """A chat prompt asking to summarize ``sentences`` repetitions of one sentence (~12 tokens each)."""
     sentence = "The lighthouse keeper wrote down the weather every morning before dawn."

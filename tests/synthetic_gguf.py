@@ -17,6 +17,8 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
+from edgedecode.model.gguf_file import open_gguf
+from edgedecode.model.spec import ModelSpec
 from edgedecode.model.tensor_encode import add_matrix
 
 TypeChoice = Callable[[str, int], QType | None]  # (tensor name, row length K) -> new type; None keeps it
@@ -50,6 +52,40 @@ class TinyLlama:
             "ffn_up": (self.ffn, self.hidden),
             "ffn_down": (self.hidden, self.ffn),
         }
+
+
+DIMS = TinyLlama()  # the mixes' dimensions
+LAYERS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# Models mixing the types, each with its embedding and head in a different form; q/k/v and gate/up
+# mix types on purpose, so fused matmuls split into runs of one form.
+MIXES = {
+    "legacy": dict(
+        zip(LAYERS, [QType.F16, QType.Q4_0, QType.Q8_0, QType.F32, QType.Q4_1, QType.Q4_1, QType.Q4_0]),
+        token_embd=QType.F16,
+        output=QType.Q4_0,
+    ),
+    "k-quants": dict(
+        zip(LAYERS, [QType.Q4_K, QType.Q4_K, QType.Q6_K, QType.Q5_K, QType.Q4_K, QType.Q6_K, QType.Q4_K]),
+        token_embd=QType.Q4_K,
+        output=QType.Q6_K,
+    ),
+    "5-bit, tied Q6_K": dict(
+        zip(LAYERS, [QType.Q5_0, QType.Q5_1, QType.Q5_1, QType.BF16, QType.Q5_K, QType.Q5_0, QType.Q8_0]),
+        token_embd=QType.Q6_K,
+    ),
+    "tied 4-bit with offsets": dict(zip(LAYERS, [QType.Q4_K] * 7), token_embd=QType.Q4_1),
+    "tied 8-bit with offsets": dict(zip(LAYERS, [QType.Q6_K] * 7), token_embd=QType.Q5_K),
+}
+
+
+def write_mixes(folder: Path) -> dict[str, tuple[GGUFReader, ModelSpec]]:
+    """name -> (reader, spec) of each of MIXES written to a GGUF in ``folder``."""
+    models = {}
+    for i, (name, types) in enumerate(MIXES.items()):
+        path = write_tiny_llama(folder / f"mix{i}.gguf", types, DIMS, seed=i, tied="output" not in types)
+        reader = open_gguf(path)
+        models[name] = reader, ModelSpec.from_gguf(reader, f"mix{i}")
+    return models
 
 
 def _finish(writer: GGUFWriter) -> None:

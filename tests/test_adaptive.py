@@ -5,12 +5,15 @@ configured budget without a target or while the link is unknown."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
 from edgedecode.daemon.pull.adaptive import BUDGET_LADDER, QUALITY_TIE_PCT, PlanInputs, QualityCosts, plan_kv
+from edgedecode.daemon.pull.calibration import shipped
 
 FP16_BYTES = 2048 * 23040  # a 2k-token prompt of SmolLM2
+SMOLLM2 = shipped()["smollm2-135m-instruct"]  # its measured quality costs
 
 
 def _inputs(target_s, goodput_bps, *, rtt_s=0.02, local_s=5.0, min_budget=0.2, fixed=0.3) -> PlanInputs:
@@ -24,6 +27,7 @@ def _inputs(target_s, goodput_bps, *, rtt_s=0.02, local_s=5.0, min_budget=0.2, f
         predict_remote_s=predict,
         local_s=local_s,
         min_budget=min_budget,
+        quality=SMOLLM2.quality(),
     )
 
 
@@ -37,7 +41,7 @@ def test_without_a_target_or_a_known_link_the_configured_budget_is_asked():
 @pytest.mark.parametrize("local_s", [0.5, 5.0])
 def test_the_plan_is_the_fastest_of_the_best_quality_that_arrives_in_time(mbit, local_s):
     goodput = mbit * 1e6 / 8
-    costs = QualityCosts()
+    costs = SMOLLM2.quality()
     plan = plan_kv(_inputs(2.0, goodput, local_s=local_s))
     options = {b: 0.02 + b * FP16_BYTES / goodput for b in BUDGET_LADDER if b >= 0.2}
     options[None] = local_s  # local prefill
@@ -67,7 +71,7 @@ def test_lossless_options_are_told_apart_by_speed_and_a_costly_local_loses_to_th
     assert (plan_kv(fast_link).decision, plan_kv(fast_link).budget) == ("remote", 0.5)
     slower_link = _inputs(2.0, 100e6 / 8, local_s=0.8)  # b 0.5 in ~1.9 s; local in 0.8 s at no cost
     assert plan_kv(slower_link).decision == "local"
-    costly_local = dataclasses.replace(slower_link, quality=QualityCosts(local=1.0))
+    costly_local = dataclasses.replace(slower_link, quality=SMOLLM2.quality(1.0))
     assert (plan_kv(costly_local).decision, plan_kv(costly_local).budget) == ("remote", 0.5)
 
 
@@ -76,7 +80,9 @@ def test_measured_costs_are_interpolated_between_budgets_and_lengths():
         {1024: {1.0: 0.0, 0.5: 0.0, 0.3: 0.3, 0.2: 1.5}, 4096: {1.0: 0.0, 0.3: 0.7, 0.2: 3.5, 0.15: 3.0}}
     )
     assert costs.of_budget(0.4) == pytest.approx(0.15) and costs.of_budget(0.25) == pytest.approx(0.9)
-    assert costs.of_budget(0.1) == 1.5 and costs.of_budget(0.75) == 0.0
+    assert costs.of_budget(0.75) == 0.0
+    assert costs.of_budget(0.1) == math.inf  # below every measured budget: unknown, never assumed cheap
+    assert costs.of_budget(0.15, 2048) == math.inf  # b 0.15 measured at 4k only: unknown between 1k and 4k
     assert costs.of_budget(0.2, 2048) == pytest.approx(2.5)  # halfway between 1k and 4k in log2 of the length
     assert costs.of_budget(0.15, 4096) == 3.5  # never cheaper at a lower budget (a noisy measured mean)
     assert costs.of_budget(0.2, 8192) == 3.5 and costs.of_budget(0.2, 100) == 1.5
@@ -92,7 +98,7 @@ def test_the_quality_floor_holds_at_the_prompt_s_length():
 
     short, long = plan_for(1024), plan_for(4096)
     assert (short.decision, short.budget) == ("remote", 0.2)
-    costs = QualityCosts()
+    costs = SMOLLM2.quality()
     assert long.decision == "remote" and long.budget is not None and long.budget > 0.2
     assert costs.of_budget(long.budget, 4096) <= 2.0 < costs.of_budget(0.2, 4096)
 
@@ -113,7 +119,7 @@ def _split_inputs(target_s: float, local_dppl: float = 0.0) -> PlanInputs:
     tokens = 2048
     return dataclasses.replace(
         _inputs(target_s, 100e6 / 8, rtt_s=0.3, local_s=tokens / 1000),  # 100 Mbit/s; round trip + server 0.3 s
-        quality=QualityCosts(local=local_dppl),
+        quality=SMOLLM2.quality(local_dppl),
         tokens=tokens,
         local_head_s=lambda head: head / 1000,  # 1000 tokens/s here
     )
@@ -122,7 +128,7 @@ def _split_inputs(target_s: float, local_dppl: float = 0.0) -> PlanInputs:
 def test_a_split_meets_a_target_neither_local_nor_a_pull_alone_can():
     plan = plan_kv(_split_inputs(1.5))  # local 2.05 s, b 0.5 ~2.2 s; half here and half pulled ~1.25 s
     assert plan.decision == "split" and plan.head == 1024 and plan.budget is not None, plan
-    assert 0.5 * QualityCosts().of_budget(plan.budget) <= QUALITY_TIE_PCT  # as good as lossless
+    assert 0.5 * SMOLLM2.quality().of_budget(plan.budget) <= QUALITY_TIE_PCT  # as good as lossless
     tail_s = 0.3 + plan.budget * FP16_BYTES / 2 / (100e6 / 8)
     assert plan.predicted_s == pytest.approx(max(1024 / 1000, tail_s)) and plan.predicted_s <= 1.5
 
@@ -139,3 +145,60 @@ def test_a_split_whose_pull_is_slowed_by_sharing_the_cores_takes_a_larger_head()
     # the tail slowed by 1.3 moves the balance: more here, less pulled
     assert slowed.head > alone.head and slowed.predicted_s is not None and slowed.predicted_s <= 1.5  # a larger head
     assert slowed.pull_s is not None and slowed.predicted_s >= 1.3 * slowed.pull_s - 1e-9
+
+
+# --- the default objective: no target, budget not pinned ---------------------------------------------
+
+
+def _default(goodput_bps, *, local_s, rtt_s=0.02, correction=1.0, tokens=0, min_budget=0.2) -> PlanInputs:
+    inputs = _inputs(None, goodput_bps, rtt_s=rtt_s, local_s=local_s, min_budget=min_budget)
+    return dataclasses.replace(
+        inputs, near_fastest=1.1, remote_correction=correction, tokens=tokens, context_tokens=2048
+    )
+
+
+@pytest.mark.parametrize("mbit", [1, 10, 50, 100, 1000])
+@pytest.mark.parametrize("local_s", [0.3, 2.8, 30.0])
+def test_without_a_target_the_plan_is_the_best_quality_within_a_tenth_of_the_fastest(mbit, local_s):
+    goodput = mbit * 1e6 / 8
+    plan = plan_kv(_default(goodput, local_s=local_s))
+    options = {b: 0.02 + b * FP16_BYTES / goodput for b in BUDGET_LADDER if b >= 0.2}
+    options[None] = local_s
+    fastest = min(t for b, t in options.items() if b is None or SMOLLM2.quality().of_budget(b, 2048) <= 2.0)
+    assert plan.predicted_s is not None and plan.predicted_s <= 1.1 * fastest + 1e-9
+    assert plan.predicted_s <= 1.1 * local_s + 1e-9  # never a pull much slower than computing here
+    assert plan.deadline_s == pytest.approx(1.1 * fastest)  # the segment watch's, for a pull
+    costs = SMOLLM2.quality()
+
+    def cost(budget):
+        return costs.local if budget is None else costs.of_budget(budget, 2048)
+
+    near = [b for b, t in options.items() if t <= 1.1 * fastest and cost(b) <= 2.0]
+    assert cost(plan.budget) <= min(cost(b) for b in near) + QUALITY_TIE_PCT
+
+
+def test_without_a_target_a_fast_link_pulls_and_a_slow_one_computes_here():
+    assert plan_kv(_default(1e9 / 8, local_s=2.8)).decision == "remote"  # b 0.5 in ~0.4 s
+    assert plan_kv(_default(10e6 / 8, local_s=2.8)).decision == "local"  # b 0.3 in ~11 s
+
+
+def test_without_a_target_an_unknown_link_is_pulled_at_the_default_budget_under_a_watch():
+    plan = plan_kv(_default(None, local_s=2.8))
+    assert (plan.decision, plan.budget) == ("remote", 0.3)
+    assert plan.deadline_s == pytest.approx(1.1 * 2.8)  # cut and computed here if it would end later than that
+
+
+def test_a_learned_optimism_of_the_link_model_moves_a_near_tie_to_local():
+    # b 0.5 (the floor here) predicted 1.0 s, local 1.05 s: a pull; pulls measured 1.3x slower than predicted: local
+    goodput = 0.5 * FP16_BYTES / 0.98
+    assert plan_kv(_default(goodput, local_s=1.05, min_budget=0.5)).decision == "remote"
+    corrected = plan_kv(_default(goodput, local_s=1.05, correction=1.3, min_budget=0.5))
+    assert corrected.decision == "local"
+    fast = plan_kv(_default(goodput, local_s=30.0, correction=1.3, min_budget=0.5))
+    assert fast.decision == "remote" and fast.pull_s is not None
+    assert fast.predicted_s == pytest.approx(1.3 * fast.pull_s)  # the correction is what it learns against
+
+
+def test_with_a_pinned_budget_and_no_target_the_budget_is_asked_as_before():
+    plan = plan_kv(_inputs(None, 10e6 / 8, local_s=0.1, fixed=0.75))
+    assert (plan.decision, plan.budget, plan.deadline_s) == ("remote", 0.75, None)

@@ -13,6 +13,7 @@ import pytest
 from openai import OpenAI
 from serving_helpers import ByteUpstream, ServerProcess, lighthouse_chat, metric_samples, receive, server_config
 
+from edgedecode.daemon.pull.calibration import shipped
 from edgedecode.testing.link_shaper import LinkShaper
 
 TOKEN, PREFILL_TOKEN = "daemon-secret", "prefill-secret"
@@ -20,6 +21,11 @@ BUDGET = 0.3
 RATE = 1.25e6  # 10 Mbit/s
 DELAY_S = 0.010
 PROMPT = lighthouse_chat(34)
+# this box's prefill speed as the adaptive daemons assume it (2 cores: ~0.3-1 s for PROMPT), pinned
+LOCAL_SPEED = {"local_prefill_tokens_per_s": 1000.0}
+# the prefill server shares the box: loaded (a compiler, stress-ng), it may take longer than the default 3 s to
+# accept and 10 s to answer; these tests are about plans, not about giving up on a slow server
+PATIENT = {"connect_timeout_s": 30.0, "idle_read_timeout_s": 60.0}
 
 
 # --- the shaper on its own ----------------------------------------------------------------------
@@ -77,7 +83,7 @@ def test_the_shaper_rate_can_change_mid_transfer(upstream):
 
 
 def _config(tmp_path, name: str, **daemon) -> str:
-    return server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, **{"budget": BUDGET, **daemon})
+    return server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, **{"budget": BUDGET, **PATIENT, **daemon})
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +117,16 @@ def servers(tier, tmp_path_factory):
     """(prefill server, shaper, shaped daemon, unshaped daemon, shaped daemon at a fixed b 1.0).
 
     The adaptive daemons count local prefill as costly (``local_dppl_pct``), as for a model whose
-    edge graph is worse than the server's: these tests are about the budget the link allows."""
+    edge graph is worse than the server's: these tests are about the budget the link allows. Their
+    prefill speed is pinned (``LOCAL_SPEED``), so that what they plan does not depend on how fast or
+    loaded the box is."""
     prefill, shaper = tier
     workdir = tmp_path_factory.mktemp("adaptive_link")
     started: list = []
     try:
         for name, url, settings in (
-            ("shaped", shaper.url, {"local_dppl_pct": 5.0}),
-            ("direct", prefill.url, {"local_dppl_pct": 5.0}),
+            ("shaped", shaper.url, {"local_dppl_pct": 5.0, **LOCAL_SPEED}),
+            ("direct", prefill.url, {"local_dppl_pct": 5.0, **LOCAL_SPEED}),
             ("fixed", shaper.url, {"budget": 1.0}),
         ):
             started.append(_daemon(workdir, name, url, **settings))
@@ -222,7 +230,7 @@ def test_a_restarted_daemon_plans_from_the_link_it_remembers(tier, tmp_path):
     prefill, shaper = tier
     state = tmp_path / "state"
     state.mkdir()
-    first = _daemon(tmp_path, "before", shaper.url, state_dir=str(state))
+    first = _daemon(tmp_path, "before", shaper.url, state_dir=str(state), **LOCAL_SPEED)
     try:
         taught = _turn(first)  # no target: the configured budget, which teaches the link model
     finally:
@@ -230,7 +238,7 @@ def test_a_restarted_daemon_plans_from_the_link_it_remembers(tier, tmp_path):
     assert taught["kv"]["source"] == "prefill_server" and taught["kv"]["budget"] == BUDGET, taught
     assert len(list(state.glob("link-*.json"))) == 1
 
-    restarted = _daemon(tmp_path, "after", shaper.url, state_dir=str(state))
+    restarted = _daemon(tmp_path, "after", shaper.url, state_dir=str(state), **LOCAL_SPEED)
     try:
         requests, forwarded = _prefill_requests(prefill), shaper.bytes_down
         # b 0.3 of this prompt takes ~2 s at 10 Mbit/s (3 s with the stale margin); local ~0.3-1 s
@@ -240,3 +248,49 @@ def test_a_restarted_daemon_plans_from_the_link_it_remembers(tier, tmp_path):
     assert report["kv"]["decision"] == "local" and report["kv"]["pulled_tokens"] == 0, report
     assert report["kv"]["predicted_ms"] is not None, report  # planned, not the unknown link's configured budget
     assert _prefill_requests(prefill) == requests and shaper.bytes_down == forwarded  # nothing asked
+
+
+def test_with_no_adaptive_key_every_turn_is_planned_and_a_slow_link_falls_back_to_local(tier, tmp_path):
+    """A daemon with no budget and no target (a new user's): its first turn to an endpoint pulls at
+    the model's default budget (from its calibration) under a watch, and every later turn is planned
+    — never an option predicted slower than 1.1x local prefill. Behind a link too slow for any pull
+    the first pull is cut and the rest computed here, and the next turn computes here outright."""
+    prefill, shaper = tier
+    default_budget = shipped()["smollm2-135m-instruct"].default_budget
+    started = []
+    try:
+        for name, url in (("new-direct", prefill.url), ("new-shaped", shaper.url)):
+            # budget 0 is the default (not pinned): as if no key were set
+            config = server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, budget=0, **LOCAL_SPEED, **PATIENT)
+            started.append(
+                ServerProcess(
+                    ["serve", "--config", config, "--prefill-url", url],
+                    tmp_path / f"{name}.log",
+                    env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+                )
+            )
+        direct, shaped = started
+        first = _turn(direct)
+        assert (first["kv"]["decision"], first["kv"]["budget"]) == ("remote", default_budget), first
+        assert first["kv"]["predicted_ms"] is None and first["ttft_target_ms"] is None, first
+        second = _turn(direct, messages=lighthouse_chat(20))
+        tokens = second["kv"]["pulled_tokens"] + second["kv"]["computed_tokens"]  # those the plan got
+        local_ms = 1e3 * tokens / LOCAL_SPEED["local_prefill_tokens_per_s"]  # as the daemon predicts them
+        assert second["kv"]["predicted_ms"] is not None, second  # planned: the link is known now
+        assert second["kv"]["predicted_ms"] <= 1.1 * local_ms + 1.0, second
+
+        shaper.set_rate(25e3)  # 0.2 Mbit/s: b 0.3 of the prompt takes over a minute, local ~0.3 s
+        try:
+            probe = _turn(shaped)
+            # given up at its deadline (cut by the watch, or its wait timed out) and computed here
+            assert probe["kv"]["segments"][0]["ended"] in ("cut", "timeout"), probe
+            assert probe["kv"]["computed_tokens"] > 1, probe
+            forwarded = shaper.bytes_down
+            after = _turn(shaped, messages=lighthouse_chat(20))
+        finally:
+            shaper.set_rate(RATE)
+        assert after["kv"]["decision"] == "local" and after["kv"]["pulled_tokens"] == 0, after
+        assert shaper.bytes_down == forwarded  # nothing went over the link
+    finally:
+        for server in reversed(started):
+            server.stop()

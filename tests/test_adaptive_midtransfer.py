@@ -24,7 +24,9 @@ ANSWER_TOKENS = 8
 
 
 def _start(workdir, name: str, args: list[str], env: dict[str, str], **daemon) -> ServerProcess:
-    config = server_config(workdir, name, prefill_token=PREFILL_TOKEN, budget=0.3, **daemon)
+    # the prefill server shares the box: loaded, it may take longer than the default 3 s to accept and 10 s to answer
+    patient = {"connect_timeout_s": 30.0, "idle_read_timeout_s": 60.0}
+    config = server_config(workdir, name, prefill_token=PREFILL_TOKEN, budget=0.3, **patient, **daemon)
     return ServerProcess([*args, "--config", config], workdir / f"{name}.log", env=env)
 
 
@@ -48,9 +50,15 @@ def link(smollm2_model, tmp_path_factory):
             started.append(prefill)
             shaper = LinkShaper("127.0.0.1", int(prefill.url.rsplit(":", 1)[1]), rate_bytes_per_s=RATE, delay_s=DELAY_S)
             started.append(shaper)
-            # local prefill counted as costly, so a target that local makes is still met by a pull
+            # local prefill counted as costly, so a target that local makes is still met by a pull; its
+            # speed pinned (2 cores: ~0.5-1.5 s for PROMPT), so that when a pull is cut does not depend on the box
             daemon = _start(
-                workdir, f"daemon-{name}", ["serve", "--prefill-url", shaper.url], daemon_env, local_dppl_pct=5.0
+                workdir,
+                f"daemon-{name}",
+                ["serve", "--prefill-url", shaper.url],
+                daemon_env,
+                local_dppl_pct=5.0,
+                local_prefill_tokens_per_s=500.0,
             )
             started.append(daemon)
             pairs.append((shaper, daemon))

@@ -9,6 +9,8 @@ import shutil
 import pytest
 from tool_modules import import_tools
 
+from edgedecode.runtime.session import decode_options
+
 
 @pytest.fixture(scope="module")
 def tools():
@@ -16,15 +18,24 @@ def tools():
 
 
 def options(**overrides) -> argparse.Namespace:
-    return argparse.Namespace(**{"device": "cuda", "no_llama": False, "no_extras": False, **overrides})
+    return argparse.Namespace(
+        **{"device": "cuda", "no_llama": False, "no_extras": False, "no_stock": False, **overrides}
+    )
 
 
 def test_llama_cpp_joins_the_cuda_run_only_when_built_with_gpu_offload(tools):
     bench_decode, _, _ = tools
     llama_cpp = pytest.importorskip("llama_cpp")
     offload = llama_cpp.llama_supports_gpu_offload()
-    assert bench_decode.engine_names(options(device="cpu")) == ["edgedecode", "llama.cpp"]
-    assert bench_decode.engine_names(options()) == ["edgedecode"] + ["llama.cpp"] * offload + ["edgedecode-no-graph"]
+    own_cpu = decode_options("cpu").kernels == "gguf"  # then the stock ops run beside, as "before"
+    assert bench_decode.engine_names(options(device="cpu")) == ["edgedecode"] + ["edgedecode-stock"] * own_cpu + [
+        "llama.cpp"
+    ]
+    assert bench_decode.engine_names(options(device="cpu", no_stock=True)) == ["edgedecode", "llama.cpp"]
+    own_cuda = decode_options("cuda").kernels == "gguf"
+    assert bench_decode.engine_names(options()) == ["edgedecode"] + ["edgedecode-stock"] * own_cuda + [
+        "llama.cpp"
+    ] * offload + ["edgedecode-no-graph"]
     assert bench_decode.engine_names(options(no_extras=True, no_llama=True)) == ["edgedecode"]
 
 

@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from greedy_helpers import TOP, first_divergence, step_margin
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -385,30 +386,29 @@ def _rehydrated(decoder, entry: StoredConversation, prompt: np.ndarray):
 
 def test_a_conversation_kept_at_int8_continues_as_with_its_uncompressed_kv(decoder, second_turn):
     """Greedy tokens after rehydrating the INT8 payload through the engine's EDKV reader are those
-    after injecting the float32 KV it was made from, except past a near-tie (top-2 margin < 0.5)."""
+    after injecting the float32 KV it was made from, except past a near-tie (top-2 margin < 0.5; each
+    margin read from the step that chose the token, tests/greedy_helpers.py)."""
     kv, prompt = second_turn
     store = ConversationStore(1)
     store.put("s", kv)
     entry = store.take("s")
     assert entry is not None
 
-    uncompressed = list(decoder.generate(prompt, GREEDY_32, kv=kv))
-    rehydrated = list(decoder.generate(prompt, GREEDY_32, kv=_rehydrated(decoder, entry, prompt)))
+    uncompressed = list(decoder.generate_scored(prompt, GREEDY_32, kv=kv, top=TOP))
+    rehydrated = list(decoder.generate_scored(prompt, GREEDY_32, kv=_rehydrated(decoder, entry, prompt), top=TOP))
 
     assert decoder.stats.injected_tokens == kv.n_tokens
-    split = next((i for i, (x, y) in enumerate(zip(uncompressed, rehydrated)) if x != y), None)
+    split = first_divergence([s.token for s in uncompressed], [s.token for s in rehydrated])
     if split is None:
-        assert uncompressed == rehydrated
+        assert [s.token for s in uncompressed] == [s.token for s in rehydrated]
         return
-    context = np.concatenate([prompt, uncompressed[:split]])
-    exact = decoder.prefill(context, kv=kv).copy()
-    compressed = decoder.prefill(context, kv=_rehydrated(decoder, entry, context)).copy()
-    a, b = uncompressed[split], rehydrated[split]
+    exact, compressed = uncompressed[split], rehydrated[split]
+    exact_margin, compressed_margin = step_margin(exact, compressed.token), step_margin(compressed, exact.token)
     print(
-        f"diverge at token {split}: float32 KV picks {a} by {exact[a] - exact[b]:.3f}, "
-        f"INT8 picks {b} by {compressed[b] - compressed[a]:.3f}"
+        f"diverge at token {split}: float32 KV picks {exact.token} by {exact_margin:.3f}, "
+        f"INT8 picks {compressed.token} by {compressed_margin:.3f}"
     )
-    assert 0 <= exact[a] - exact[b] < NEAR_TIE and 0 <= compressed[b] - compressed[a] < NEAR_TIE
+    assert 0 <= exact_margin < NEAR_TIE and 0 <= compressed_margin < NEAR_TIE
 
 
 def test_a_trimmed_conversation_rehydrates_with_its_true_positions(decoder, second_turn):

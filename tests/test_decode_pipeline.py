@@ -140,7 +140,9 @@ class FakeEngine:
         self.buffer[:, 1, :, :common] = kept.values[:, :, :common]
         return self.reusable_prefix(prompt_ids)
 
-    def generate(self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0):
+    def generate(
+        self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0, constraint=None
+    ):
         if self.ingesting:
             self.generated_while_ingesting = True
         if isinstance(kv, StreamedKV):

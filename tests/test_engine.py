@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from greedy_helpers import TOP, first_divergence, step_margin
 
 from edgedecode.model.registry import UnknownModelError
 from edgedecode.model.spec import KVLayout
@@ -14,40 +15,35 @@ from edgedecode.runtime.kvcache import KVInjectionError
 from edgedecode.runtime.sampler import SamplingParams
 
 GREEDY_32 = SamplingParams(max_tokens=32)
-NEAR_TIE = 0.5
-
-
-def _first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None
+EXACT_NEAR_TIE = 0.01  # float32 summation-order noise of one logit in exact arithmetic
 
 
 @pytest.mark.parametrize("prompt", ("prose", "code", "chat"))
-def test_handoff_from_prefill_graph_matches_local_prefill(prompt, decoder, prefiller, logit_vectors):
+def test_handoff_from_prefill_graph_matches_local_prefill(prompt, exact_decoder, prefiller, logit_vectors):
     """KV from the fp32 prefill graph, injected into the INT4 decoder, gives the same greedy tokens as
-    the INT4 decoder prefilling itself, except past a near-tie (top-2 logit margin < 0.5)."""
+    the INT4 decoder prefilling itself, except past a near-tie (top-2 logit margin < EXACT_NEAR_TIE).
+
+    The decoder computes in exact float arithmetic (accuracy level 0), where both KV sources are the same
+    product of the same weights: the shipped level (int8 activations) moves logits by 0.2 on average and up
+    to ~2 against exact arithmetic (SmolLM2, either kernel form), so there a divergence's margin says how that
+    noise fell, not whether the KV arrived right. Each margin is read from the step that chose the token."""
     ids = logit_vectors[f"{prompt}_ids"]
-    local = list(decoder.generate(ids, GREEDY_32))
+    local = list(exact_decoder.generate_scored(ids, GREEDY_32, top=TOP))
     prefiller.prefill(ids)
     kv = prefiller.export_kv()
-    handed = list(decoder.generate(ids, GREEDY_32, kv=kv))
-    assert decoder.stats.injected_tokens == len(ids) - 1
-    split = _first_divergence(local, handed)
+    handed = list(exact_decoder.generate_scored(ids, GREEDY_32, kv=kv, top=TOP))
+    assert exact_decoder.stats.injected_tokens == len(ids) - 1
+    split = first_divergence([s.token for s in local], [s.token for s in handed])
     if split is None:
-        assert local == handed
+        assert [s.token for s in local] == [s.token for s in handed]
         return
-    context = np.concatenate([ids, local[:split]])
-    local_logits = decoder.prefill(context).copy()
-    handed_logits = decoder.prefill(context, kv=kv).copy()
-    local_margin = local_logits[local[split]] - local_logits[handed[split]]
-    handed_margin = handed_logits[handed[split]] - handed_logits[local[split]]
+    local_margin = step_margin(local[split], handed[split].token)
+    handed_margin = step_margin(handed[split], local[split].token)
     print(
-        f"{prompt}: diverge at token {split}: local picks {local[split]} by {local_margin:.3f}, "
-        f"handoff picks {handed[split]} by {handed_margin:.3f}"
+        f"{prompt}: diverge at token {split}: local picks {local[split].token} by {local_margin:.3f}, "
+        f"handoff picks {handed[split].token} by {handed_margin:.3f}"
     )
-    assert 0 <= local_margin < NEAR_TIE and 0 <= handed_margin < NEAR_TIE
+    assert 0 <= local_margin < EXACT_NEAR_TIE and 0 <= handed_margin < EXACT_NEAR_TIE
 
 
 def test_greedy_generation_is_deterministic_and_stops_at_eos(decoder, smollm2_model):

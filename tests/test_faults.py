@@ -135,7 +135,7 @@ def _run(work):
 
 def test_the_breaker_opens_on_a_failing_peer_and_closes_again_once_it_recovers(hostile_daemon, prefill_peer):
     """The peer answers 500 twice (breaker_failures 2), then recovers: the breaker opens, skips the
-    peer, lets a trial through after breaker_reset_s (2 s), closes, and every turn is answered."""
+    peer, lets a trial through after breaker_reset_s (8 s), closes, and every turn is answered."""
     peer, _ = prefill_peer
     daemon = Target("daemon", hostile_daemon.url, hostile_daemon.token)
     d = hostile_daemon.config.daemon

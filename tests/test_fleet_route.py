@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from test_transfers import scored
 
+from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, block_chain
 from edgedecode.kv.wire import TransferRef
 from edgedecode.prefill.fleet.route import Route, route_for
-from edgedecode.prefill.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache, block_chain
+from edgedecode.prefill.prefix_cache import PrefixCache
 from edgedecode.prefill.transfers import TransferStore
 
 

@@ -120,6 +120,68 @@ def test_a_short_prompt_at_budget_0_3_is_pulled_at_what_its_windowed_tail_needs(
     assert text.strip()
 
 
+STRUCTURED = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 24},
+        "country": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 24}},
+            "required": ["name"],
+        },
+        "landmarks": {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 1, "maxItems": 2},
+        "size": {"enum": ["small", "large"]},
+    },
+    "required": ["city", "country", "landmarks", "size"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 24}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_gemma_answers_a_schema_and_calls_a_tool_through_the_generic_prompt(daemons):
+    """Gemma 3's template has no tool format: the generic prompt, its system note folded into the first
+    user turn and the result a user turn of its own (its roles alternate); JSON under a nested schema,
+    whole and streamed, validates."""
+    import jsonschema
+
+    client = OpenAI(base_url=daemons[1.0].url + "/v1", api_key="unused", timeout=180, max_retries=0)
+    asked = [{"role": "user", "content": "Describe Paris as JSON."}]
+    schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": STRUCTURED}}
+    args = {"model": GEMMA3_270M, "messages": asked, "response_format": schema, "temperature": 0, "max_tokens": 120}
+    whole = client.chat.completions.create(**args)
+    streamed = "".join(
+        c.choices[0].delta.content or "" for c in client.chat.completions.create(**args, stream=True) if c.choices
+    )
+    assert whole.choices[0].finish_reason == "stop" and streamed == whole.choices[0].message.content
+    jsonschema.validate(json.loads(streamed), STRUCTURED)
+    weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = client.chat.completions.create(
+        model=GEMMA3_270M, messages=weather, tools=[TOOL], tool_choice="required", temperature=0, max_tokens=40
+    )
+    assert called.choices[0].finish_reason == "tool_calls"
+    (call,) = called.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+    history = [
+        *weather,
+        called.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    answer = client.chat.completions.create(
+        model=GEMMA3_270M, messages=history, tools=[TOOL], temperature=0, max_tokens=24
+    )
+    assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+
+
 def _chat(url: str, model: str) -> subprocess.CompletedProcess:
     """`edgedecode chat --url URL --model MODEL` asked QUESTION."""
     command = [sys.executable, "-m", "edgedecode", "chat", "--url", url, "--model", model, "--max-tokens", "4"]

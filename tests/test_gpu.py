@@ -1,10 +1,13 @@
 """The float16 graphs on onnxruntime-gpu's CUDA provider (skipped where there is no CUDA device).
 
 The CUDA-graph decode step is held to the plain CUDA runs of the same graph: same greedy tokens,
-except past a near-tie. KV injection on the device writes exactly the rows given (checked on CPU
-too, where the same row writer runs over host memory). The CUDA decode graph ships Q4_1 as float
-zero points (GraphOptions.q4_1); it is held to the correction graph on CUDA, and its weight form
-and emission are checked exactly on the CPU.
+except past a near-tie. KV injection on the device writes exactly the rows given, and export reads
+exactly the rows held (both checked on CPU too, where the same graphs run over host memory). The
+CUDA decode graph ships Q4_1 as float zero points (GraphOptions.q4_1); it is held to the correction
+graph on CUDA, and its weight form and emission are checked exactly on the CPU. The decode graph on edgedecode's own
+CUDA ops (FusedMatMulGGUF; tests/test_graph_cuda.py checks it on the emulator) is held to the numpy reference on
+every synthetic case, and on SmolLM2 to llama.cpp's argmax and greedy text and, replayed as a CUDA graph, to its
+plain runs.
 """
 
 from __future__ import annotations
@@ -14,15 +17,20 @@ from pydoc_data.topics import topics
 
 import numpy as np
 import pytest
+from cuda_graph_cases import CASES, CUDA_OWN, FLOAT16_LOGITS_ATOL, IDS_COUNT, PROMPT_TOKENS, write_cases
+from synthetic_gguf import DIMS
 
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import encode_payload
+from edgedecode.model.fetch import register_gguf
 from edgedecode.model.graph import DEVICE_Q4_1, GraphOptions, GraphOptionsError
-from edgedecode.model.weights import BlockQuantized
+from edgedecode.model.loader import load_model
+from edgedecode.model.reference import reference_forward
+from edgedecode.model.weights import BlockQuantized, load_tensors
 from edgedecode.runtime.engine import Engine
-from edgedecode.runtime.kvcache import DeviceRows, KVCache
+from edgedecode.runtime.kvcache import DeviceExport, DeviceRows, KVCache
 from edgedecode.runtime.sampler import SamplingParams
-from edgedecode.runtime.session import available_devices
+from edgedecode.runtime.session import available_devices, cuda_kernels_problem
 
 NEAR_TIE = 0.5
 LONG_PROMPT_TOKENS = 1500
@@ -58,6 +66,31 @@ def cuda_correction_decoder(smollm2_model):
 @pytest.fixture(scope="module")
 def cuda_prefiller(smollm2_model):
     return Engine(smollm2_model, GraphOptions("prefill", "float16", 0), max_context=2048, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def own_ops() -> GraphOptions:
+    """The decode graph on edgedecode's own CUDA ops, once their kernels are compiled for this card (or read from
+    the cache)."""
+    if problem := cuda_kernels_problem():
+        pytest.skip(f"edgedecode's CUDA ops cannot run here: {problem}")
+    return CUDA_OWN
+
+
+@pytest.fixture(scope="module")
+def own_decoder(smollm2_model, own_ops):
+    """SmolLM2 on the own ops as shipped for CUDA: decode steps replay a captured CUDA graph."""
+    return Engine(smollm2_model, own_ops, max_context=2048, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def own_plain_decoder(smollm2_model, own_ops):
+    return Engine(smollm2_model, own_ops, max_context=2048, device="cuda", cuda_graph=False)
+
+
+@pytest.fixture(scope="module")
+def cuda_cases(tmp_path_factory):
+    return write_cases(tmp_path_factory.mktemp("cuda-cases"))
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +142,18 @@ def test_device_rows_write_only_the_given_slots(source):
         expected[:, 0, 0, :, start : start + n] = keys
         expected[:, 1, 0, :, start : start + n] = values
         np.testing.assert_array_equal(cache.host, expected)
+
+
+@pytest.mark.parametrize("dtype", (np.float16, np.float32))
+def test_device_export_reads_the_first_rows_of_every_buffer(dtype):
+    spec = types.SimpleNamespace(n_layers=3, n_kv_heads=2, head_dim=8)
+    cache = KVCache(spec, 40, dtype, "cpu")  # the export graph over host memory: same graph, same bindings
+    cache.host[...] = np.random.default_rng(0).standard_normal(cache.host.shape)
+    export = DeviceExport(cache)
+    for n in (1, 17, 40):
+        out = np.full((2, 3, 2, n, 8), np.nan, dtype)
+        export.read(out)
+        np.testing.assert_array_equal(out, cache.host[:, :, 0, :, :n].swapaxes(0, 1))
 
 
 @on_cuda
@@ -239,6 +284,69 @@ def test_cuda_handoff_matches_local_prefill_up_to_a_near_tie(cuda_decoder, cuda_
     )
     assert local_logits[local[split]] - local_logits[handed[split]] < NEAR_TIE
     assert handed_logits[handed[split]] - handed_logits[local[split]] < NEAR_TIE
+
+
+@on_cuda
+@pytest.mark.parametrize("name", CASES)
+def test_own_ops_decode_every_synthetic_case_as_the_reference(name, cuda_cases, own_ops, tmp_path, monkeypatch):
+    """Every type mix and architecture: a prompt run (the M > 1 kernels), then single steps replayed through the
+    captured CUDA graph (M = 1), against the numpy reference on the same GGUF blocks."""
+    path, reader, spec = cuda_cases[name]
+    monkeypatch.setenv("EDGEDECODE_HOME", str(tmp_path))
+    model = load_model(register_gguf(path, f"case-{CASES.index(name)}").name)
+    engine = Engine(model, own_ops, max_context=64, device="cuda")
+    ids = np.random.default_rng(4).integers(0, DIMS.vocab, IDS_COUNT)
+    logits = [engine.forward(ids[:PROMPT_TOKENS], all_logits=True)]
+    logits += [engine.step(int(token))[None].copy() for token in ids[PROMPT_TOKENS:]]
+    tensors = load_tensors(reader, spec, dense=False, as_stored=True)
+    reference = reference_forward(spec, tensors, ids.tolist()).logits
+    ours = np.concatenate(logits).astype(np.float32)
+    print(f"{name}: own CUDA ops vs numpy reference, max |logit diff| {np.abs(ours - reference).max():.4f}")
+    np.testing.assert_allclose(ours, reference, atol=FLOAT16_LOGITS_ATOL)
+    assert engine.cuda_graph  # the steps above were replays
+
+
+@on_cuda
+@pytest.mark.parametrize("prompt", ("prose", "code", "chat"))
+def test_own_ops_prompt_argmax_equals_llama_cpp(prompt, own_decoder, logit_vectors):
+    ids, scored = logit_vectors[f"{prompt}_ids"], logit_vectors[f"{prompt}_scored_positions"]
+    top5_ids = logit_vectors[f"{prompt}_top5_ids"]
+    assert own_decoder.cuda_graph and own_decoder.options.kernels == "gguf"
+    own_decoder.reset()
+    logits = own_decoder.forward(ids, all_logits=True).astype(np.float32)
+    diff = np.abs(np.take_along_axis(logits, top5_ids.astype(np.int64), 1) - logit_vectors[f"{prompt}_top5_logits"])
+    print(f"{prompt}: own CUDA ops vs llama.cpp, max |logit diff| {diff.max():.3f}, mean {diff.mean():.3f}")
+    np.testing.assert_array_equal(logits[scored].argmax(-1), top5_ids[scored, 0])
+
+
+@on_cuda
+@pytest.mark.parametrize("prompt", ("prose", "code", "chat"))
+def test_own_ops_greedy_text_equals_llama_cpps_up_to_a_near_tie(prompt, own_decoder, logit_vectors):
+    """Decode steps replayed through the CUDA graph pick llama.cpp's greedy tokens, up to a step where our own
+    logits put llama.cpp's pick within NEAR_TIE of ours."""
+    ids, theirs = logit_vectors[f"{prompt}_ids"], logit_vectors[f"{prompt}_greedy32"].tolist()
+    greedy = SamplingParams(max_tokens=len(theirs), stop_token_ids=())
+    steps = list(own_decoder.generate_scored(ids, greedy, top=5))
+    ours = [step.token for step in steps]
+    split = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if split is None:
+        assert ours == theirs
+        return
+    ranked = dict(zip(steps[split].top_ids.tolist(), steps[split].top_logprobs.tolist()))
+    margin = steps[split].logprob - ranked.get(theirs[split], -np.inf)
+    print(f"{prompt}: diverge from llama.cpp at token {split}: ours leads theirs by {margin:.3f}")
+    assert margin < NEAR_TIE
+
+
+@on_cuda
+@pytest.mark.parametrize("prompt", ("chat", "long"))
+def test_own_ops_graph_steps_equal_plain_runs(prompt, own_decoder, own_plain_decoder, logit_vectors, long_prompt):
+    ids = _prompt(prompt, logit_vectors, long_prompt)
+    graph, plain = _step_logits(own_decoder, ids), _step_logits(own_plain_decoder, ids)
+    print(f"{prompt}: own ops, CUDA graph step vs plain step, max |logit diff| {np.abs(graph - plain).max():.4f}")
+    np.testing.assert_allclose(graph, plain, atol=0.25)
+    _assert_greedy_agrees_up_to_a_near_tie(own_decoder, own_plain_decoder, ids, prompt)
+    assert own_decoder.stats.decode_steps == own_plain_decoder.stats.decode_steps == 63
 
 
 def test_zero_point_form_reproduces_every_block_exactly():

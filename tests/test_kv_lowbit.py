@@ -219,3 +219,86 @@ def test_a_receiver_gets_int3_and_rotation_only_when_it_asks_for_1_3(terms: dict
     with pytest.raises(PrefillRequestError) as caught:
         ResumeRequest.parse("t1", {"held_tokens": 0, "edkv_minor": -1})
     assert caught.value.param == "edkv_minor"
+
+
+def _mixed_maps(n: int, layers: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(11)
+    every = [Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT3, Tier.INT2, Tier.DROP]
+    mix = rng.choice(every, n).astype(np.uint8)
+    per_layer = rng.choice(every[:-1], (layers, n)).astype(np.uint8)
+    per_layer[:, mix == Tier.DROP] = Tier.DROP
+    return {"int3": np.full(n, Tier.INT3, np.uint8), "mix": mix, "per-layer": per_layer}
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_caching_coders_write_the_references_int3_and_rotated_bytes(workers: int) -> None:
+    """Payload after payload of one snapshot (what a refit reuses must stay right), plain and rotated; the device
+    coder (on the CPU EP) only plain: it leaves 3-bit sections to numpy and is never given a rotation."""
+    from edgedecode.kv.wire.coder import CachingCoder
+    from edgedecode.prefill.kv_device import DeviceCoder, HostCoder, KVDevice
+
+    snap = snapshot(300, head_dim=64)
+    layouts = layouts_with_int3(64)
+    device = KVDevice("cpu", 1)
+    for rotation in (None, ROTATED):
+        coders = {"caching": CachingCoder(snap, rotation), "host": HostCoder(snap, device, rotation)}
+        if rotation is None:
+            coders["device"] = DeviceCoder(snap, device)
+        for name, tiers in _mixed_maps(300, snap.contract.n_layers).items():
+            expected = encode(snap, tiers, layouts=layouts, rotation=rotation, chunk_tokens=64)
+            assert version(expected) == (1, 3)
+            for kind, coder in coders.items():
+                got = encode(snap, tiers, layouts=layouts, rotation=rotation, chunk_tokens=64, coder=coder,
+                             workers=workers)  # fmt: skip
+                assert got == expected, (name, kind, rotation)
+
+
+def test_a_coder_made_for_another_rotation_is_refused() -> None:
+    from edgedecode.kv.wire.coder import CachingCoder
+
+    snap = snapshot(64, head_dim=64)
+    tiers = np.full(64, Tier.INT4, np.uint8)
+    for coder, rotation in ((CachingCoder(snap), ROTATED), (CachingCoder(snap, ROTATED), None)):
+        with pytest.raises(ValueError, match="rotation"):
+            encode(snap, tiers, rotation=rotation, coder=coder)
+
+
+def test_a_cuda_prefill_node_codes_payloads_with_int3_or_a_rotation_on_the_host() -> None:
+    """The device graphs have neither: such a plan goes to the host coder, whose bytes are the reference's. Runs
+    anywhere: nothing here touches CUDA (a device coder would, and fail without it)."""
+    from edgedecode.kv.policy import TierProfile
+    from edgedecode.kv.rotation import DEFAULT_ROTATION
+    from edgedecode.prefill.kv_device import HostCoder, KVDevice
+    from edgedecode.prefill.pipeline import ScoredPrefill, encode_within_budget
+
+    cuda = KVDevice("cuda", 1)
+    snap = snapshot(512, head_dim=64)
+    for rotation, int3 in ((DEFAULT_ROTATION, False), (None, True), (DEFAULT_ROTATION, True)):
+        coder = cuda.coder(snap, rotation, int3)
+        assert isinstance(coder, HostCoder) and coder.device.device == "cpu" and coder.rotation == rotation
+    cpu = KVDevice("cpu", 1)
+    assert cpu.coder(snap, DEFAULT_ROTATION).device is cpu
+    scored = ScoredPrefill(snap, np.random.default_rng(2).random(512).astype(np.float32))
+    every = (Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT3, Tier.INT2, Tier.DROP)
+    profile = TierProfile(every, dict(zip(every, (0.0, 0.0002, 0.07, 0.12, 0.5, 1.0))))  # INT3 worth its bytes
+    for budget in (0.3, 0.2, 0.1):
+        reference = encode_within_budget(scored, budget, profile=profile, rotation=DEFAULT_ROTATION)
+        assert (reference.tiers == Tier.INT3).any()
+        routed = encode_within_budget(
+            scored, budget, profile=profile, rotation=DEFAULT_ROTATION, device=cuda, workers=2
+        )
+        assert routed.frames == reference.frames
+        assert version(routed.frames[0]) == (1, 3)
+
+
+def test_the_daemon_asks_every_segment_for_the_newest_minor_it_reads() -> None:
+    """So the prefill server may send it INT3 and rotated tiers (2.1 for a reader of 2, as 1.3 for 1)."""
+    from edgedecode.daemon.pull.segment import first_segment, resume_segment
+    from edgedecode.kv.wire.frames import LOWBIT_MINOR, READABLE_MAJORS
+    from edgedecode.prefill.service import ResumeRequest
+
+    first = first_segment(np.arange(8), 0, 0.2, "ours")
+    resume = resume_segment("t1", 4, 0.2, "ours")
+    for body in (first.body, resume.body):
+        assert body["edkv_major"] == max(READABLE_MAJORS) and body["edkv_minor"] == LOWBIT_MINOR[body["edkv_major"]]
+    assert ResumeRequest.parse("t1", resume.body).for_prompt(np.arange(8)).lowbit

@@ -15,7 +15,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from serving_helpers import ThreadedApp
 
-from edgedecode.daemon.pull.adaptive import KVPlan, PlanInputs, QualityCosts, plan_kv
+from edgedecode.daemon.pull.adaptive import KVPlan, PlanInputs, plan_kv
+from edgedecode.daemon.pull.calibration import shipped
 from edgedecode.daemon.pull.link import STALE_MARGIN, LinkEstimate, LinkModel, LinkModels, Reprobes
 from edgedecode.daemon.pull.link_store import LinkStore
 from edgedecode.daemon.pull.segment import PullResult, PullSettings, first_segment, pull_segment
@@ -237,7 +238,7 @@ def _plan(link: LinkModel, *, target_s: float = 1.0, local_s: float = 0.6, local
             predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, FIRST_TURN_TOKENS),
             local_s=local_s,
             min_budget=0.2,
-            quality=QualityCosts(local=local_dppl),
+            quality=shipped()["smollm2-135m-instruct"].quality(local_dppl),
         )
     )
 

@@ -13,6 +13,7 @@ import logging
 import time
 
 import numpy as np
+from serving_helpers import slot_kv_bytes_per_token
 
 from edgedecode.config import load_config
 from edgedecode.daemon.metrics import DaemonMetrics
@@ -25,11 +26,12 @@ SLOW_CALLBACK_S = 0.05  # the issue's threshold
 IDLE = 32  # conversations kept compressed when the pressure turn comes
 SLOTS = 2
 CONVERSATION_TOKENS = 96
-# SmolLM2 keeps 46,080 B of float32 KV a token in a slot and ~11.5 KB at INT8 in the store: 32 stored
-# conversations of ~100 tokens and 2 resident ones fit 48 MiB; the pressure turn's 720 tokens (32 MiB)
-# do not fit beside them even with every one re-tiered to INT4 and trimmed to half: some are evicted.
+# SmolLM2 keeps ~11.5 KB of KV a token at INT8 in the store: 32 stored conversations of ~100 tokens and
+# 2 resident ones fit 48 MiB; the pressure turn's 32 MiB of slot KV (720 tokens of float32, 1440 of
+# float16: pressure_tokens) do not fit beside them even with every one re-tiered to INT4 and trimmed to
+# half: some are evicted.
 KV_MEMORY_MB = 48
-PRESSURE_TOKENS = 720
+PRESSURE_MB = 32
 
 
 class SlowCallbacks(logging.Handler):
@@ -61,13 +63,14 @@ def sample(service: DecodeService, name: str, **labels: str) -> float:
 
 
 def test_turns_under_memory_pressure_never_block_the_event_loop(smollm2_model):
+    pressure_tokens = (PRESSURE_MB << 20) // slot_kv_bytes_per_token(smollm2_model.spec)
     config = load_config(
         None,
         env={},
         overrides={
             "daemon": {
                 "slots": SLOTS,
-                "max_context": 1024,
+                "max_context": 2048,
                 "max_sessions": IDLE + SLOTS,
                 "kv_memory_mb": KV_MEMORY_MB,
                 "memory_reserve_mb": 0,
@@ -80,7 +83,7 @@ def test_turns_under_memory_pressure_never_block_the_event_loop(smollm2_model):
         smollm2_model, build_engines(smollm2_model, config), config, DaemonMetrics(), lambda: None, ""
     )
     conversations = [prompt(index, CONVERSATION_TOKENS) for index in range(IDLE + SLOTS)]
-    pressure = prompt(IDLE + SLOTS, PRESSURE_TOKENS)
+    pressure = prompt(IDLE + SLOTS, pressure_tokens)
     slow = SlowCallbacks()
     asyncio_logger = logging.getLogger("asyncio")
 
@@ -108,7 +111,7 @@ def test_turns_under_memory_pressure_never_block_the_event_loop(smollm2_model):
 
     stored, report = asyncio.run(scenario(), debug=True)
     assert stored == IDLE
-    assert report["kv"]["computed_tokens"] == PRESSURE_TOKENS  # the pressure turn was served
+    assert report["kv"]["computed_tokens"] == pressure_tokens  # the pressure turn was served
     retiered = sample(service, "edgedecode_kv_retier_total", **{"from": "INT8", "to": "INT4"})
     dropped = sample(service, "edgedecode_kv_retier_total", **{"from": "INT4", "to": "DROP"})
     evicted = sample(service, "edgedecode_session_evictions_total", reason="memory")

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 from openai import OpenAI
-from serving_helpers import ServerProcess, metric_samples, server_config
+from serving_helpers import ServerProcess, metric_samples, server_config, slot_kv_bytes_per_token
 
 from edgedecode.daemon.openai_api import parse_request
 from edgedecode.testing.agreement import divergence_gap
@@ -106,14 +106,15 @@ def _prompt_tokens(model, messages: list[dict]) -> int:
     return len(request.prompt_ids)
 
 
-@pytest.mark.parametrize("bytes_per_token", [FP16_BYTES_PER_TOKEN, 2 * FP16_BYTES_PER_TOKEN], ids=["fp16", "float32"])
+@pytest.mark.parametrize("bytes_per_token", [FP16_BYTES_PER_TOKEN, 2 * FP16_BYTES_PER_TOKEN], ids=["fp16", "twice"])
 def test_eight_conversations_under_a_budget_of_two_conversations(
     resident_turns, smollm2_model, decoder, tmp_path, bytes_per_token
 ):
-    """The budget holds two conversations' KV at FP16 (the issue's figure), or as slots hold it
-    (float32, twice that). At FP16 a turn's own slot takes about all of it: resumed conversations
-    have lost tokens to the drop rung, and their answers may differ. With float32's room they come
-    back re-tiered only, and answer as if they had stayed resident, up to a near-tie."""
+    """The budget holds two conversations' KV at FP16 (the issue's figure), or twice that (what float32
+    slots need; float16 slots have room to spare). At FP16 a turn's own slot takes about all of it (float32
+    slots) or half: resumed conversations may have lost tokens to the drop rung, and their answers may
+    differ. With twice the room they come back re-tiered only, and answer as if they had stayed resident,
+    up to a near-tie."""
     longest = max(_prompt_tokens(smollm2_model, messages) + MAX_TOKENS for messages, _, _ in resident_turns.values())
     budget_mb = math.ceil(2 * longest * bytes_per_token / (1 << 20))
     tight = _daemon(tmp_path, "tight", slots=2, max_sessions=MAX_SESSIONS, kv_memory_mb=budget_mb)
@@ -156,7 +157,8 @@ def test_eight_conversations_under_a_budget_of_two_conversations(
 
 
 def test_a_conversation_longer_than_the_budget_goes_on_without_its_oldest_tokens(smollm2_model, tmp_path):
-    budget_mb = 6  # 136 tokens of float32 KV: the conversation below outgrows it on its third turn
+    slot_bytes = slot_kv_bytes_per_token(smollm2_model.spec)
+    budget_mb = math.ceil(136 * slot_bytes / (1 << 20))  # ~136 tokens of a slot: outgrown on the third turn
     daemon = _daemon(tmp_path, "window", slots=1, max_sessions=1, kv_memory_mb=budget_mb)
     try:
         sampler = KVMemorySampler(daemon.url)
@@ -179,4 +181,4 @@ def test_a_conversation_longer_than_the_budget_goes_on_without_its_oldest_tokens
     assert all(report["kv"]["resume"] == "resident" for report in reports[1:])  # kept its slot, minus old tokens
     assert samples["edgedecode_active_kv_evicted_tokens_total{}"] == sum(evicted)
     final = _prompt_tokens(smollm2_model, messages[:-2]) + MAX_TOKENS
-    assert final * 2 * FP16_BYTES_PER_TOKEN > budget_mb << 20  # the conversation did outgrow the budget
+    assert final * slot_bytes > budget_mb << 20  # the conversation did outgrow the budget

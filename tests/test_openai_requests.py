@@ -18,7 +18,7 @@ class _Tokenizer:
     def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
         return [ord(c) % VOCAB for c in text]
 
-    def encode_chat(self, messages: list[dict], *, special_in_content: bool = False) -> list[int]:
+    def encode_chat(self, messages: list[dict], *, special_in_content: bool = False, tools=None) -> list[int]:
         return [1 + i for i, _ in enumerate(messages)] + [ord(c) % VOCAB for m in messages for c in m["content"]]
 
 

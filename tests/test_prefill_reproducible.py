@@ -16,8 +16,9 @@ import pytest
 
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.kv.importance import OBSERVATION_WINDOW
+from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS
 from edgedecode.prefill.pipeline import prefill_and_score
-from edgedecode.prefill.prefix_cache import DEFAULT_BLOCK_TOKENS, PrefixCache
+from edgedecode.prefill.prefix_cache import PrefixCache
 from edgedecode.prefill.service import PrefillService
 from edgedecode.runtime.engine import GQA_ROW_TILE, PREFILL_CHUNK_TOKENS, chunk_sizes
 

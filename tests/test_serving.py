@@ -168,7 +168,9 @@ def test_a_generous_target_on_a_fast_link_gets_the_fastest_lossless_budget(prefi
     half of b 1.0's bytes) where the configured budget is 0.3, and says what it planned. Local
     prefill is counted as costly here, so the pull is what is planned. (Its own daemon: the shared
     one's metrics test holds every pull to the configured budget.)"""
-    daemon = _start_daemon(workdir, "adaptive", prefill_server.url, local_dppl_pct=5.0)
+    daemon = _start_daemon(
+        workdir, "adaptive", prefill_server.url, local_dppl_pct=5.0, local_prefill_tokens_per_s=1000.0
+    )
     try:
         prompt = [{"role": "user", "content": f"Summarize: {LONG_TEXT}"}]
         assert _chat(daemon, prompt)[1]["kv"]["budget"] == BUDGET  # no target: as configured; teaches the link

@@ -43,7 +43,7 @@ def test_config_layers_file_env_and_flags(tmp_path):
         ("[deamon]\n", {}, "unknown section [deamon]"),
         ("[daemon]\nport = 'x'\n", {}, "expected int, got 'x'"),
         ("", {"EDGEDECODE_DAEMON_BUDGET": "lots"}, "environment variable EDGEDECODE_DAEMON_BUDGET: expected float"),
-        ("[daemon]\nbudget = 1.5\n", {}, "daemon.budget must be in (0, 1]"),
+        ("[daemon]\nbudget = 1.5\n", {}, "daemon.budget must be in [0, 1]"),
         ("[daemon]\nhost = '0.0.0.0'\n", {}, "set daemon.auth_token"),
         ("[daemon]\npolicy = 'best'\n", {}, "daemon.policy must be one of"),
         ("[daemon]\nprefill_url = 'ftp://x'\n", {}, "daemon.prefill_url must be an http(s) URL"),

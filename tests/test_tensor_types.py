@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 from graph_helpers import run_graph
-from synthetic_gguf import TinyLlama, write_tiny_llama
+from synthetic_gguf import DIMS, LAYERS, MIXES, write_mixes, write_tiny_llama
 
 from edgedecode.model import graph as graph_module
 from edgedecode.model.gguf_file import open_gguf
@@ -39,28 +39,6 @@ GRAPH_FORMS = {
     QType.Q6_K: (8, 16, False),
     QType.Q8_0: (8, 32, False),
 }
-DIMS = TinyLlama()
-LAYERS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-# Models mixing the types, each with its embedding and head in a different form; q/k/v and gate/up
-# mix types on purpose, so fused matmuls split into runs of one form.
-MIXES = {
-    "legacy": dict(
-        zip(LAYERS, [QType.F16, QType.Q4_0, QType.Q8_0, QType.F32, QType.Q4_1, QType.Q4_1, QType.Q4_0]),
-        token_embd=QType.F16,
-        output=QType.Q4_0,
-    ),
-    "k-quants": dict(
-        zip(LAYERS, [QType.Q4_K, QType.Q4_K, QType.Q6_K, QType.Q5_K, QType.Q4_K, QType.Q6_K, QType.Q4_K]),
-        token_embd=QType.Q4_K,
-        output=QType.Q6_K,
-    ),
-    "5-bit, tied Q6_K": dict(
-        zip(LAYERS, [QType.Q5_0, QType.Q5_1, QType.Q5_1, QType.BF16, QType.Q5_K, QType.Q5_0, QType.Q8_0]),
-        token_embd=QType.Q6_K,
-    ),
-    "tied 4-bit with offsets": dict(zip(LAYERS, [QType.Q4_K] * 7), token_embd=QType.Q4_1),
-    "tied 8-bit with offsets": dict(zip(LAYERS, [QType.Q6_K] * 7), token_embd=QType.Q5_K),
-}
 
 
 def test_the_mixes_cover_every_supported_type():
@@ -71,13 +49,7 @@ def test_the_mixes_cover_every_supported_type():
 @pytest.fixture(scope="module")
 def mixes(tmp_path_factory):
     """name -> (reader, spec) of each mix written to a GGUF."""
-    folder = tmp_path_factory.mktemp("mixes")
-    models = {}
-    for i, (name, types) in enumerate(MIXES.items()):
-        path = write_tiny_llama(folder / f"mix{i}.gguf", types, DIMS, seed=i, tied="output" not in types)
-        reader = open_gguf(path)
-        models[name] = reader, ModelSpec.from_gguf(reader, f"mix{i}")
-    return models
+    return write_mixes(tmp_path_factory.mktemp("mixes"))
 
 
 def _scale_times_codes(codes, bits, block_size, scales, biases):

@@ -58,7 +58,9 @@ class Engine:
         top_ids = np.zeros((n, top), np.int64)
         yield ScoredRun(1, prompt_ids[1:], np.full(n, -1.0), top_ids, np.zeros((n, top)))
 
-    def generate(self, prompt_ids: np.ndarray, params: SamplingParams, kv: object = None, keep: int = 0):
+    def generate(
+        self, prompt_ids: np.ndarray, params: SamplingParams, kv: object = None, keep: int = 0, constraint=None
+    ):
         self.used.append((kv, keep))
         computed = 1 + kv.head if kv is not None else len(prompt_ids) - keep
         self.stats = GenerationStats(len(prompt_ids), computed_tokens=computed, prefill_seconds=0.01)
@@ -66,7 +68,7 @@ class Engine:
             self.stats.generated_tokens += 1
             yield token
 
-    def generate_scored(self, prompt_ids, params, kv=None, keep=0, *, top=0):
+    def generate_scored(self, prompt_ids, params, kv=None, keep=0, *, top=0, constraint=None):
         for token in self.generate(prompt_ids, params, kv, keep):
             yield ScoredToken(token, -0.5, np.zeros(top, np.int64), np.zeros(top))
 
@@ -185,6 +187,7 @@ def test_the_report_says_what_the_owners_answered():
         {"INT8": 12},
     )
     assert (kv["decision"], kv["budget"], kv["predicted_ms"], kv["source"]) == ("remote", 0.3, 50.0, "prefill_server")
+    assert kv["why"] == "b 0.3"  # what decided the plan, as the planner said it
     assert (kv["wire_bytes"], kv["fp16_bytes"], kv["tiers"], kv["prefill_server_ms"]) == (
         1000,
         4000,

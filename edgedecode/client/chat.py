@@ -166,7 +166,10 @@ def status_line(result: TurnResult) -> str:
             f"(b {kv.get('b_wire') or 0:.3f}; {tiers})"
         )
     else:
-        parts.append(f"KV computed locally ({kv.get('fallback_reason') or 'no prefill server'})")
+        by_plan = "by plan" if kv.get("decision") == "local" else "no prefill server"
+        parts.append(f"KV computed locally ({kv.get('fallback_reason') or by_plan})")
+    if kv.get("decision"):
+        parts.append(f"plan {kv['decision']}: {kv.get('why')}")
     if kv.get("reused_tokens"):
         parts.append(f"{kv['reused_tokens']} tokens reused from earlier turns")
     return "[" + "; ".join(parts) + "]"

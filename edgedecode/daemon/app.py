@@ -26,6 +26,7 @@ from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import parse_request
 from edgedecode.daemon.openai_responses import ChoiceResult, Entry, ResponseShape, usage
 from edgedecode.daemon.service import DecodeService
+from edgedecode.daemon.tool_calls import ToolCallReader
 from edgedecode.daemon.turn import Turn
 from edgedecode.serving import systemd
 from edgedecode.serving.http import OUTCOME, add_common_routes, error_middleware, json_error, read_json, write_within
@@ -133,6 +134,7 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
         max_context=service.max_context,
         allow_special_tokens=settings.allow_special_tokens,
     )
+    parsed = await service.constrained(parsed)
     async with service.turn(parsed, parsed.user or request.remote or "unknown", arrived) as turn:
         shape = ResponseShape(kind, service.model.record.name, service.model.tokenizer)
         if parsed.stream:
@@ -155,7 +157,13 @@ async def _whole(request: web.Request, turn: Turn, shape: ResponseShape) -> web.
                 entries[piece.index] += piece.entries or ()
                 if piece.finish_reason is not None:
                     text, scored = "".join(texts[piece.index]), entries[piece.index] if tracked else None
-                    choices.append(ChoiceResult(text, piece.finish_reason, scored))
+                    reader = _calls_reader(turn)
+                    if reader is None:
+                        choices.append(ChoiceResult(text, piece.finish_reason, scored))
+                        continue
+                    content = reader.feed(text)[0] + reader.finish()
+                    finish = _finish_reason(piece.finish_reason, reader)
+                    choices.append(ChoiceResult(content, finish, scored, reader.calls or None))
     except ConnectionResetError:
         logger.info("client disconnected before its answer was complete")
         raise  # counted as 499 by the middleware; aiohttp has no one to answer
@@ -165,6 +173,19 @@ async def _whole(request: web.Request, turn: Turn, shape: ResponseShape) -> web.
     body = shape.whole(choices, usage(len(parsed.prompt_ids), turn.completion_tokens))
     body["edgedecode"] = turn.report.to_json()
     return web.json_response(body)
+
+
+def _calls_reader(turn: Turn) -> ToolCallReader | None:
+    """A reader of one choice's tool calls, for a request whose answer may make them."""
+    rule = turn.request.output
+    if rule is None or rule.form is None or not rule.calls:
+        return None
+    return ToolCallReader(rule.form, [tool.name for tool in rule.tools])
+
+
+def _finish_reason(reason: str, reader: ToolCallReader | None) -> str:
+    """A choice's finish reason: "tool_calls" for one that ended with calls made, as OpenAI says it."""
+    return "tool_calls" if reader is not None and reader.calls and reason == "stop" else reason
 
 
 async def _stream(request: web.Request, turn: Turn, shape: ResponseShape, timeout_s: float) -> web.StreamResponse:
@@ -179,6 +200,7 @@ async def _stream(request: web.Request, turn: Turn, shape: ResponseShape, timeou
 
     try:
         begun = 0  # choices whose first chunk went out
+        reader = _calls_reader(turn)  # the choice's tool calls, where it may make them
         if chat:
             await send(shape.chunk(first=True))
             begun = 1
@@ -187,12 +209,19 @@ async def _stream(request: web.Request, turn: Turn, shape: ResponseShape, timeou
                 if chat and piece.index == begun:  # a further choice begins: its role first
                     await send(shape.chunk(index=piece.index, first=True))
                     begun += 1
-                if piece.text or piece.entries:
-                    await send(shape.chunk(piece.text, index=piece.index, entries=piece.entries))
+                    reader = _calls_reader(turn)
+                text, deltas = (piece.text, []) if reader is None else reader.feed(piece.text)
+                if piece.finish_reason is not None and reader is not None:
+                    text += reader.finish()
+                if text or piece.entries:
+                    await send(shape.chunk(text, index=piece.index, entries=piece.entries))
+                if deltas:
+                    await send(shape.chunk(index=piece.index, tool_calls=[delta.to_json() for delta in deltas]))
                 if piece.finish_reason is not None and piece.index < last:
-                    await send(shape.chunk(index=piece.index, finish_reason=piece.finish_reason))
+                    finish = _finish_reason(piece.finish_reason, reader)
+                    await send(shape.chunk(index=piece.index, finish_reason=finish))
         # the last choice's final chunk carries the report, complete once the pieces have ended
-        final = shape.chunk(index=last, finish_reason=turn.finish_reason)
+        final = shape.chunk(index=last, finish_reason=_finish_reason(turn.finish_reason, reader))
         final["edgedecode"] = turn.report.to_json()
         await send(final)
         if parsed.include_usage:

@@ -8,19 +8,27 @@ carry ``session_id`` (a conversation whose KV the daemon keeps between turns; th
 ``X-Session-Id`` header works too), ``top_k`` and ``ttft_target_ms`` (a time-to-first-token
 target for this request, 0 for none, overriding ``daemon.ttft_target_ms``); every final response
 or chunk carries an ``edgedecode`` object with the turn's timings and where its KV came from.
+Chat requests may ask for JSON (``response_format``) and offer ``tools`` (``output_rules``: the
+constraint; ``tool_prompt``: how the model is told of them and of past calls and results).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgedecode.daemon.output_rules import OutputRule, output_rule
+from edgedecode.daemon.tool_prompt import chat_messages, tool_format
 from edgedecode.errors import RequestError
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.logprobs import MAX_TOP
 from edgedecode.runtime.sampler import SamplingParams
+
+if TYPE_CHECKING:  # the type only: llguidance is imported where grammars are made
+    from edgedecode.runtime.constraint import Grammar
 
 MAX_STOP_STRINGS = 4
 # Choices one request may ask for: they run one after the other in the request's slot (the prompt's
@@ -30,16 +38,14 @@ MAX_LEGACY_LOGPROBS = 5  # /v1/completions' logprobs (alternatives per position)
 # Fields this server does not implement; a request that asks for one (any value but null, false, 0 or
 # empty) is refused rather than answered as if the field were not there.
 _UNSUPPORTED = (
-    "tools",
     "functions",
-    "tool_choice",
     "function_call",
     "logit_bias",
-    "response_format",
     "suffix",
     "presence_penalty",
     "frequency_penalty",
 )
+_CHAT_ONLY = ("tools", "tool_choice", "response_format")  # chat completions' fields, refused on /v1/completions
 
 
 class APIRequestError(RequestError):
@@ -72,6 +78,8 @@ class CompletionRequest:
     n: int = 1  # choices, generated one after the other in the request's slot
     logprobs: int | None = None  # alternatives per position with each token's log-probability (None: none asked)
     echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' log-probabilities) first
+    output: OutputRule | None = None  # the answer's form (response_format, tools); None: free text
+    grammar: Grammar | None = None  # ``output``'s grammar, compiled (by the daemon, off the event loop)
 
     @property
     def prompt_logprobs(self) -> bool:
@@ -104,9 +112,11 @@ def parse_request(
     beyond it is refused (context_length_exceeded), the default is cut to fit. Client text spells
     control tokens only with ``allow_special_tokens``; otherwise ``<|im_start|>`` is plain text.
     """
-    for name in _UNSUPPORTED:
+    for name in _UNSUPPORTED + (_CHAT_ONLY if kind == "text" else ()):
         if body.get(name):
-            raise APIRequestError(f"{name} is not supported by this server", name)
+            raise APIRequestError(
+                f"{name} is not supported by this server{' on /v1/completions' * (name in _CHAT_ONLY)}", name
+            )
     if body.get("model") not in (None, model.record.name):
         raise ModelNotFoundError(
             f"this server serves {model.record.name!r}, not {body['model']!r}", "model", "model_not_found"
@@ -114,8 +124,9 @@ def parse_request(
     n = _choices(body)
     logprobs = _chat_logprobs(body) if kind == "chat" else _text_logprobs(body)
     echo = _echo(body, kind)
+    output = _output_rule(body, model) if kind == "chat" else None
     prompt_ids = (
-        _chat_prompt(body, model, allow_special_tokens)
+        _chat_prompt(body, model, allow_special_tokens, output)
         if kind == "chat"
         else _text_prompt(body, model, allow_special_tokens)
     )
@@ -152,6 +163,7 @@ def parse_request(
         n,
         logprobs,
         echo,
+        output,
     )
 
 
@@ -255,17 +267,62 @@ def _number(value, name: str, kind: type, low: float, high: float | None):
     return kind(value)
 
 
-def _chat_prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.ndarray:
+def _output_rule(body: dict, model: LoadedModel) -> OutputRule | None:
+    if not any(body.get(name) is not None for name in _CHAT_ONLY):
+        return None
+    try:
+        return output_rule(body, tool_format(model.tokenizer.chat_template))
+    except RequestError as exc:
+        raise APIRequestError(str(exc), exc.param) from exc
+
+
+def _chat_prompt(body: dict, model: LoadedModel, allow_special_tokens: bool, output: OutputRule | None) -> np.ndarray:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIRequestError("messages must be a non-empty list", "messages")
-    rendered = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ("system", "developer", "user", "assistant"):
-            raise APIRequestError(f"messages[{i}] needs a role of system, developer, user or assistant", "messages")
-        role = "system" if message["role"] == "developer" else message["role"]
-        rendered.append({"role": role, "content": _content_text(message.get("content"), i)})
-    return np.asarray(model.tokenizer.encode_chat(rendered, special_in_content=allow_special_tokens), np.int64)
+    checked = [_message(message, i) for i, message in enumerate(messages)]
+    specs = [tool.spec for tool in output.tools] if output is not None and output.tools else None
+    native = False
+    if specs or any(m["role"] == "tool" or "tool_calls" in m for m in checked):  # the template's tool format matters
+        form = output.form if output is not None and output.form else tool_format(model.tokenizer.chat_template)
+        checked, native = chat_messages(checked, specs, form), form.native
+    ids = model.tokenizer.encode_chat(checked, special_in_content=allow_special_tokens, tools=specs if native else None)
+    return np.asarray(ids, np.int64)
+
+
+def _message(message: object, index: int) -> dict:
+    """A chat message, checked: a role of system (developer), user, assistant or tool and text content;
+    an assistant's ``tool_calls`` (its content may then be null), a tool result's ``tool_call_id``."""
+    roles = ("system", "developer", "user", "assistant", "tool")
+    if not isinstance(message, dict) or message.get("role") not in roles:
+        raise APIRequestError(f"messages[{index}] needs a role of {', '.join(roles)}", "messages")
+    role = "system" if message["role"] == "developer" else message["role"]
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if calls is not None and not (isinstance(calls, list) and all(_is_call(call) for call in calls)):
+        raise APIRequestError(
+            f'messages[{index}].tool_calls must be a list of {{"id", "type": "function", "function": '
+            '{"name", "arguments"}}',
+            "messages",
+        )
+    content = message.get("content")
+    checked: dict = {"role": role, "content": "" if content is None and calls else _content_text(content, index)}
+    if calls:
+        checked["tool_calls"] = calls
+    if role == "tool":
+        call_id = message.get("tool_call_id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise APIRequestError(f"messages[{index}].tool_call_id must be a string", "messages")
+        checked["tool_call_id"] = call_id
+    return checked
+
+
+def _is_call(call: object) -> bool:
+    function = call.get("function") if isinstance(call, dict) else None
+    return (
+        isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and isinstance(function.get("arguments"), str)
+    )
 
 
 def _content_text(content, index: int) -> str:

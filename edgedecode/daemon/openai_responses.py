@@ -147,6 +147,7 @@ class ChoiceResult:
     text: str
     finish_reason: str
     entries: list[Entry] | None = None
+    tool_calls: list[dict] | None = None  # chat: the calls the answer made (None: it is text)
 
 
 @dataclass
@@ -179,12 +180,18 @@ class ResponseShape:
         first: bool = False,
         finish_reason: str | None = None,
         entries: list[Entry] | None = None,
+        tool_calls: list[dict] | None = None,
     ) -> dict:
         """One streamed chunk of choice ``index``: a text delta with the entries of the tokens it
-        completes (None: no log-probabilities asked for), or the final one with its finish reason."""
+        completes (None: no log-probabilities asked for), chat's ``tool_calls`` deltas, or the final
+        one with its finish reason."""
         logprobs = None if entries is None else self.logprobs(entries)
         if self.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            delta: dict[str, object] = (
+                {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+            )
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return {**self._envelope("chat.completion.chunk"), "choices": [choice]}
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
@@ -201,10 +208,13 @@ class ResponseShape:
         for index, choice in enumerate(choices):
             logprobs = None if choice.entries is None else self.logprobs(choice.entries)
             if self.kind == "chat":
+                message: dict = {"role": "assistant", "content": choice.text}
+                if choice.tool_calls:
+                    message = {"role": "assistant", "content": choice.text or None, "tool_calls": choice.tool_calls}
                 shaped.append(
                     {
                         "index": index,
-                        "message": {"role": "assistant", "content": choice.text},
+                        "message": message,
                         "logprobs": logprobs,
                         "finish_reason": choice.finish_reason,
                     }

@@ -39,6 +39,7 @@ class TurnReport:
     decision: str | None = None  # the KV plan: "remote", "local" or "split" (None: no plan, e.g. no server)
     head_tokens: int = 0  # a split's leading tokens computed here while the rest was pulled
     predicted_seconds: float | None = None  # the plan's predicted time to have the KV
+    why: str | None = None  # what decided the plan
     ttft_target_seconds: float | None = None
 
     @property
@@ -55,10 +56,11 @@ class TurnReport:
     def pulled(self, pull: Pull) -> None:
         """What the remote made of the turn's KV (a split's tail reports with ``fetched`` once in)."""
         if pull.plan is not None:
-            self.decision, self.predicted_seconds, self.head_tokens = (
+            self.decision, self.predicted_seconds, self.head_tokens, self.why = (
                 pull.plan.decision,
                 pull.plan.predicted_s,
                 pull.plan.head,
+                pull.plan.why,
             )
         self.budget = pull.budget
         self.fallback_reason = pull.fallback
@@ -103,6 +105,7 @@ class TurnReport:
                 "decision": self.decision,
                 "head_tokens": self.head_tokens,
                 "predicted_ms": None if self.predicted_seconds is None else round(self.predicted_seconds * 1e3, 2),
+                "why": self.why,
             },
             "ttft_target_ms": None if self.ttft_target_seconds is None else round(self.ttft_target_seconds * 1e3, 2),
             "ttft_target_met": self.target_met,

@@ -13,9 +13,9 @@ from edgedecode.daemon.app import create_app
 from edgedecode.daemon.embedded import EmbeddedPrefill
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.service import DecodeService
-from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.session import decode_options
 from edgedecode.serving.heap import return_freed_buffers
 from edgedecode.serving.lifecycle import serve_as_service
 from edgedecode.tls import server_tls
@@ -27,7 +27,7 @@ def build_engines(model: LoadedModel, config: Config) -> list[Engine]:
     """The decode engines of ``config.daemon.slots`` slots: one onnxruntime session of the INT4 decode
     graph, each engine with its own KV buffers of ``config.daemon.max_context`` tokens."""
     d, m = config.daemon, config.model
-    options = GraphOptions.for_device("decode", m.device)
+    options = decode_options(m.device)
     threads = m.threads or None
     first = Engine(model, options, max_context=d.max_context, device=m.device, threads=threads)
     return [first] + [
@@ -55,7 +55,7 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
         metrics = DaemonMetrics()
         engines = build_engines(model, config)
         service = DecodeService(model, engines, config, metrics, prefill_url, prefill_token)
-        service.planner.local_speed.calibrate(engines[0])  # ~1.5 s on 2 cores, before any request
+        service.planner.calibrate_local(engines[0])  # ~1.5 s on 2 cores, before any request
         await serve_as_service(
             create_app(service, config, metrics, embedded),
             settings.host,

@@ -8,26 +8,34 @@
   learned of its links and its own speed to decide it;
 - ``remote`` (``pull.remote.PrefillRemote``): the prefill server's HTTP session, the circuit breaker
   and the ingest thread;
-- ``worker`` (``worker.DecodeWorker``): the one onnxruntime thread.
+- ``worker`` (``worker.DecodeWorker``): the one onnxruntime thread;
+- ``grammars`` (``runtime.constraint.GrammarCompiler``): the grammars of structured answers and tool
+  calls, compiled against the model's tokenizer once each.
 
 A request is a ``turn.Turn`` over them (docs/architecture.md: a turn's life in six steps).
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import Callable, Sequence
+from functools import cached_property
 
 from edgedecode.config import Config
 from edgedecode.daemon.memory.ledger import MemoryLedger
 from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.daemon.metrics import DaemonMetrics
 from edgedecode.daemon.openai_api import CompletionRequest
+from edgedecode.daemon.pull import calibration as calibrations
 from edgedecode.daemon.pull.planner import KVPlanner
 from edgedecode.daemon.pull.remote import PrefillRemote
 from edgedecode.daemon.slots import DecodeEngine, SlotLease, SlotPool
 from edgedecode.daemon.turn import Turn
 from edgedecode.daemon.worker import DecodeWorker
+from edgedecode.errors import RequestError
 from edgedecode.model.loader import LoadedModel
+from edgedecode.runtime.constraint import GrammarCompiler
 
 WORKER_STALL_SECONDS = 60.0  # a step taking longer than this marks the daemon unhealthy (watchdog)
 
@@ -62,7 +70,8 @@ class DecodeService:
         self.pool = SlotPool(engines, d.max_queue)
         self.worker = DecodeWorker()
         spec = model.spec
-        self.planner = KVPlanner(d, spec.kv_bytes_per_token_fp16, spec.kv_contract, metrics)
+        calibration = calibrations.for_model(model.record.name)
+        self.planner = KVPlanner(d, spec.kv_bytes_per_token_fp16, spec.kv_contract, metrics, calibration)
         self.remote = PrefillRemote(prefill_url, prefill_token, d, self.planner, metrics)
         self.memory = MemoryLedger(
             ConversationStore(d.max_sessions, metrics.conversations),
@@ -92,6 +101,24 @@ class DecodeService:
     def healthy(self) -> bool:
         """The worker thread is alive and not stuck (what the systemd watchdog pings on)."""
         return self.worker.healthy(WORKER_STALL_SECONDS)
+
+    @cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The model's grammars (made on the first request that asks for one)."""
+        spec = self.model.spec
+        return GrammarCompiler(self.model.tokenizer, spec.vocab_size, spec.stop_token_ids)
+
+    async def constrained(self, request: CompletionRequest) -> CompletionRequest:
+        """``request`` with its output rule's grammar compiled (on a thread: a complex schema takes a
+        while; a cached one is immediate); a grammar that does not compile is a 400 naming its field."""
+        rule = request.output
+        if rule is None or rule.grammar is None:
+            return request
+        try:
+            grammar = await asyncio.to_thread(self.grammars.compile, rule.grammar)
+        except RequestError as exc:
+            raise RequestError(f"{rule.param}: {exc}", rule.param) from exc
+        return dataclasses.replace(request, grammar=grammar)
 
     def turn(self, request: CompletionRequest, client: str, arrived: float) -> Turn:
         """A turn for ``request`` from ``client``, arrived at ``arrived`` (``time.perf_counter()``)."""

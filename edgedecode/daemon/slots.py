@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import KVSource, StreamedKV
 from edgedecode.runtime.logprobs import ScoredRun, ScoredToken
 from edgedecode.runtime.sampler import SamplingParams
+
+if TYPE_CHECKING:  # the type only: llguidance is imported where grammars are made
+    from edgedecode.runtime.constraint import TokenMask
 
 
 class DecodeEngine(Protocol):
@@ -102,11 +105,24 @@ class DecodeEngine(Protocol):
         ...
 
     def generate(
-        self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0
+        self,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        kv: KVSource = None,
+        keep: int = 0,
+        *,
+        constraint: TokenMask | None = None,
     ) -> Iterator[int]: ...
 
     def generate_scored(
-        self, prompt_ids: np.ndarray, params: SamplingParams, kv: KVSource = None, keep: int = 0, *, top: int = 0
+        self,
+        prompt_ids: np.ndarray,
+        params: SamplingParams,
+        kv: KVSource = None,
+        keep: int = 0,
+        *,
+        top: int = 0,
+        constraint: TokenMask | None = None,
     ) -> Iterator[ScoredToken]:
         """``generate``, each token with its log-probability and the ``top`` most likely tokens'."""
         ...

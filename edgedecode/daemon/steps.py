@@ -52,7 +52,7 @@ def turn_steps(
     while waiting, the worker serves the others meanwhile; an echo with logprobs computes and scores
     the whole prompt here, yielding its ScoredRuns), then each choice's tokens (ints, or ScoredTokens
     with logprobs) and its ChoiceEnd. Choices after the first keep the prompt's KV the engine holds
-    and run its last token again."""
+    and run its last token again. A request with a grammar starts each choice at the grammar's start."""
     prompt = request.prompt_ids
     if arrived is not None:
         assert stream is not None
@@ -69,10 +69,13 @@ def turn_steps(
             continue
         if index:
             stream, keep = None, engine.reusable_prefix(prompt)
+        constraint = None if request.grammar is None else request.grammar.start()
         steps = (
-            engine.generate(prompt, params, kv=stream, keep=keep)
+            engine.generate(prompt, params, kv=stream, keep=keep, constraint=constraint)
             if request.logprobs is None
-            else engine.generate_scored(prompt, params, kv=stream, keep=keep, top=request.logprobs)
+            else engine.generate_scored(
+                prompt, params, kv=stream, keep=keep, top=request.logprobs, constraint=constraint
+            )
         )
         for item in steps:
             yield item

@@ -17,6 +17,7 @@ bits, eight per byte, D/8 bytes).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -53,6 +54,8 @@ class QuantLayout:
             raise ValueError(f"head_dim {head_dim} is not a multiple of the token-axis group {self.group}")
 
 
+GroupRange = Callable[[np.ndarray, "QuantLayout"], tuple[np.ndarray, np.ndarray]]
+
 # (keys, values) per quantized tier; research/kv_calibration.md: INT8 per token is lossless, INT4 needs
 # per-channel keys over 32-token groups.
 DEFAULT_LAYOUTS: dict[Tier, tuple[QuantLayout, QuantLayout]] = {
@@ -70,6 +73,7 @@ _UNPACK = {
 # 3-bit codes, four at a time: index = the byte of their low two bits | the nibble of their high bits << 8
 _UNPACK3 = (_UNPACK[2][np.arange(4096) & 0xFF] + 4 * _UNPACK[1][np.arange(4096) >> 8, :4]).astype(np.float32)
 _FP16_TO_FP32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+_ROUND_TO_LOW_BYTE = np.float32(1 << 23)
 
 
 def codes_shape(layout: QuantLayout, n_tokens: int, head_dim: int) -> tuple[int, int]:
@@ -104,8 +108,14 @@ def token_nbytes(
     return float(sum(n_kv_heads * head_dim * (lay.bits / 8 + 4 / lay.group) for lay in layouts[tier]))
 
 
-def quantize(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def quantize(
+    x: np.ndarray, layout: QuantLayout, group_range: GroupRange | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Quantize ``x [..., m, D]`` (float16 or float32).
+
+    ``group_range(x, layout)`` returns each group's (min, max) of float32 ``x`` (any strides), shaped like the
+    params; another than the default (``numpy_group_range``, on a C-contiguous copy) must return the same values,
+    the sign of a zero minimum included.
 
     Returns:
         ``(codes uint8 [..., m, D·bits/8], scales float16, zeros float16)``, params shaped as `params_shape`.
@@ -118,15 +128,20 @@ def quantize(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray
         raise TypeError(f"quantize takes float16 or float32, got {x.dtype}")
     d = x.shape[-1]
     layout.check_head_dim(d)
-    x = np.ascontiguousarray(x, np.float32)
-    lo, hi = _group_reduce(np.minimum, x, layout), _group_reduce(np.maximum, x, layout)
-    scales, zeros = _fp16_params(lo, hi, layout.bits)
+    if x.dtype == np.float16:
+        x = widen_fp16(x)
+    if group_range is None:
+        x = np.ascontiguousarray(x)  # the token axis's reduceat runs over the flat array
+    lo, hi = (group_range or numpy_group_range)(x, layout)
+    (scales, scales32), (zeros, zeros32) = _fp16_params(lo, hi, layout.bits)
     q = np.empty(x.shape, np.float32)
-    _per_group(np.subtract, x, zeros.astype(np.float32), layout, q)
-    _per_group(np.divide, q, scales.astype(np.float32), layout, q)
-    np.rint(q, out=q)
-    np.clip(q, 0, (1 << layout.bits) - 1, out=q)
-    return _pack(q.astype(np.uint8), layout.bits), scales, zeros
+    _per_group(np.subtract, x, zeros32, layout, q)
+    _per_group(np.divide, q, scales32, layout, q)
+    # q lies in [0, 2^b - 1] (x >= zero, and scale >= (max - zero) / (2^b - 1): both rounded outwards, so clipping
+    # changes nothing). Adding 2^23 rounds it half to even onto the integers, as rint does (float32 keeps no fraction
+    # from 2^23 on), and leaves the code in the float's low byte: one pass instead of rint, clip and a cast.
+    np.add(q, _ROUND_TO_LOW_BYTE, out=q)
+    return _pack(q.view(np.uint8)[..., ::4], layout.bits), scales, zeros
 
 
 def dequantize_into(
@@ -169,6 +184,11 @@ def widen_fp16_into(rows: np.ndarray, out: np.ndarray, scratch: np.ndarray | Non
         np.copyto(out, values)
 
 
+def widen_fp16(rows: np.ndarray) -> np.ndarray:
+    """float16 ``rows`` as a new C-contiguous float32 array, exactly (the table gather of ``widen_fp16_into``)."""
+    return np.take(_FP16_TO_FP32, rows.view(np.uint16), mode="clip")
+
+
 def _float32_buffer(out: np.ndarray, scratch: np.ndarray | None) -> np.ndarray:
     """A C-contiguous float32 array shaped like `out`: out itself if it qualifies, else scratch, else new."""
     if out.dtype == np.float32 and out.flags.c_contiguous:
@@ -178,24 +198,49 @@ def _float32_buffer(out: np.ndarray, scratch: np.ndarray | None) -> np.ndarray:
     return np.empty(out.shape, np.float32)
 
 
-def _fp16_params(lo: np.ndarray, hi: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scale, zero) as float16 per group: zero rounded down from min, scale rounded up, so x̂ covers [min, max]."""
+def _fp16_params(
+    lo: np.ndarray, hi: np.ndarray, bits: int
+) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """(scale, zero) per group, each as float16 and as the same values in float32: zero rounded down from min,
+    scale rounded up, so x̂ covers [min, max]."""
     if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
         raise ValueError("cannot quantize non-finite KV values (inf or NaN)")
     if lo.size and max(-float(lo.min()), float(hi.max())) > FP16_MAX:
         raise ValueError(f"cannot quantize KV values beyond the float16 range ±{FP16_MAX:g}")
-    zeros = _round_fp16(lo, up=False)
-    span = hi.astype(np.float64) - zeros
-    scales = _round_fp16(np.maximum(span / ((1 << bits) - 1), MIN_SCALE), up=True)
-    return scales, zeros
+    zeros, zeros64 = _round_fp16_exact(lo, up=False)
+    span = hi.astype(np.float64) - zeros64
+    scales, scales64 = _round_fp16_exact(np.maximum(span / ((1 << bits) - 1), MIN_SCALE), up=True)
+    return (scales, scales64.astype(np.float32)), (zeros, zeros64.astype(np.float32))
 
 
 def _round_fp16(v: np.ndarray, up: bool) -> np.ndarray:
-    """The nearest float16 on one side of v: the smallest ≥ v when `up`, else the largest ≤ v."""
-    h = v.astype(np.float16)
-    wrong = h.astype(v.dtype) < v if up else h.astype(v.dtype) > v
-    h[wrong] = np.nextafter(h[wrong], np.float16(np.inf if up else -np.inf))
-    return h
+    """The nearest float16 on one side of v (within ±65504): the smallest ≥ v when `up`, else the largest ≤ v."""
+    return _round_fp16_exact(v, up)[0]
+
+
+def _round_fp16_exact(v: np.ndarray, up: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``_round_fp16(v, up)`` as float16 and as the same values in float64.
+
+    In v's binade [2^(e-1), 2^e) float16 values are the multiples of 2^(e-11) (of 2^-24 below 2^-14), so v is
+    scaled by that power of two and rounded to an integer count of steps, every step exact in float64. The float16
+    is built from its bits, not converted (numpy's conversion costs more than the rest together): a count c of
+    steps in binade e >= -13 is the bit pattern ((e + 14) << 10) + c - 1024, which carries into the next binade
+    at c = 2048 and gives the subnormal c below 2^-14 (e clamped to -13); a zero count is a zero of the count's sign.
+    """
+    v = v.astype(np.float64)
+    _, e = np.frexp(v)
+    binade = np.maximum(e, -13)
+    shift = 11 - binade
+    steps = (np.ceil if up else np.floor)(np.ldexp(v, shift))
+    count = np.abs(steps).astype(np.int32)
+    magnitude = np.where(count == 0, 0, ((binade + 14) << 10) + count - 1024)
+    bits = (magnitude | (np.signbit(steps).astype(np.int32) << 15)).astype(np.uint16)
+    return bits.view(np.float16), np.ldexp(steps, -shift)
+
+
+def numpy_group_range(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's (min, max) of C-contiguous float32 ``x [..., m, D]``, shaped like the params."""
+    return _group_reduce(np.minimum, x, layout), _group_reduce(np.maximum, x, layout)
 
 
 def _group_reduce(ufunc: np.ufunc, x: np.ndarray, layout: QuantLayout) -> np.ndarray:
@@ -245,9 +290,10 @@ def _index3(codes: np.ndarray) -> np.ndarray:
 
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 codes [..., D] -> bytes [..., D·bits/8], lowest bits first (3 bits: two planes, see the module)."""
+    """uint8 codes [..., D] (any strides) -> bytes [..., D·bits/8], lowest bits first (3 bits: two planes, see the
+    module)."""
     if bits == 8:
-        return q
+        return np.ascontiguousarray(q)
     if bits == 3:
         return np.concatenate([_pack(q & 3, 2), _pack(q >> 2, 1)], axis=-1)
     per = 8 // bits

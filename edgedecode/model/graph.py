@@ -3,8 +3,13 @@ per-block functions.
 
 Two variants share every block but the linear layers, the embedding and the head:
 
-* ``decode``: the INT4 edge graph. Linear layers are MatMulNBits without zero points (the fast path),
-  4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
+* ``decode``: the INT4 edge graph. With ``kernels="gguf"`` every quantized matrix is one of edgedecode's own
+  MatMulGGUF ops over the GGUF's blocks as stored, the embedding a GatherGGUF over its rows, and a tied
+  LM head reads the very same initializer (edgedecode/kernels; nothing below applies to them); on CUDA
+  (float16) each layer's linears, norms and residual adds fuse into four FusedMatMulGGUF nodes where the
+  architecture allows (graph_fused.py); on a CPU with its SIMD paths the KV is float16 and attention is
+  edgedecode's DecodeAttention. With the stock ops, linear layers are MatMulNBits without zero points (the
+  fast path), 4-bit where the GGUF type is 4-bit and 8-bit for the 5-, 6- and 8-bit types (weights.py), plus,
   for the asymmetric types (Q4_1, Q4_K, Q5_1, Q5_K), a per-block correction ``blocksum(x) @ C``
   computed once per distinct input (or, per ``GraphOptions.q4_1``, float zero points ``−m/d``, a
   K-doubled "stacked" form, or, the CUDA default, zero points for small models and the correction
@@ -14,15 +19,18 @@ Two variants share every block but the linear layers, the embedding and the head
 
 Both use GroupQueryAttention with RoPE fused (rotate-half order, post-RoPE keys written to the
 present) and take past/present KV as ``[batch, kv_heads, max_context, head_dim]`` buffers that the
-runtime binds as both input and output. I/O names follow onnxruntime-genai, with ``position_ids``
-(int64 [B, S]: the true positions of the new tokens, which RoPE uses; they run ahead of the cache
-slots once dropped tokens were compacted away) always present, and one addition:
+runtime binds as both input and output; a float32 decode graph with a float16 KV
+(``GraphOptions.kv_dtype``) runs edgedecode's DecodeAttention instead, which computes the same over
+half the bytes. I/O names follow onnxruntime-genai, with ``position_ids`` (int64 [B, S]: the true
+positions of the new tokens, which RoPE uses; they run ahead of the cache slots once dropped tokens
+were compacted away) always present, and one addition:
 ``logits_positions`` (int64 [K], negative values count from the end): the sequence positions whose
 logits are computed, so a prompt pass pays for one LM-head row instead of S.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import groupby
@@ -31,9 +39,11 @@ import numpy as np
 import onnx
 
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.model.graph_fused import fused_decoder_layers, unfused_reason
 from edgedecode.model.onnx_builder import (
     INT32,
     INT64,
+    KERNEL_DOMAIN,
     MS_DOMAIN,
     GraphBuilder,
     onnx_dtype,
@@ -46,8 +56,9 @@ from edgedecode.model.requant import (
     requantize_layers,
 )
 from edgedecode.model.spec import ModelSpec
-from edgedecode.model.weights import BlockQuantized, ModelTensors, concat_rows, n_blocks
+from edgedecode.model.weights import BlockQuantized, GGUFMatrix, ModelTensors, n_blocks, stack_rows
 
+logger = logging.getLogger(__name__)
 GRAPH_KINDS = ("decode", "prefill")
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
 # How the decode graph applies per-block offsets (Q4_1's m, asymmetric re-quantization):
@@ -71,6 +82,13 @@ BY_SIZE_CORRECTION_ELEMENTS = 30_000_000
 # The form each device's decode graph ships with. CUDA: by size (above). CPU: the correction, since
 # onnxruntime's CPU kernel takes a ~20x slower path with float zero points.
 DEVICE_Q4_1 = {"cpu": "correction", "cuda": "by_size"}
+# Which ops read the quantized weights: "stock" = onnxruntime's MatMulNBits and GatherBlockQuantized over the
+# weights re-laid in their form (above); "gguf" = edgedecode's own MatMulGGUF and GatherGGUF (edgedecode/kernels),
+# which read the GGUF's blocks as stored. The runtime picks "gguf" where its kernel library loads.
+KERNEL_FORMS = ("stock", "gguf")
+# The KV dtypes a graph may keep (GraphOptions.kv_dtype). A float16 KV in a float32 graph takes edgedecode's
+# DecodeAttention (onnxruntime's GroupQueryAttention ties the cache's dtype to the graph's), so the "gguf" form only.
+KV_DTYPES = ("float32", "float16")
 # The widths onnxruntime 1.31's CPU MatMulNBits takes float zero points at ("Only 2b and 4b quantization
 # is supported for unpacked compute"); 8-bit weights with offsets (Q5_1, Q5_K) keep the correction in every mode.
 FLOAT_ZERO_POINT_BITS = (2, 4)
@@ -96,15 +114,24 @@ class GraphOptions:
     weights: str = NATIVE
     # How the decode graph applies the blocks' offsets (Q4_1's m): one of Q4_1_MODES.
     q4_1: str = "correction"
+    # Which ops read the decode graph's quantized weights: one of KERNEL_FORMS.
+    kernels: str = "stock"
+    # The KV's dtype (past_key_values.* / present.*): None = the graph's dtype; "float16" in a float32 decode
+    # graph of the "gguf" form (DecodeAttention).
+    kv_dtype: str | None = None
 
     @classmethod
-    def for_device(cls, kind: str, device: str, accuracy_level: int = 4) -> GraphOptions:
+    def for_device(
+        cls, kind: str, device: str, accuracy_level: int = 4, kernels: str = "stock", kv_dtype: str | None = None
+    ) -> GraphOptions:
         """The ``kind`` graph as it ships for ``device``: float16 on CUDA, float32 elsewhere; the decode
-        graph at ``accuracy_level`` with the device's Q4_1 form (DEVICE_Q4_1; "correction" for others).
-        The prefill graph has no MatMulNBits, so it takes neither."""
+        graph at ``accuracy_level`` with ``kernels``, its KV in ``kv_dtype`` (None: the graph's dtype) and, for
+        the stock ops, the device's Q4_1 form (DEVICE_Q4_1; "correction" for others). The prefill graph has
+        dense weights, so it takes none of them."""
         dtype = "float16" if device == "cuda" else "float32"
         if kind == "decode":
-            return cls(kind, dtype, accuracy_level, q4_1=DEVICE_Q4_1.get(device, "correction"))
+            q4_1 = DEVICE_Q4_1.get(device, "correction") if kernels == "stock" else "correction"
+            return cls(kind, dtype, accuracy_level, q4_1=q4_1, kernels=kernels, kv_dtype=kv_dtype)
         return cls(kind, dtype)
 
     def __post_init__(self) -> None:
@@ -129,7 +156,24 @@ class GraphOptions:
             raise GraphOptionsError(
                 f"q4_1={self.q4_1!r} applies to the decode graph only; the {self.kind} graph uses dense float weights"
             )
+        if self.kernels not in KERNEL_FORMS:
+            raise GraphOptionsError(f"kernels must be one of {KERNEL_FORMS}, not {self.kernels!r}")
+        if self.kernels != "stock" and self.kind != "decode":
+            raise GraphOptionsError(
+                f"kernels={self.kernels!r} applies to the decode graph only; the {self.kind} graph uses dense weights"
+            )
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", self.dtype)
+        if self.kv_dtype not in KV_DTYPES:
+            raise GraphOptionsError(f"kv_dtype must be one of {KV_DTYPES}, not {self.kv_dtype!r}")
+        if self.kv_dtype != self.dtype and (self.kind, self.dtype, self.kernels) != ("decode", "float32", "gguf"):
+            raise GraphOptionsError(
+                f"kv_dtype={self.kv_dtype!r} in a {self.dtype} graph needs the float32 decode graph with "
+                "kernels='gguf' (edgedecode's DecodeAttention); other graphs keep the KV in their own dtype"
+            )
         if self.kind == "prefill":  # no MatMulNBits in it: one prefill graph serves every accuracy level
+            object.__setattr__(self, "accuracy_level", 0)
+        if self.kernels == "gguf" and self.dtype == "float16":  # the CUDA ops take float activations only
             object.__setattr__(self, "accuracy_level", 0)
         if self.emit_queries is None:
             object.__setattr__(self, "emit_queries", self.kind == "prefill")
@@ -142,6 +186,16 @@ class GraphOptions:
     @property
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype)
+
+    @property
+    def kv_np_dtype(self) -> np.dtype:
+        """The KV buffers' dtype (the runtime allocates them in it)."""
+        return np.dtype(self.kv_dtype)
+
+    @property
+    def own_attention(self) -> bool:
+        """Whether attention is edgedecode's DecodeAttention (a float16 KV in a float32 graph), not GQA."""
+        return self.kv_dtype != self.dtype
 
 
 def input_names(spec: ModelSpec) -> list[str]:
@@ -170,6 +224,7 @@ class _Emitter:
         self.residual_dt = np.dtype(np.float32) if not spec.traits.float16_residual else self.dt
         self.embed: BlockQuantized | None = None  # the block embedding table, whose codes a tied head shares
         self.embed_codes: np.ndarray | None = None  # its packed codes, which a tied head reads too
+        self.embed_rows: str | None = None  # a GGUF embedding table's initializer, which a tied head reads too
 
     def const(self, name: str, array: np.ndarray) -> str:
         return self.g.initializer(name, np.asarray(array))
@@ -184,22 +239,42 @@ class _Emitter:
         return self.const(name, np.asarray(array, dtype=self.dt))
 
     # ---- linear layers ---------------------------------------------------------------------
-    def linear(self, x: str, weight, name: str) -> str:
-        """y = x @ W.T for a weight [N, K] (dense) or a BlockQuantized one (decode graph)."""
+    def linear(self, x: str, weight, name: str, output: str | None = None) -> str:
+        """y = x @ W.T for a weight [N, K]: dense, or (decode graph) BlockQuantized or GGUFMatrix;
+        ``output`` names the result (else generated)."""
+        if isinstance(weight, GGUFMatrix):
+            return self._linear_gguf(x, self.const(f"{name}.rows", weight.rows), weight, name, output)
         if isinstance(weight, BlockQuantized):
-            return self._linear_nbits(x, weight, name)
-        return self.g.op1("MatMul", [x, self.weight(f"{name}.weight_t", weight.T)], name=name)
+            return self._linear_nbits(x, weight, name, output)
+        outputs = None if output is None else [output]
+        return self.g.op1("MatMul", [x, self.weight(f"{name}.weight_t", weight.T)], name=name, outputs=outputs)
+
+    def _linear_gguf(self, x: str, rows: str, w: GGUFMatrix, name: str, output: str | None) -> str:
+        """edgedecode's MatMulGGUF over the initializer ``rows`` (the GGUF's blocks of ``w``)."""
+        n, k = w.shape
+        return self.g.op1(
+            "MatMulGGUF",
+            [x, rows],
+            name=name,
+            domain=KERNEL_DOMAIN,
+            outputs=None if output is None else [output],
+            K=k,
+            N=n,
+            ggml_type=int(w.kind),
+            accuracy_level=self.opt.accuracy_level,
+        )
 
     def linear_fused(self, x: str, weights: list, name: str) -> str:
         """Weights stacked along N (QKV, gate+up): one matmul per run of neighbours in the same form.
 
-        A GGUF may store them in different types (Q4_K_M: Q4_K q/k, Q6_K v), and MatMulNBits takes
-        one bit width and block size, so each run gets its own matmul and a Concat joins them.
+        A GGUF may store them in different types (Q4_K_M: Q4_K q/k, Q6_K v), and a matmul reads one
+        type (MatMulGGUF) or one bit width and block size (MatMulNBits), so each run gets its own
+        matmul and a Concat joins them.
         """
         runs = [list(run) for _, run in groupby(weights, key=_weight_form)]
         if len(runs) == 1:
-            return self.linear(x, _stack(weights), name)
-        parts = [self.linear(x, _stack(run), f"{name}.{i}") for i, run in enumerate(runs)]
+            return self.linear(x, stack_rows(weights), name)
+        parts = [self.linear(x, stack_rows(run), f"{name}.{i}") for i, run in enumerate(runs)]
         return self.g.op1("Concat", parts, name=f"{name}.concat", axis=-1)
 
     def _linear_nbits(self, x: str, w: BlockQuantized, name: str, output: str | None = None) -> str:
@@ -295,11 +370,24 @@ class _Emitter:
 
     # ---- blocks ----------------------------------------------------------------------------
     def embedding(self, ids: str, table) -> str:
-        """The rows of ``ids``: Gather over a dense table, GatherBlockQuantized (plus offsets) over a block one.
+        """The rows of ``ids``: Gather over a dense table, GatherGGUF over a GGUF one, GatherBlockQuantized
+        (plus offsets) over a block one.
 
-        The block table's packed codes ([V, blocks, block_size·bits/8], MatMulNBits' layout) are kept
-        for a tied LM head; its offsets, where the type has them, are gathered and added per block.
+        A table's quantized bytes (GGUF rows, or packed codes [V, blocks, block_size·bits/8] in
+        MatMulNBits' layout) are kept for a tied LM head; a block table's offsets, where the type has
+        them, are gathered and added per block.
         """
+        if isinstance(table, GGUFMatrix):
+            self.embed_rows = self.const("embed.rows", table.rows)
+            return self.g.op1(
+                "GatherGGUF",
+                [self.embed_rows, ids],
+                name="embed",
+                domain=KERNEL_DOMAIN,
+                K=table.shape[1],
+                ggml_type=int(table.kind),
+                dtype=onnx_dtype(self.dt),
+            )
         if not isinstance(table, BlockQuantized):
             return self.g.op1("Gather", [self.weight("embed.weight", table), ids], name="embed", axis=0)
         hidden = table.shape[1]
@@ -326,6 +414,10 @@ class _Emitter:
 
     def lm_head(self, h: str, tensors: ModelTensors) -> str:
         table = tensors.embedding if tensors.lm_head is None else tensors.lm_head
+        if isinstance(table, GGUFMatrix):
+            tied_rows = self.embed_rows if tensors.lm_head is None else None  # a tied head reads the table's bytes
+            rows = tied_rows if tied_rows is not None else self.const("lm_head.rows", table.rows)
+            return self._linear_gguf(h, rows, table, "lm_head", output="logits")
         if isinstance(table, BlockQuantized):
             return self._linear_nbits(h, table, "lm_head", output="logits")
         weight = self.weight("lm_head.weight", table)  # tied: the embedding's bytes, stored once (see _qweight)
@@ -336,16 +428,23 @@ class _Emitter:
         return self.g.op1("Reshape", [logits, shape], outputs=["logits"])
 
     def attention(self, h: str, layer: int, weights, seqlens: str, total: str) -> str:
-        """GroupQueryAttention over the fused QKV projection (plus biases), with RoPE fused into it.
+        """The fused QKV projection (plus biases), attention over it (``attend``) and the output projection."""
+        name = f"layers.{layer}.attn"
+        qkv = self.linear_fused(h, weights.qkv, f"{name}.qkv")
+        if weights.qkv_bias is not None:
+            qkv = self.g.op1("Add", [qkv, self.weight(f"{name}.qkv.bias", weights.qkv_bias)], name=f"{name}.qkv.bias")
+        return self.linear(self.attend(qkv, layer, weights, seqlens, total), weights.o, f"{name}.o")
+
+    def attend(self, qkv: str, layer: int, weights, seqlens: str, total: str) -> str:
+        """GroupQueryAttention over the projected ``qkv`` [B, S, (heads + 2 kv_heads) * head_dim], RoPE fused
+        into it, or with a float16 KV in a float32 graph (``own_attention``) edgedecode's DecodeAttention, which takes
+        the same inputs but ``total`` and computes the same; returns its output [B, S, heads * head_dim].
 
         With QK-norm the queries and keys are normed per head first and go to GQA unpacked, so RoPE
         still runs after the norm. A windowed layer sees its last ``sliding_window`` keys (itself included).
         """
         s = self.spec
         name = f"layers.{layer}.attn"
-        qkv = self.linear_fused(h, weights.qkv, f"{name}.qkv")
-        if weights.qkv_bias is not None:
-            qkv = self.g.op1("Add", [qkv, self.weight(f"{name}.qkv.bias", weights.qkv_bias)], name=f"{name}.qkv.bias")
         qkv_inputs = [qkv, "", ""]
         if weights.q_norm is not None:
             q_width, kv_width = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
@@ -359,30 +458,22 @@ class _Emitter:
         cos, sin = self.rope_cache(layer)
         # local_window_size counts the keys a query sees, itself included (checked against the reference)
         window = s.sliding_window if s.is_sliding(layer) and s.sliding_window else -1
+        past = [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+        own = self.opt.own_attention
         out = self.g.op(
-            "GroupQueryAttention",
-            [
-                *qkv_inputs,
-                f"past_key_values.{layer}.key",
-                f"past_key_values.{layer}.value",
-                seqlens,
-                total,
-                cos,
-                sin,
-                "position_ids",
-            ],
+            "DecodeAttention" if own else "GroupQueryAttention",
+            [*qkv_inputs, *past, seqlens, *([] if own else [total]), cos, sin, "position_ids"],
             3,
             name=name,
-            domain=MS_DOMAIN,
+            domain=KERNEL_DOMAIN if own else MS_DOMAIN,
             outputs=[f"{name}/out", f"present.{layer}.key", f"present.{layer}.value"],
             num_heads=s.n_heads,
             kv_num_heads=s.n_kv_heads,
-            do_rotary=1,
-            rotary_interleaved=0,
             local_window_size=window,
             scale=s.attention_scale,
+            **({} if own else {"do_rotary": 1, "rotary_interleaved": 0}),
         )[0]
-        return self.linear(out, weights.o, f"{name}.o")
+        return out
 
     def head_norm(self, x: str, gamma: np.ndarray, heads: int, name: str) -> str:
         """RMSNorm of each head of x [B, S, heads * head_dim] (QK-norm)."""
@@ -419,12 +510,15 @@ class _Emitter:
         )
 
     def mlp(self, h: str, layer: int, weights) -> str:
-        f = self.spec.ffn_size
         gate_up = self.linear_fused(h, weights.gate_up, f"layers.{layer}.mlp.gate_up")
+        return self.linear(self.gated(gate_up, layer), weights.down, f"layers.{layer}.mlp.down")
+
+    def gated(self, gate_up: str, layer: int) -> str:
+        """act(gate) · up of the stacked projection ``gate_up`` [B, S, 2 * ffn]."""
+        f = self.spec.ffn_size
         split = self.shared("split_ffn", [f, f])
         gate, up = self.g.op("Split", [gate_up, split], 2, name=f"layers.{layer}.mlp.split", axis=-1)
-        act = self.g.op1("Mul", [self.activation(gate, f"layers.{layer}.mlp"), up], name=f"layers.{layer}.mlp.act")
-        return self.linear(act, weights.down, f"layers.{layer}.mlp.down")
+        return self.g.op1("Mul", [self.activation(gate, f"layers.{layer}.mlp"), up], name=f"layers.{layer}.mlp.act")
 
     def activation(self, gate: str, name: str) -> str:
         """The architecture's gate activation: SiLU, or GELU with the tanh approximation (FastGelu)."""
@@ -466,11 +560,14 @@ class _Emitter:
         return self._rope[key]
 
     def mask_lengths(self, mask: str) -> tuple[str, str]:
-        """GQA's seqlens_k (tokens before the last, per row) and total_sequence_length from attention_mask."""
+        """GQA's seqlens_k (tokens before the last, per row) and total_sequence_length from attention_mask
+        (DecodeAttention takes no total: "" then)."""
         axes = self.const("mask_axes", np.array([1], np.int64))
         summed = self.g.op1("ReduceSum", [mask, axes], name="mask.sum", keepdims=0)
         last = self.g.op1("Sub", [summed, self.const("one", np.array(1, np.int64))], name="mask.last")
         seqlens = self.g.op1("Cast", [last], name="seqlens_k", to=INT32)
+        if self.opt.own_attention:
+            return seqlens, ""
         width = self.g.op1(
             "Gather", [self.g.op1("Shape", [mask]), self.const("one_idx", np.array(1, np.int64))], axis=0
         )
@@ -478,16 +575,12 @@ class _Emitter:
         return seqlens, total
 
 
-def _weight_form(weight) -> tuple[int, int] | None:
-    """What a matmul over the weight needs to share with others it is fused with: (bits, block size); None: dense."""
+def _weight_form(weight) -> tuple[int, int] | int | None:
+    """What a matmul over the weight needs to share with others it is fused with: the GGUF type (GGUFMatrix),
+    (bits, block size) (BlockQuantized); None: dense."""
+    if isinstance(weight, GGUFMatrix):
+        return int(weight.kind)
     return (weight.bits, weight.block_size) if isinstance(weight, BlockQuantized) else None
-
-
-def _stack(weights: list) -> BlockQuantized | np.ndarray:
-    """Weights of one form stacked along N."""
-    if len(weights) == 1:
-        return weights[0]
-    return concat_rows(weights) if isinstance(weights[0], BlockQuantized) else np.concatenate(weights)
 
 
 def offset_form_by_size(tensors: ModelTensors) -> str:
@@ -513,18 +606,44 @@ def build_graph(
     e = _Emitter(spec, options)
     g = e.g
     dt = onnx_dtype(options.np_dtype)
+    kv_dt = onnx_dtype(options.kv_np_dtype)
     kv_shape = ["batch", spec.n_kv_heads, "past_sequence_length", spec.head_dim]
     ids = g.input("input_ids", INT64, ["batch", "sequence_length"])
     mask = g.input("attention_mask", INT64, ["batch", "total_sequence_length"])
     g.input("position_ids", INT64, ["batch", "sequence_length"])
     g.input("logits_positions", INT64, ["logits_count"])
     for name in input_names(spec)[4:]:
-        g.input(name, dt, kv_shape)
+        g.input(name, kv_dt, kv_shape)
 
     seqlens, total = e.mask_lengths(mask)
     x = e.embedding(ids, tensors.embedding)
     if spec.traits.embedding_scale:
         x = g.op1("Mul", [x, e.weight("embed.scale", np.array(np.sqrt(spec.hidden_size)))], name="embed.scale")
+    # The own ops' CUDA form (float16) fuses each layer into four FusedMatMulGGUF nodes where the architecture
+    # allows it (graph_fused.unfused_reason says why not); the CPU has no fused op and keeps MatMulGGUF and the norms.
+    own_cuda = options.kernels == "gguf" and options.dtype == "float16"
+    unfused = unfused_reason(spec, tensors) if own_cuda else ""
+    if own_cuda and not unfused:
+        fused_decoder_layers(e, tensors, x, seqlens, total, advance)
+    else:
+        if unfused:
+            logger.info("the CUDA decode graph of %s keeps its linear layers unfused: %s", spec.name, unfused)
+        decoder_layers(e, tensors, x, seqlens, total, advance)
+    g.output("logits", dt, ["batch", "logits_count", spec.vocab_size])
+    for name in present_names(spec):
+        g.output(name, kv_dt, kv_shape)
+    if options.emit_queries:
+        for i in range(spec.n_layers):
+            g.output(f"queries.{i}", dt, ["batch", "logits_count", spec.n_heads * spec.head_dim])
+    return g.model()
+
+
+def decoder_layers(
+    e: _Emitter, tensors: ModelTensors, x: str, seqlens: str, total: str, advance: Callable[[int], None] | None
+) -> None:
+    """The layers after the embedding ``x``, the final norm and the LM head (``logits``), with the stock norms and
+    residual adds around the linear layers; ``advance(1)`` as each layer is emitted."""
+    g, spec = e.g, e.spec
     residual = e.to_residual(x, "embed")
     first_norm = e.rms_norm(residual, tensors.layers[0].attn_norm, "layers.0.attn_norm", e.residual_dt)
     h = e.from_residual(first_norm, "layers.0.attn_norm")
@@ -541,10 +660,3 @@ def build_graph(
     res_sel = g.op1("Gather", [residual, "logits_positions"], name="select.residual", axis=1)
     final, _ = e.skip_norm(mlp_sel, res_sel, tensors.output_norm, "final_norm")
     e.lm_head(final, tensors)
-    g.output("logits", dt, ["batch", "logits_count", spec.vocab_size])
-    for name in present_names(spec):
-        g.output(name, dt, kv_shape)
-    if options.emit_queries:
-        for i in range(spec.n_layers):
-            g.output(f"queries.{i}", dt, ["batch", "logits_count", spec.n_heads * spec.head_dim])
-    return g.model()

@@ -29,8 +29,9 @@ from edgedecode.progress import NO_PROGRESS, Progress
 
 logger = logging.getLogger(__name__)
 # Bump whenever graph.py, weights.py or onnx_builder.py change what they emit (6: the architectures of
-# ARCHITECTURES, and initializers in a side file; 7: a tied LM head's own initializer, stored once).
-BUILDER_VERSION = 7
+# ARCHITECTURES, and initializers in a side file; 7: a tied LM head's own initializer, stored once;
+# 8: the "gguf" kernel form, edgedecode's own ops over the GGUF's blocks; 9: its CUDA form fused, FusedMatMulGGUF).
+BUILDER_VERSION = 10
 # Initializers of at least this many bytes go to the side file (onnx's default threshold), each at an
 # offset aligned to the page size, which onnxruntime needs to map them.
 SIDE_FILE_MIN_BYTES = 1024
@@ -114,6 +115,7 @@ class LoadedModel:
         key = graph_key(self.record.sha256, options)
         parts = [options.kind, options.dtype, f"acc{options.accuracy_level}"]
         parts += [] if options.weights == NATIVE else [options.weights]
+        parts += [] if options.kernels == "stock" else [options.kernels]
         parts += ["queries"] if options.emit_queries else []
         return model_dir(self.record.name) / "graphs" / f"{'-'.join(parts)}-{key}.onnx"
 
@@ -128,7 +130,13 @@ class LoadedModel:
             layers = self.spec.n_layers
             with tracker.task("reading weights", layers, "layer") as advance:
                 reader = open_gguf(self.record.gguf_path)  # not kept: its parsed fields cost RSS (see above)
-                tensors = load_tensors(reader, self.spec, dense=options.kind == "prefill", advance=advance)
+                tensors = load_tensors(
+                    reader,
+                    self.spec,
+                    dense=options.kind == "prefill",
+                    advance=advance,
+                    as_stored=options.kernels == "gguf",
+                )
                 del reader
             with tracker.task(f"building the {options.kind} graph", layers, "layer") as advance:
                 model = build_graph(self.spec, tensors, options, advance=advance)

@@ -7,8 +7,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 MS_DOMAIN = "com.microsoft"
+# edgedecode's own ops (edgedecode/kernels: MatMulGGUF, GatherGGUF), registered from its custom-op library
+KERNEL_DOMAIN = "com.edgedecode"
 ONNX_OPSET = 17
 MS_OPSET = 1
+KERNEL_OPSET = 1
 
 
 class GraphBuilder:
@@ -64,11 +67,10 @@ class GraphBuilder:
     def model(self) -> onnx.ModelProto:
         """The finished model (IR and opsets fixed so onnxruntime CPU and CUDA builds both load it)."""
         graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
-        model = helper.make_model(
-            graph,
-            opset_imports=[helper.make_opsetid("", ONNX_OPSET), helper.make_opsetid(MS_DOMAIN, MS_OPSET)],
-            producer_name="edgedecode",
-        )
+        opsets = [helper.make_opsetid("", ONNX_OPSET), helper.make_opsetid(MS_DOMAIN, MS_OPSET)]
+        if any(node.domain == KERNEL_DOMAIN for node in self.nodes):
+            opsets.append(helper.make_opsetid(KERNEL_DOMAIN, KERNEL_OPSET))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="edgedecode")
         model.ir_version = 8
         return model
 

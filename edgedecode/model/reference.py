@@ -13,7 +13,7 @@ import numpy as np
 
 from edgedecode.model.rope import apply_rope
 from edgedecode.model.spec import ModelSpec
-from edgedecode.model.weights import BlockQuantized, ModelTensors
+from edgedecode.model.weights import ModelTensors, dense_weight
 
 
 @dataclass
@@ -22,10 +22,6 @@ class ReferenceOutput:
     keys: np.ndarray  # [layers, kv_heads, S, head_dim], post-RoPE, rotate-half order
     values: np.ndarray  # [layers, kv_heads, S, head_dim]
     queries: np.ndarray  # [layers, S, heads * head_dim], pre-RoPE, after any QK-norm (the graphs' queries.{i})
-
-
-def _dense(weight) -> np.ndarray:
-    return weight.dequantize() if isinstance(weight, BlockQuantized) else np.asarray(weight, np.float32)
 
 
 def _rms_norm(x: np.ndarray, gamma: np.ndarray | None, eps: float) -> np.ndarray:
@@ -64,7 +60,7 @@ def reference_forward(
     s, traits = spec, spec.traits
     n = len(token_ids)
     positions = np.arange(n)
-    table = _dense(tensors.embedding)  # [vocab, hidden]; dequantized once, for a tied head too
+    table = dense_weight(tensors.embedding)  # [vocab, hidden]; dequantized once, for a tied head too
     x = table[np.asarray(token_ids)]
     if traits.embedding_scale:
         x = x * np.float32(np.sqrt(s.hidden_size))
@@ -75,7 +71,7 @@ def reference_forward(
     widths = np.cumsum([s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim])
     for i, layer in enumerate(tensors.layers):
         h = _rms_norm(x, layer.attn_norm, s.norm_eps)
-        qkv = np.concatenate([h @ _dense(w).T for w in layer.qkv], axis=-1)
+        qkv = np.concatenate([h @ dense_weight(w).T for w in layer.qkv], axis=-1)
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         q, k, v = np.split(qkv, widths, axis=-1)
@@ -90,12 +86,12 @@ def reference_forward(
         scores = q @ k_rep.transpose(0, 2, 1) * s.attention_scale + _mask(n, window, blocked)
         scores = np.exp(scores - scores.max(-1, keepdims=True))
         attn = (scores / scores.sum(-1, keepdims=True)) @ v_rep
-        out = attn.transpose(1, 0, 2).reshape(n, -1) @ _dense(layer.o).T
+        out = attn.transpose(1, 0, 2).reshape(n, -1) @ dense_weight(layer.o).T
         x = x + _rms_norm(out, layer.post_attn_norm, s.norm_eps)
         h = _rms_norm(x, layer.ffn_norm, s.norm_eps)
-        gate, up = (h @ _dense(w).T for w in layer.gate_up)
-        out = (_activation(gate, traits.activation) * up) @ _dense(layer.down).T
+        gate, up = (h @ dense_weight(w).T for w in layer.gate_up)
+        out = (_activation(gate, traits.activation) * up) @ dense_weight(layer.down).T
         x = x + _rms_norm(out, layer.post_ffn_norm, s.norm_eps)
-    head = table if tensors.lm_head is None else _dense(tensors.lm_head)
+    head = table if tensors.lm_head is None else dense_weight(tensors.lm_head)
     logits = _rms_norm(x, tensors.output_norm, s.norm_eps) @ head.T
     return ReferenceOutput(logits.astype(np.float32), keys, values, queries)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
-import numpy as np
-
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.model.weights import (
     BlockQuantized,
     LayerTensors,
     ModelTensors,
+    Weight,
+    dense_weight,
     quantize_asymmetric,
 )
 
@@ -65,10 +65,9 @@ def parse_weight_format(name: str) -> WeightFormat | None:
     return WeightFormat(int(match[1]), int(match[2]))
 
 
-def requantize(weight: BlockQuantized | np.ndarray, fmt: WeightFormat) -> BlockQuantized:
-    """A block-quantized or dense float [N, K] weight, quantized again in ``fmt``."""
-    dense = weight.dequantize() if isinstance(weight, BlockQuantized) else np.asarray(weight, np.float32)
-    return quantize_asymmetric(dense, fmt.bits, fmt.block_size)
+def requantize(weight: Weight, fmt: WeightFormat) -> BlockQuantized:
+    """A [N, K] weight in any form, quantized again in ``fmt``."""
+    return quantize_asymmetric(dense_weight(weight), fmt.bits, fmt.block_size)
 
 
 def _requantize_layer(layer: LayerTensors, fmt: WeightFormat) -> LayerTensors:

@@ -101,27 +101,44 @@ class Tokenizer:
             return b""
         return self._bytes[token_id]
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special tokens (control, unknown, unused): those ``token_bytes`` skips."""
+        return self._special_ids
+
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         """Text of `ids`; invalid UTF-8 (e.g. a cut multibyte character) becomes U+FFFD."""
         data = b"".join(self.token_bytes(int(i), skip_special=skip_special) for i in ids)
         return data.decode("utf-8", errors="replace")
 
     @cached_property
-    def _template(self) -> Template:
-        """The model's chat template, else the built-in one of its family (by its control tokens)."""
+    def chat_template(self) -> str:
+        """The source of the model's chat template, else the built-in one of its family (by its control tokens)."""
         source = self.spec.chat_template or builtin_template(self._control_ids)
         if not source:
             raise TokenizerError(f"model {self.spec.name!r} has no chat template (tokenizer.chat_template)")
-        return compile_template(source)
+        return source
+
+    @cached_property
+    def _template(self) -> Template:
+        return compile_template(self.chat_template)
 
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._tokens[token_id]
 
-    def render_chat(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's chat template, the way HF transformers does."""
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, object]] | None = None,
+    ) -> str:
+        """Render `messages` with the model's chat template, the way HF transformers does (``tools``: the
+        OpenAI tool objects, for a template that renders them)."""
         try:
             return self._template.render(
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._special_text(self.spec.bos_token_id),
                 eos_token=self._special_text(self.spec.eos_token_id),
@@ -135,6 +152,7 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         special_in_content: bool = False,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> list[int]:
         """Render `messages` with the chat template and encode the prompt; no second BOS if the template emits it.
 
@@ -144,15 +162,17 @@ class Tokenizer:
         rendering (so templates that transform content, e.g. `| trim`, still work) and put back as plain
         text afterwards. Prompts without such literals get the same ids as rendering then
         `encode(parse_special=True)`. `special_in_content=True` (opt-in, the servers'
-        `allow_special_tokens`) parses control tokens in the messages too.
+        `allow_special_tokens`) parses control tokens in the messages too. ``tools`` go to the template
+        (masked like the messages).
         """
         if special_in_content:
-            text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+            text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools)
             ids = self.encode(text, parse_special=True, add_bos=False)
         else:
             tag = f"{_MASK_OPEN}{secrets.randbits(64)}:"  # user text cannot guess the random part
             masked = [{key: self._mask_controls(value, tag) for key, value in m.items()} for m in messages]
-            text = self.render_chat(masked, add_generation_prompt=add_generation_prompt)
+            masked_tools = None if tools is None else [self._mask_controls(t, tag) for t in tools]
+            text = self.render_chat(masked, add_generation_prompt=add_generation_prompt, tools=masked_tools)  # type: ignore[arg-type]
             ids = self._encode_masked(text, tag)
         bos = self._special_text(self.spec.bos_token_id)
         return self._bos(False if bos and text.startswith(bos) else None) + ids

@@ -8,6 +8,9 @@
   re-quantization (``requant.py``), None where it is zero (Q4_0, Q5_0, Q8_0, Q6_K). Every GGUF
   quantized type maps exactly (``tensor_types.py`` unpacks them): 4-bit types to 4-bit codes,
   5-, 6- and 8-bit types to 8-bit codes (MatMulNBits has no 5- or 6-bit form).
+* ``GGUFMatrix``: a quantized weight exactly as the GGUF stores it, its rows' blocks untouched, for
+  edgedecode's own ``MatMulGGUF`` / ``GatherGGUF`` ops (``edgedecode/kernels``), which read the blocks
+  as they are: no 8-bit widening of 5- and 6-bit types, no float32 scales, no correction.
 * dense float32 ``[N, K]`` arrays for the higher-precision prefill graph and the numpy reference.
 
 GGUF stores llama's Q and K projection rows permuted for llama.cpp's interleaved RoPE; both forms
@@ -24,8 +27,9 @@ from typing import TypeAlias
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.gguf_reader import ReaderTensor
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 
 from edgedecode.model.gguf_file import ModelFileError, tensor_table
 from edgedecode.model.spec import ModelSpec
@@ -114,6 +118,34 @@ class BlockQuantized:
         return BlockQuantized(self.codes[order], self.scales[order], offsets, self.bits, self.block_size)
 
 
+@dataclass(frozen=True)
+class GGUFMatrix:
+    """A quantized [N, K] weight as the GGUF stores it: row n is output feature n, blocks of ``kind`` along K."""
+
+    rows: np.ndarray  # uint8 [N, row_bytes], the file's bytes (rows may be reordered or stacked, blocks never)
+    kind: QType
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        elements, block_bytes = GGML_QUANT_SIZES[self.kind]
+        return self.rows.shape[0], self.rows.shape[1] // block_bytes * elements
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 [N, K] weight these blocks hold."""
+        return _graph_form(unpack(self.rows, self.kind)).dequantize()
+
+    def with_rows(self, order: np.ndarray) -> GGUFMatrix:
+        """The same weight with its output rows reordered."""
+        return GGUFMatrix(self.rows[order], self.kind)
+
+
+def dense_weight(weight: BlockQuantized | GGUFMatrix | np.ndarray) -> np.ndarray:
+    """The float32 [N, K] values of a weight in any form."""
+    if isinstance(weight, BlockQuantized | GGUFMatrix):
+        return weight.dequantize()
+    return np.asarray(weight, np.float32)
+
+
 def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
     """Stack weights of equal bit width and block size along N (fused QKV, fused gate+up)."""
     if len({(p.bits, p.block_size) for p in parts}) != 1:
@@ -129,6 +161,23 @@ def concat_rows(parts: list[BlockQuantized]) -> BlockQuantized:
         first.bits,
         first.block_size,
     )
+
+
+def stack_rows(parts: list[Weight]) -> Weight:
+    """Weights of one form (quantized: one GGUF type, or one bit width and block size) stacked along N."""
+    if len(parts) == 1:
+        return parts[0]
+    matrices = [p for p in parts if isinstance(p, GGUFMatrix)]
+    blocks = [p for p in parts if isinstance(p, BlockQuantized)]
+    if matrices:
+        if len(matrices) != len(parts) or len({m.kind for m in matrices}) != 1:
+            raise ValueError("cannot fuse GGUF matrices of different types, or with weights of another form")
+        return GGUFMatrix(np.concatenate([m.rows for m in matrices]), matrices[0].kind)
+    if blocks:
+        if len(blocks) != len(parts):
+            raise ValueError("cannot fuse block-quantized weights with dense ones")
+        return concat_rows(blocks)
+    return np.concatenate([np.asarray(p) for p in parts])
 
 
 def unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
@@ -191,6 +240,19 @@ def load_block_quantized(tensor: ReaderTensor) -> BlockQuantized:
     return quantize_asymmetric(load_dense(tensor), 4)
 
 
+def load_quantized(
+    tensor: ReaderTensor, as_stored: bool, float_type: QType = QType.Q4_1
+) -> BlockQuantized | GGUFMatrix:
+    """A GGUF matrix in block form, or (``as_stored``) as GGUF blocks: its own where it is quantized, and
+    ``float_type``'s (gguf's own quantizer, llama.cpp's rule) where it is float and its rows are whole blocks."""
+    kind = QType(tensor.tensor_type)
+    if as_stored and kind in BLOCK_TYPES:
+        return GGUFMatrix(np.asarray(tensor.data, np.uint8).reshape(int(tensor.shape[-1]), -1), kind)
+    if as_stored and int(tensor.shape[0]) % GGML_QUANT_SIZES[float_type][0] == 0:
+        return GGUFMatrix(quantize(load_dense(tensor), float_type), float_type)
+    return load_block_quantized(tensor)
+
+
 def load_dense(tensor: ReaderTensor) -> np.ndarray:
     """Dequantize a GGUF tensor to float32 [N, K] (or [K] for vectors)."""
     kind = QType(tensor.tensor_type)
@@ -199,7 +261,7 @@ def load_dense(tensor: ReaderTensor) -> np.ndarray:
     return np.asarray(dequantize(tensor.data, kind), dtype=np.float32)
 
 
-Weight: TypeAlias = BlockQuantized | np.ndarray  # a matrix in either form
+Weight: TypeAlias = BlockQuantized | GGUFMatrix | np.ndarray  # a matrix in any of the three forms
 
 
 @dataclass(frozen=True)
@@ -230,11 +292,19 @@ class ModelTensors:
 
 
 def load_tensors(
-    reader: GGUFReader, spec: ModelSpec, dense: bool, advance: Callable[[int], None] | None = None
+    reader: GGUFReader,
+    spec: ModelSpec,
+    dense: bool,
+    advance: Callable[[int], None] | None = None,
+    *,
+    as_stored: bool = False,
 ) -> ModelTensors:
     """Load every weight of the model, dense float32 or block-quantized; the architecture's traits
     (``spec.traits``) say which optional tensors (biases, QK and post norms) each layer must have.
 
+    ``as_stored`` (block-quantized only) keeps each quantized matrix and table as the file's blocks
+    (``GGUFMatrix``), and quantizes float ones into GGUF blocks as the block form would: layer matrices
+    to 4 bits (Q4_1), tables to 8 (Q8_0).
     ``advance(1)`` is called as each layer is loaded (after the embedding and the LM head, first).
     """
     check_tensor_types(reader)
@@ -255,7 +325,7 @@ def load_tensors(
         if dense:
             weight = load_dense(tensor)
             return weight if order is None else weight[order]
-        blocks = load_block_quantized(tensor)
+        blocks = load_quantized(tensor, as_stored)
         return blocks if order is None else blocks.with_rows(order)
 
     def vector(name: str, heads: int | None = None) -> np.ndarray:
@@ -266,8 +336,8 @@ def load_tensors(
         tensor = get(name)
         if dense:
             return load_dense(tensor)
-        if QType(tensor.tensor_type) in BLOCK_TYPES:
-            return load_block_quantized(tensor)
+        if QType(tensor.tensor_type) in BLOCK_TYPES or as_stored:
+            return load_quantized(tensor, as_stored, float_type=QType.Q8_0)  # float tables: 8-bit, as below
         return _quantize_8bit_symmetric(load_dense(tensor))
 
     def optional(name: str, present: bool) -> np.ndarray | None:

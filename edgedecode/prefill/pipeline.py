@@ -18,10 +18,14 @@ from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.snapshot import KVSnapshot
+from edgedecode.kv.stage_clock import UNCLOCKED, StageClock
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.window import tail_mask, tail_tokens, window_start, windowed_cost_scale
 from edgedecode.kv.wire import TransferRef, decode_snapshot, encode_payload
+from edgedecode.kv.wire.coder import SectionCoder
+from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL, FAST_ZSTD_LEVEL
 from edgedecode.model.spec import KVContract
+from edgedecode.prefill.kv_device import KVDevice
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_free
 
 # Tokens per EDKV chunk of the payloads served: a pull cut short keeps whole chunks (kv-format.md §5),
@@ -73,7 +77,11 @@ class EncodedKV:
 
 
 def prefill_observed(
-    engine: Engine, prompt_ids: np.ndarray, window: int, kv: KVSnapshot | None = None
+    engine: Engine,
+    prompt_ids: np.ndarray,
+    window: int,
+    kv: KVSnapshot | None = None,
+    clock: StageClock = UNCLOCKED,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Process the prompt on ``engine`` (from ``kv`` of a prefix of it if given, e.g. from a prefix
     cache) and return the pre-RoPE queries [layers, w, heads*head_dim] of its last w tokens and
@@ -88,7 +96,8 @@ def prefill_observed(
     cache holds them). Of ``kv``, the leading positions 0, 1, 2, ... before the window are used;
     the window always runs (with the token before it for a window of 1, 129, ... tokens); the rest of
     the prompt in runs that leave no row alone (``chunk_sizes``), reusing one token fewer where
-    only one would be left to run.
+    only one would be left to run. ``clock`` times the stages "prefill" (the prompt before the window) and
+    "observe" (the window's pass).
     """
     if not engine.options.emit_queries:
         raise EdgeDecodeError("this engine's graph was built without emit_queries")
@@ -105,10 +114,12 @@ def prefill_observed(
         injected = _leading_run(kv.positions, head)
         if head - injected == 1 and injected:  # run the last two rows before the window, not one alone
             injected -= 1
-    engine.start(prompt_ids, kv if head else None, injected)
-    if head > injected:
-        engine.forward(prompt_ids[injected:head])
-    queries, positions = engine.run_with_queries(prompt_ids[head:])
+    with clock.stage("prefill"):
+        engine.start(prompt_ids, kv if head else None, injected)
+        if head > injected:
+            engine.forward(prompt_ids[injected:head])
+    with clock.stage("observe"):
+        queries, positions = engine.run_with_queries(prompt_ids[head:])
     skip = observed - w
     return queries[:, skip:], positions[skip:]
 
@@ -121,15 +132,29 @@ def _leading_run(positions: np.ndarray, limit: int) -> int:
 
 
 def prefill_and_score(
-    engine: Engine, prompt_ids: np.ndarray, window: int = OBSERVATION_WINDOW, kv: KVSnapshot | None = None
+    engine: Engine,
+    prompt_ids: np.ndarray,
+    window: int = OBSERVATION_WINDOW,
+    kv: KVSnapshot | None = None,
+    *,
+    device: KVDevice | None = None,
+    clock: StageClock = UNCLOCKED,
 ) -> ScoredPrefill:
     """Run the prompt through ``engine`` (built with emit_queries), from ``kv`` of a prefix of it if
-    given (e.g. from a prefix cache), and score every token. With ``kv`` from this engine the result
-    is bitwise the one without it (see ``prefill_observed``)."""
-    queries, query_positions = prefill_observed(engine, prompt_ids, window, kv)
-    snapshot = engine.export_kv()
-    per_layer = attention_importance(engine.spec, queries, query_positions, snapshot.keys, snapshot.positions)
-    return ScoredPrefill(snapshot, per_layer.sum(axis=0))
+    given (e.g. from a prefix cache), and score every token: on ``device`` (onnxruntime where the
+    engine runs, ``prefill.kv_device``), else with numpy (``kv.importance``, the reference; the two
+    agree within float32 rounding). With ``kv`` from this engine the result is bitwise the one
+    without it (see ``prefill_observed``). ``clock`` times prefill, observe, export and importance."""
+    queries, query_positions = prefill_observed(engine, prompt_ids, window, kv, clock)
+    with clock.stage("export"):
+        snapshot = engine.export_kv()
+    with clock.stage("importance"):
+        if device is None:
+            per_layer = attention_importance(engine.spec, queries, query_positions, snapshot.keys, snapshot.positions)
+        else:
+            per_layer = device.importance(engine.spec, queries, query_positions, snapshot)
+        importance = per_layer.sum(axis=0)
+    return ScoredPrefill(snapshot, importance)
 
 
 def tier_costs(snapshot: KVSnapshot) -> dict[Tier, float]:
@@ -170,6 +195,10 @@ def encode_within_budget(
     transfer: TransferRef | None = None,
     windowed: bool = False,
     rotation: Rotation | None = None,
+    device: KVDevice | None = None,
+    clock: StageClock = UNCLOCKED,
+    level: int = DEFAULT_ZSTD_LEVEL,
+    fast_level: int | None = FAST_ZSTD_LEVEL,
 ) -> EncodedKV:
     """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``
     (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference;
@@ -177,7 +206,15 @@ def encode_within_budget(
 
     For a model with sliding-window layers the prompt's tail (``kv.window``) is never dropped; with
     ``windowed`` (the receiver reads EDKV 2.0) the windowed layers carry only that tail, and the
-    tokens before it cost the allocator only their global layers' bytes."""
+    tokens before it cost the allocator only their global layers' bytes.
+
+    Each refit encodes the payload again. ``device`` (``prefill.kv_device``) computes the chunks there
+    and keeps what a refit can reuse (a token's codes, unchanged sections and chunks); without it the
+    reference coder computes every payload afresh. Either gives the same bytes (a CUDA device leaves a payload
+    that may hold INT3 or a rotation to the host: ``KVDevice.coder``). ``clock`` times the
+    stages allocate, header, quantize, assemble, compress and frame; ``level`` is zstd's, ``fast_level`` its
+    level for chunks quantized to 4 bits or fewer (``encode_payload``; the budget binds the compressed bytes, so a
+    level also moves the tiers a little; docs/performance.md measures what each costs)."""
     snapshot = scored.snapshot
     contract, n = snapshot.contract, snapshot.n_tokens
     costs = tier_costs(snapshot)
@@ -188,25 +225,30 @@ def encode_within_budget(
     cost_scale = windowed_cost_scale(n, contract) if windowed else None
 
     def tiers_at(target: float) -> np.ndarray:
-        return policy_tiers(
-            policy,
-            target,
-            snapshot.positions,
-            costs,
-            attention=scored.importance,
-            profile=profile,
-            pdtrim_head_fraction=pdtrim_head_fraction,
-            cost_scale=cost_scale,
-            undroppable=undroppable,
-        )
+        with clock.stage("allocate"):
+            return policy_tiers(
+                policy,
+                target,
+                snapshot.positions,
+                costs,
+                attention=scored.importance,
+                profile=profile,
+                pdtrim_head_fraction=pdtrim_head_fraction,
+                cost_scale=cost_scale,
+                undroppable=undroppable,
+            )
 
     importance = relative_importance(scored.importance)
+    int3 = Tier.INT3 in (profile or TierProfile()).allowed
+    coder = None if device is None else device.coder(snapshot, rotation, int3)
 
     def encode(tiers: np.ndarray) -> EncodedKV:
         start = window_start(tiers != Tier.DROP, tail_tokens(contract)) if windowed else None
         scale = np.ones(n) if start is None else windowed_cost_scale(n, contract, start)
         raw = int(np.sum(np.array([costs[tier] for tier in Tier])[tiers] * scale))
-        frames = payload_frames(snapshot, tiers, meta, importance, transfer, workers, start, rotation)
+        frames = payload_frames(
+            snapshot, tiers, meta, importance, transfer, workers, start, coder, clock, level, fast_level, rotation
+        )
         return EncodedKV(frames, tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
@@ -271,11 +313,16 @@ def payload_frames(
     transfer: TransferRef | None = None,
     workers: int = 1,
     window_start: int | None = None,
+    coder: SectionCoder | None = None,
+    clock: StageClock = UNCLOCKED,
+    level: int = DEFAULT_ZSTD_LEVEL,
+    fast_level: int | None = FAST_ZSTD_LEVEL,
     rotation: Rotation | None = None,
 ) -> list[bytes]:
     """The frames of a served payload: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with
     each token's ``importance`` (``relative_importance``) for the receiver's memory ladder (and the
-    windowed layers from ``window_start`` on only, where given; ``rotation``'s tiers rotated)."""
+    windowed layers from ``window_start`` on only, where given; ``rotation``'s tiers rotated), its sections
+    computed by ``coder`` (made for that rotation)."""
     return list(
         encode_payload(
             snapshot,
@@ -287,6 +334,10 @@ def payload_frames(
             importance=importance,
             window_start=window_start,
             rotation=rotation,
+            coder=coder,
+            clock=clock,
+            level=level,
+            fast_level=fast_level,
         )
     )
 

@@ -15,26 +15,13 @@ position's KV, the importance and so the payload are bitwise what an empty cache
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
+from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, block_chain
 from edgedecode.kv.snapshot import KVSnapshot
-
-DEFAULT_BLOCK_TOKENS = 64
-
-
-def block_chain(token_ids: np.ndarray, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[bytes]:
-    """Hash of each complete block's prefix: h[i] covers tokens [0, (i + 1) * block_tokens)."""
-    tokens = np.ascontiguousarray(token_ids, "<i8")
-    hashes, previous = [], b""
-    for end in range(block_tokens, len(tokens) + 1, block_tokens):
-        block = tokens[end - block_tokens : end].tobytes()
-        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
-        hashes.append(previous)
-    return hashes
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,14 @@ class PrefillMetrics:
         self.tier_tokens = Counter(
             "edgedecode_prefill_tier_tokens_total", "Tokens sent per KV tier.", ["tier"], registry=registry
         )
+        self.stage_seconds = Histogram(
+            "edgedecode_prefill_stage_seconds",
+            "Wall time per stage of a request (prefill, observe, export, importance, allocate, quantize, assemble, "
+            "compress, frame); the writer's stages run on several threads at once.",
+            ["stage"],
+            registry=registry,
+            buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30),
+        )
         self.queue = Gauge("edgedecode_prefill_queue_depth", "Prefill requests waiting or running.", registry=registry)
         cache = service.cache
         Gauge("edgedecode_prefix_cache_bytes", "Bytes of KV in the prefix cache.", registry=registry).set_function(
@@ -128,6 +136,8 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
         """Stream ``result``'s payload, frame by frame, and count it."""
         encoded = result.encoded
         metrics.seconds.observe(result.seconds)
+        for stage, seconds in result.stages.items():
+            metrics.stage_seconds.labels(stage).observe(seconds)
         metrics.tokens.labels("prefix_cache").inc(result.reused_tokens)
         metrics.tokens.labels("computed").inc(result.computed_tokens)
         for tier, count in encoded.tier_counts().items():

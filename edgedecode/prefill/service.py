@@ -11,7 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
@@ -19,11 +19,13 @@ import numpy as np
 from edgedecode.errors import RequestError
 from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
 from edgedecode.kv.snapshot import KVSnapshot
+from edgedecode.kv.stage_clock import StageClock
 from edgedecode.kv.tiers import Tier, parse_tiers
 from edgedecode.kv.wire import TransferRef
 from edgedecode.kv.wire.frames import LOWBIT_MINOR, WINDOW_MAJOR
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
+from edgedecode.prefill.kv_device import KVDevice
 from edgedecode.prefill.pipeline import (
     BudgetTooSmallError,
     EncodedKV,
@@ -36,6 +38,7 @@ from edgedecode.prefill.pipeline import (
 from edgedecode.prefill.prefix_cache import PrefixCache
 from edgedecode.prefill.transfers import TransferStore
 from edgedecode.runtime.engine import Engine
+from edgedecode.runtime.session import default_threads
 
 CHAT_ROLES = ("system", "user", "assistant")
 Request = TypeVar("Request")
@@ -202,6 +205,7 @@ class PrefillResult:
     reused_tokens: int  # prompt positions whose KV came from the prefix cache (0 for a resume)
     seconds: float
     computed_tokens: int  # prompt positions this request ran through the prefill graph (0 for a resume)
+    stages: dict[str, float] = field(default_factory=dict)  # wall seconds per stage (``kv.stage_clock``)
 
 
 class PrefillService:
@@ -234,6 +238,8 @@ class PrefillService:
         self.cache = PrefixCache(prefix_cache_bytes)
         self.transfers = TransferStore(transfer_bytes, transfer_ttl_s, id_prefix=transfer_id_prefix)
         self.profile = TierProfile.load(profile_path(model))
+        # scoring and encoding on the engine's device (onnxruntime), the same bytes as the numpy reference
+        self.kv_device = KVDevice(device, threads or default_threads())
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-prefill")
         self._busy_since: float | None = None  # when the running prefill started (monotonic)
 
@@ -294,27 +300,31 @@ class PrefillService:
             self._busy_since = None
 
     def _prefill(self, request: PrefillRequest) -> PrefillResult:
-        started = time.perf_counter()
+        started, clock = time.perf_counter(), StageClock()
         ids = request.token_ids
         # The engine uses the hit only before the observation window (which always runs) and so that
         # every position's KV is bitwise what an empty cache would give: the payload does not depend
         # on what the cache holds.
         hit = self.cache.lookup(ids)
-        scored = prefill_and_score(self.engine, ids, kv=hit.kv if hit else None)
+        scored = prefill_and_score(self.engine, ids, kv=hit.kv if hit else None, device=self.kv_device, clock=clock)
         reused = self.engine.stats.injected_tokens
         self.cache.store(scored.snapshot)
-        encoded = self._encode(scored, request, self.transfers.put(scored))
-        return PrefillResult(encoded, len(ids), reused, time.perf_counter() - started, len(ids) - reused)
+        encoded = self._encode(scored, request, self.transfers.put(scored), clock)
+        seconds = time.perf_counter() - started
+        return PrefillResult(encoded, len(ids), reused, seconds, len(ids) - reused, _stage_walls(clock))
 
     def _resume(self, resume: ResumeRequest) -> PrefillResult:
-        started = time.perf_counter()
+        started, clock = time.perf_counter(), StageClock()
         scored, transfer = self.transfers.get(resume.transfer_id)
         request = resume.for_prompt(scored.snapshot.token_ids)
         self.check_budget(request)
-        encoded = self._encode(scored, request, transfer)
-        return PrefillResult(encoded, len(request.token_ids), 0, time.perf_counter() - started, 0)
+        encoded = self._encode(scored, request, transfer, clock)
+        seconds = time.perf_counter() - started
+        return PrefillResult(encoded, len(request.token_ids), 0, seconds, 0, _stage_walls(clock))
 
-    def _encode(self, scored: ScoredPrefill, request: PrefillRequest, transfer: TransferRef | None) -> EncodedKV:
+    def _encode(
+        self, scored: ScoredPrefill, request: PrefillRequest, transfer: TransferRef | None, clock: StageClock
+    ) -> EncodedKV:
         """The payload of ``request``'s positions of ``scored`` under its budget, policy and tiers."""
         readable = request.allowed if request.lowbit else tuple(t for t in request.allowed if t is not Tier.INT3)
         profile = TierProfile(
@@ -330,7 +340,15 @@ class PrefillService:
             transfer=transfer,
             windowed=request.edkv_major >= WINDOW_MAJOR,
             rotation=self.profile.rotation() if request.lowbit else None,
+            device=self.kv_device,
+            clock=clock,
         )
 
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def _stage_walls(clock: StageClock) -> dict[str, float]:
+    """Wall seconds per stage; the writer's stages run on several threads at once, so they may add up to more
+    than the request took."""
+    return {name: times["wall_s"] for name, times in clock.as_dict().items()}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from edgedecode.runtime.logprobs import LogprobScorer, ScoredRun, ScoredToken
 from edgedecode.runtime.runner import GraphSession, ModelRunner
 from edgedecode.runtime.sampler import SamplingParams
 from edgedecode.runtime.sequence import ContextOverflowError, Sequence
+
+if TYPE_CHECKING:  # the type only: llguidance is imported where grammars are made
+    from edgedecode.runtime.constraint import TokenMask
 
 # Rows of one prompt run. onnxruntime's working memory for a run grows with its rows (attention scores
 # rows x heads x past, the MLP's activations) and its arena keeps the largest: on the 0.5B shape, a
@@ -112,7 +115,7 @@ class Engine:
         else:
             graph = GraphSession.open(model, options, device, threads, profile, cuda_graph)
         self.session, self.cuda_graph = graph.session, graph.cuda_graph
-        self.cache = KVCache(self.spec, self.max_context, options.np_dtype, device)
+        self.cache = KVCache(self.spec, self.max_context, options.kv_np_dtype, device)
         self.sequence = Sequence(self.cache, self.spec)
         self.runner = ModelRunner(graph, self.sequence)
         self.runner.warm_up(self.spec.eos_token_id)
@@ -361,31 +364,55 @@ class Engine:
 
     # -- generation
 
-    def generate(self, prompt_ids, params: SamplingParams, kv: KVSource = None, keep: int = 0) -> Iterator[int]:
+    def generate(
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        kv: KVSource = None,
+        keep: int = 0,
+        *,
+        constraint: TokenMask | None = None,
+    ) -> Iterator[int]:
         """Process the prompt as ``prefill`` does (its KV from ``kv``: computed here, a snapshot, or a
         stream from ``open_kv_stream``, which brings its own ``keep``) and yield generated token ids
         one by one.
 
         Stop tokens end the generation and are not yielded; ``self.stats`` is complete once the
-        iterator is exhausted.
+        iterator is exhausted. ``constraint`` (``runtime.constraint``) keeps the tokens to a grammar.
         """
-        return self._generate(prompt_ids, params, kv, keep, None)
+        return self._generate(prompt_ids, params, kv, keep, None, constraint)
 
     def generate_scored(
-        self, prompt_ids, params: SamplingParams, kv: KVSource = None, keep: int = 0, *, top: int = 0
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        kv: KVSource = None,
+        keep: int = 0,
+        *,
+        top: int = 0,
+        constraint: TokenMask | None = None,
     ) -> Iterator[ScoredToken]:
         """``generate``, each token yielded with its log-probability under the model's own
         distribution (the raw logits, before temperature and top-k/top-p) and the ``top`` most
         likely tokens' (``runtime.logprobs``)."""
-        return self._generate(prompt_ids, params, kv, keep, LogprobScorer(top, self.spec.vocab_size).token)
+        scorer = LogprobScorer(top, self.spec.vocab_size)
+        return self._generate(prompt_ids, params, kv, keep, scorer.token, constraint)
 
-    def _generate(self, prompt_ids, params: SamplingParams, kv: KVSource, keep: int, score: Score) -> Iterator[Any]:
+    def _generate(
+        self,
+        prompt_ids,
+        params: SamplingParams,
+        kv: KVSource,
+        keep: int,
+        score: Score,
+        constraint: TokenMask | None,
+    ) -> Iterator[Any]:
         """``generate`` (``score`` None) and ``generate_scored``: the prompt, then ``generation.decode``."""
         started = time.perf_counter()
         logits = self.prefill(prompt_ids, kv, keep)
         self.stats.prefill_seconds = time.perf_counter() - started
         stops = frozenset(self.spec.stop_token_ids if params.stop_token_ids is None else params.stop_token_ids)
-        yield from decode(self.runner, logits, params, stops, self.stats, score)
+        yield from decode(self.runner, logits, params, stops, self.stats, score, constraint)
 
     def score_prompt(self, prompt_ids, top: int = 0) -> Iterator[ScoredRun]:
         """Run ``prompt_ids`` but its last token through this graph afresh, every row's logits out,

@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgedecode.runtime.logprobs import ScoredToken
 from edgedecode.runtime.runner import ModelRunner
 from edgedecode.runtime.sampler import Sampler, SamplingParams
+
+if TYPE_CHECKING:  # the type only: llguidance is imported where grammars are made
+    from edgedecode.runtime.constraint import TokenMask
 
 Score = Callable[[np.ndarray, int], ScoredToken] | None
 """How a generation yields a token picked from a logits row: None, the bare id; else what it makes of both."""
@@ -48,6 +51,7 @@ def decode(
     stops: frozenset[int],
     stats: GenerationStats,
     score: Score,
+    constraint: TokenMask | None = None,
 ) -> Iterator[Any]:
     """Pick a token from ``logits`` (the prompt's last), yield it, run it through ``runner`` for the
     next logits, and so on until a token in ``stops`` (not yielded), ``params.max_tokens`` or a full
@@ -55,18 +59,27 @@ def decode(
 
     ``score`` None yields bare token ids (nothing computed beyond sampling); otherwise each token as
     ``score`` makes it of its logits.
+
+    ``constraint`` (a grammar's ``TokenMask``) masks each row before the pick (``score`` sees the raw
+    row: log-probabilities under the model's own distribution) and takes each token picked; the
+    generation ends ("stop") as soon as the grammar admits nothing more.
     """
     sequence = runner.sequence
     sampler = Sampler(params)
     first_token_at = time.perf_counter()
     stats.finish_reason = "length"
     for _ in range(params.max_tokens):
-        token = sampler.pick(logits)
+        token = sampler.pick(logits if constraint is None else constraint.apply(logits))
         if token in stops:
             stats.finish_reason = "stop"
             break
+        if constraint is not None:
+            constraint.accept(token)
         stats.generated_tokens += 1
         yield token if score is None else score(logits, token)
+        if constraint is not None and constraint.finished:  # complete, even on the last token allowed
+            stats.finish_reason = "stop"
+            break
         if stats.generated_tokens == params.max_tokens:
             break
         if sequence.full:

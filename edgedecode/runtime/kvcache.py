@@ -31,8 +31,8 @@ class KVCache:
     """The graph's KV buffers (bound as both past and present) and how many positions are valid.
 
     On CPU the bound OrtValues alias ``host`` (numpy), so writes and reads are plain slicing. On
-    CUDA the KV stays resident on the device: injection writes only the rows given (``DeviceRows``);
-    export copies whole layer buffers back (onnxruntime's Python API has no partial device copy).
+    CUDA the KV stays resident on the device: injection writes only the rows given (``DeviceRows``),
+    export reads only the rows held (``DeviceExport``).
     """
 
     def __init__(
@@ -59,6 +59,7 @@ class KVCache:
                 for _ in range(spec.n_layers)
             ]
             self._rows = DeviceRows(self)
+            self._export = DeviceExport(self)
         self.length = 0
         self._staging: dict[int, np.ndarray] = {}  # CUDA: host buffers EDKV streams are ingested into, by first slot
 
@@ -106,9 +107,8 @@ class KVCache:
         kv = np.empty((2, self.spec.n_layers, self.spec.n_kv_heads, n, self.spec.head_dim), self.dtype)
         if self.device == "cpu":
             kv[:] = self.host[:, :, 0, :, :n].swapaxes(0, 1)
-        else:  # the device buffer comes back whole (no partial copy); keep only the first n rows
-            for layer, kind, value in self._bound():
-                kv[kind, layer] = value.numpy()[0, :, :n]
+        else:
+            self._export.read(kv)
         return kv
 
     def snapshot(self, token_ids: np.ndarray, positions: np.ndarray, producer: KVProducer) -> KVSnapshot:
@@ -122,12 +122,6 @@ class KVCache:
             values=kv[1],
             producer=producer,
         )
-
-    def _bound(self):
-        """(layer, kind, OrtValue) for every bound buffer; kind 0 is K, 1 is V."""
-        for layer, pair in enumerate(self.ortvalues):
-            for kind, value in enumerate(pair):
-                yield layer, kind, value
 
     def ingest_target(self, start: int, n_slots: int) -> np.ndarray:
         """Where an EDKV reader writes ``n_slots`` compacted tokens bound for slots from ``start`` on:
@@ -245,6 +239,52 @@ class DeviceRows:
                     address = base + (head * cache.max_context + start) * row_bytes
                     io.bind_output(name, cache.device, 0, cache.dtype, [1, n, s.head_dim], address)
         self._session(keys.dtype).run_with_iobinding(io)
+
+
+class DeviceExport:
+    """Reads the first n slots of a CUDA cache's buffers into host memory: a graph slices every layer's K and V
+    ``[1, kv_heads, max_context, head_dim]`` to its first n rows on the device and stacks them into
+    ``[layers, kv_heads, n, head_dim]`` per kind, written straight into the caller's array, so n rows cross the
+    bus rather than whole buffers (onnxruntime's Python API has no partial copy of a device buffer).
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self._session = None
+
+    def _built(self):
+        """The slicing graph (built on first use)."""
+        if self._session is None:
+            s, cache = self.cache.spec, self.cache
+            g = GraphBuilder("kv-export")
+            count = g.input("count", INT64, [1])
+            starts = g.initializer("starts", np.array([0], np.int64))
+            axes = g.initializer("axes", np.array([2], np.int64))
+            dtype = onnx_dtype(cache.dtype)
+            for kind, output in enumerate(("keys", "values")):
+                rows = []
+                for layer in range(s.n_layers):
+                    name = f"kv.{layer}.{kind}"
+                    block = g.input(name, dtype, [1, s.n_kv_heads, "max_context", s.head_dim])
+                    rows.append(g.op1("Slice", [block, starts, count, axes], name=f"{name}.slice"))
+                g.op("Concat", rows, outputs=[output], name=f"{output}.concat", axis=0)
+                g.output(output, dtype, [s.n_layers, s.n_kv_heads, "n", s.head_dim])
+            self._session = create_session(g.model().SerializeToString(), device=cache.device, threads=1)
+        return self._session
+
+    def read(self, out: np.ndarray) -> None:
+        """Fill C-contiguous ``out [2 (k, v), layers, kv_heads, n, head_dim]`` (the cache's dtype) with slots
+        [0, n)."""
+        cache, session = self.cache, self._built()
+        n = out.shape[3]
+        io = session.io_binding()
+        io.bind_cpu_input("count", np.array([n], np.int64))
+        for layer, pair in enumerate(cache.ortvalues):
+            for kind, value in enumerate(pair):
+                io.bind_ortvalue_input(f"kv.{layer}.{kind}", value)
+        for kind, name in enumerate(("keys", "values")):
+            io.bind_output(name, "cpu", 0, cache.dtype, list(out.shape[1:]), out[kind].ctypes.data)
+        session.run_with_iobinding(io)
 
 
 def _row_block(rows: np.ndarray) -> tuple[np.ndarray, int]:

@@ -54,13 +54,16 @@ class GraphSession:
         onnxruntime accepts it (else without, with a logged reason)."""
         path = model.graph(options)
         ids = itertools.count(CAPTURED_GRAPH_ID)
+        own = options.kernels == "gguf"  # the graph has edgedecode's own ops: register their library
         if cuda_graph and device == "cuda" and not options.emit_queries and not profile:
             try:
-                session = create_session(path, device=device, threads=threads, profile=profile, cuda_graph=True)
+                session = create_session(
+                    path, device=device, threads=threads, profile=profile, cuda_graph=True, own_kernels=own
+                )
                 return cls(session, options, device, True, ids)
             except Exception as exc:  # onnxruntime refuses capture, e.g. a compute node left on the CPU
                 logger.warning("decoding without CUDA graphs: onnxruntime refused capture (%s)", exc)
-        session = create_session(path, device=device, threads=threads, profile=profile)
+        session = create_session(path, device=device, threads=threads, profile=profile, own_kernels=own)
         return cls(session, options, device, False, ids)
 
 

@@ -35,7 +35,7 @@ from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.handoff import StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError
 from kvfuzz.mutations import Case
-from kvfuzz.seeds import SENTINEL_BITS, Seed
+from kvfuzz.seeds import SENTINEL_BITS, Seed, bits
 
 TYPED_ERRORS = (KVFormatError, KVInjectionError)
 HANG_S = 1.0
@@ -72,7 +72,7 @@ def run_case(decoder: Engine, case: Case) -> Outcome:
     raises FuzzFailure."""
     seed, mutant = case.seed, case.mutant
     window = _window(decoder, seed)
-    window[...] = SENTINEL_BITS
+    window[...] = SENTINEL_BITS[decoder.cache.host.dtype]
     stream = decoder.open_kv_stream(seed.prompt_ids, head=seed.head)
     data = memoryview(mutant.payload)
     tracemalloc.start()  # only the ingest's own allocations are traced (and slowed)
@@ -154,16 +154,17 @@ def zstd_bound(reader: EDKVReader) -> int:
 
 
 def _window(decoder: Engine, seed: Seed) -> np.ndarray:
-    """The watched KV slots as uint32 bits ``[layers, 2, kv_heads, slots, head_dim]``: every slot of the prompt
-    and MARGIN_SLOTS past it."""
-    return decoder.cache.host[:, :, 0, :, : len(seed.prompt_ids) + MARGIN_SLOTS].view(np.uint32)
+    """The watched KV slots as bits (``bits``) ``[layers, 2, kv_heads, slots, head_dim]``: every slot of the
+    prompt and MARGIN_SLOTS past it."""
+    return bits(decoder.cache.host[:, :, 0, :, : len(seed.prompt_ids) + MARGIN_SLOTS])
 
 
 def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
     """Check the watched slots, the kept prefix and the adopted tokens; returns whether the KV written is a
     sender's edit (not the clean payload's)."""
     header, done = stream.reader.header, stream.reader.progress.chunks_done
-    expected = np.full(window.shape, SENTINEL_BITS, np.uint32)
+    kv_dtype = case.seed.clean.dtype  # the decoder's
+    expected = np.full(window.shape, SENTINEL_BITS[kv_dtype], window.dtype)
     edited = False
     if header is None:
         if done or stream.segments[-1].tokens:
@@ -172,7 +173,7 @@ def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
         kv, edited = _expected_kv(case, header, done)
         cells = _cells(header, done)[:, header.kept][:, None, None, :, None]
         slots = slice(case.seed.head, case.seed.head + header.n_kept)
-        expected[:, :, :, slots] = np.where(cells, kv.view(np.uint32), SENTINEL_BITS)
+        expected[:, :, :, slots] = np.where(cells, bits(kv.astype(kv_dtype)), SENTINEL_BITS[kv_dtype])
         _check_prefix(stream, case.seed, header, done)
     if not np.array_equal(window, expected):
         layer, kind, head, slot, _ = np.argwhere(window != expected)[0]
@@ -200,7 +201,8 @@ def _expected_kv(case: Case, header: EDKVHeader, done: int) -> tuple[np.ndarray,
     same_tokens = all(
         np.array_equal(getattr(header, name), getattr(seed.header, name)) for name in ("token_ids", "positions", "kept")
     )
-    return kv, not same_tokens or not np.array_equal(np.where(cells, kv, 0), np.where(cells, seed.clean, 0))
+    stored = kv.astype(seed.clean.dtype)  # as the decoder's KV dtype holds it
+    return kv, not same_tokens or not np.array_equal(np.where(cells, stored, 0), np.where(cells, seed.clean, 0))
 
 
 def _check_prefix(stream: StreamedKV, seed: Seed, header: EDKVHeader, done: int) -> None:

@@ -20,7 +20,14 @@ from edgedecode.prefill.pipeline import encode_within_budget, payload_meta, pref
 from edgedecode.runtime.engine import Engine
 
 CONTEXT = 512  # the fuzz decoder's KV slots: every seed's prompt fits, with room past it to see stray writes
-SENTINEL_BITS = 0x7FC0_ED1E  # a NaN: the reader writes only finite values, so a slot holding it was not written
+# a NaN of each KV dtype the decoder may hold: the reader writes only finite values, so a slot holding one was
+# not written
+SENTINEL_BITS = {np.dtype(np.float32): 0x7FC0_ED1E, np.dtype(np.float16): 0x7E1E}
+
+
+def bits(values: np.ndarray) -> np.ndarray:
+    """The bit patterns of float ``values`` (unsigned integers of their width): NaNs compare, -0.0 differs from 0.0."""
+    return values.view(f"u{values.dtype.itemsize}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,7 +39,7 @@ class Seed:
     head: int  # positions before the payload's that the decoder computes itself: its tokens land from slot `head`
     payload: bytes
     header: EDKVHeader
-    clean: np.ndarray  # float32 [layers, 2, kv_heads, n_kept, head_dim]: the clean ingest's KV, slot by slot
+    clean: np.ndarray  # [layers, 2, kv_heads, n_kept, head_dim] in the decoder's KV dtype: the clean ingest's KV
     weight: int  # how often cases start from it (small payloads more often: they are cheaper)
 
     @cached_property

@@ -38,7 +38,7 @@ sys.path.append(str(cli.ROOT / "tests"))
 from kvfuzz.draw import RandomDraw
 from kvfuzz.mutations import Case, make_case
 from kvfuzz.oracle import FuzzFailure, Outcome, reference_kv, run_case
-from kvfuzz.seeds import CONTEXT, Seed, build_seeds
+from kvfuzz.seeds import CONTEXT, Seed, bits, build_seeds
 
 WATCHDOG_S = 60  # a case still running after this long is a hang the in-process timer cannot report: dump and exit
 SHOWN_FAILURES = 20
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_seed(seed: Seed) -> None:
     """The oracle's own decode of a seed must be its clean ingest, bit for bit."""
-    if not np.array_equal(reference_kv(seed.header, seed.bodies).view(np.uint32), seed.clean.view(np.uint32)):
+    if not np.array_equal(bits(reference_kv(seed.header, seed.bodies).astype(seed.clean.dtype)), bits(seed.clean)):
         raise SystemExit(f"the oracle disagrees with the reader on the clean seed {seed.name!r}")
 
 

@@ -6,8 +6,9 @@ same greedy decoding (EOS ignored). Runs alternate between the engines so that h
 alike; the tables show medians over the runs and the ratio edgedecode / llama.cpp. Peak RSS is
 measured in a fresh subprocess per engine (prompt of the largest past length, then decoding).
 
-With --device cuda the engines are edgedecode's float16 decode step replayed as a CUDA graph, llama.cpp
-with every layer on the same card (where llama-cpp-python was built with GPU offload: CMAKE_ARGS=
+With --device cuda the engines are edgedecode's float16 decode step replayed as a CUDA graph (as shipped: on
+its own fused CUDA ops where their kernels compile for the card; and on the stock MatMulNBits, "edgedecode-stock"),
+llama.cpp with every layer on the same card (where llama-cpp-python was built with GPU offload: CMAKE_ARGS=
 "-DGGML_CUDA=on"), and edgedecode's graph run step by step without a CUDA graph ("edgedecode-no-graph"),
 so every ratio is measured on one card in one run; edgedecode's engines also report first-token latency
 (short chat prompt, 2k-token prompt) and the ingest of a 4k-token KV (upload alone; upload plus the
@@ -54,6 +55,7 @@ import resource
 import statistics
 import subprocess
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -61,7 +63,7 @@ from edgedecode.model.graph import DEVICE_Q4_1, Q4_1_MODES, GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
-from edgedecode.runtime.session import spin_enabled
+from edgedecode.runtime.session import decode_options, spin_enabled
 from tools.bench.cuda import INGEST_TOKENS, cuda_extras, cuda_machine, gpu_memory_used_mib, gpu_read_bandwidth_gb_s
 from tools.bench.membw import read_bandwidth_gb_s
 from tools.bench.models import gguf_model, synthetic_model
@@ -76,25 +78,10 @@ DECODE_STEPS = 64
 
 class EdgeDecodeRunner:
     def __init__(
-        self,
-        model,
-        threads: int,
-        context: int,
-        accuracy_level: int,
-        device: str,
-        cuda_graph: bool = True,
-        q4_1: str = "correction",
+        self, name: str, model, options: GraphOptions, threads: int, context: int, device: str, cuda_graph: bool = True
     ) -> None:
-        dtype = "float16" if device == "cuda" else "float32"
-        self.name = "edgedecode" if cuda_graph or device != "cuda" else "edgedecode-no-graph"
-        self.engine = Engine(
-            model,
-            GraphOptions("decode", dtype, accuracy_level, q4_1=q4_1),
-            max_context=context,
-            threads=threads,
-            device=device,
-            cuda_graph=cuda_graph,
-        )
+        self.name = name
+        self.engine = Engine(model, options, max_context=context, threads=threads, device=device, cuda_graph=cuda_graph)
         if device == "cuda" and cuda_graph and not self.engine.cuda_graph:
             raise SystemExit("onnxruntime refused CUDA graph capture for this graph (see the log)")
 
@@ -165,11 +152,29 @@ def llama_cpp_available(device: str) -> bool:
 
 
 def engine_names(args) -> list[str]:
-    """The engines to run: edgedecode, llama.cpp where it can run on ``args.device`` (unless --no-llama),
-    and on CUDA edgedecode without CUDA graphs (unless --no-extras)."""
+    """The engines to run: edgedecode as it ships (its own kernels where they load), edgedecode on
+    onnxruntime's stock MatMulNBits ("edgedecode-stock", the form before the own kernels; where the shipped
+    form is not already that, unless --no-stock), llama.cpp where it can run on ``args.device`` (unless
+    --no-llama), and on CUDA edgedecode without CUDA graphs (unless --no-extras)."""
+    with_stock = not args.no_stock and decode_options(args.device).kernels != "stock"
     with_llama = not args.no_llama and llama_cpp_available(args.device)
     with_no_graph = args.device == "cuda" and not args.no_extras
-    return ["edgedecode"] + (["llama.cpp"] if with_llama else []) + (["edgedecode-no-graph"] if with_no_graph else [])
+    return (
+        ["edgedecode"]
+        + (["edgedecode-stock"] if with_stock else [])
+        + (["llama.cpp"] if with_llama else [])
+        + (["edgedecode-no-graph"] if with_no_graph else [])
+    )
+
+
+def engine_options(name: str, args) -> GraphOptions:
+    """The decode graph an edgedecode engine runs: the shipped one (decode_options), or with the stock ops
+    (and --q4-1's offset form, where given)."""
+    shipped = decode_options(args.device, args.accuracy_level)
+    if name != "edgedecode-stock" and shipped.kernels != "stock":
+        return shipped
+    stock = GraphOptions.for_device("decode", args.device, args.accuracy_level)
+    return stock if args.q4_1 is None else replace(stock, q4_1=args.q4_1)
 
 
 def bench_context(args) -> int:
@@ -181,14 +186,9 @@ def make_runner(name: str, args, model):
     context = bench_context(args)
     if name == "llama.cpp":
         return LlamaCppRunner(model.record.gguf_path, args.threads, context, gpu=args.device == "cuda")
+    options = engine_options(name, args)
     return EdgeDecodeRunner(
-        model,
-        args.threads,
-        context,
-        args.accuracy_level,
-        args.device,
-        cuda_graph=name != "edgedecode-no-graph",
-        q4_1=args.q4_1,
+        name, model, options, args.threads, context, args.device, cuda_graph=name != "edgedecode-no-graph"
     )
 
 
@@ -209,8 +209,7 @@ def engine_memory(engine: str, args) -> dict[str, float | None]:
         str(max(args.past)),
         "--device",
         args.device,
-        "--q4-1",
-        args.q4_1,
+        *(["--q4-1", args.q4_1] if args.q4_1 else []),
     ]
     if args.model:
         cmd += ["--model", args.model]
@@ -255,15 +254,16 @@ def choose_model(args) -> str | None:
     return args.model
 
 
-def accounting(results: dict, model, options: GraphOptions, args) -> None:
+def accounting(results: dict, model, runners: list, args) -> None:
     """Add bytes read per token, the bandwidth bound's fraction and memory / (weights + KV) to ``results``.
 
-    Per engine: weights (edgedecode's: the built graph's initializers; llama.cpp: the GGUF's tensors)
-    plus its KV (the graph's dtype / llama.cpp's default f16, per past token) at the mean past of the
+    Per engine: weights (edgedecode's: its built graph's initializers; llama.cpp: the GGUF's tensors)
+    plus its KV (the graph's KV dtype / llama.cpp's default f16, per past token) at the mean past of the
     decode steps. The memory is the peak RSS on the CPU and the GPU memory on CUDA.
     """
     spec, gguf_path = model.spec, model.record.gguf_path
-    gguf_bytes, graph_bytes = gguf_weight_bytes(gguf_path), graph_weight_bytes(model.graph_path(options))
+    gguf_bytes = gguf_weight_bytes(gguf_path)
+    options = {r.name: r.engine.options for r in runners if r.name != "llama.cpp"}
     bandwidth = results["memory_bandwidth_gb_s"]
     memory_key, share_key = (
         ("gpu_memory_mib", "gpu_memory_over_weights_and_kv")
@@ -273,8 +273,8 @@ def accounting(results: dict, model, options: GraphOptions, args) -> None:
     results["gguf_weight_bytes"] = gguf_bytes
     for name, engine in results["engines"].items():
         llama = name == "llama.cpp"
-        kv_per_token = kv_bytes_per_token(spec, 2 if llama else np.dtype(options.dtype).itemsize)
-        weights = gguf_bytes if llama else graph_bytes
+        kv_per_token = kv_bytes_per_token(spec, 2 if llama else options[name].kv_np_dtype.itemsize)
+        weights = gguf_bytes if llama else graph_weight_bytes(model.graph_path(options[name]))
         engine.update(weight_bytes_per_token=weights, kv_bytes_per_past_token=kv_per_token)
         for past, row in engine["past"].items():
             read = weights + kv_per_token * (int(past) + DECODE_STEPS // 2)
@@ -303,8 +303,13 @@ def main(argv: list[str] | None = None) -> None:
         "--q4-1",
         choices=Q4_1_MODES,
         default=None,
-        help="how the decode graph applies Q4_1's offsets (GraphOptions.q4_1; default: the "
-        "device's shipped form, zero_point on cuda, correction on cpu)",
+        help="how the stock decode graph applies Q4_1's offsets (GraphOptions.q4_1; default: the "
+        "device's shipped form, by size on cuda, correction on cpu)",
+    )
+    parser.add_argument(
+        "--no-stock",
+        action="store_true",
+        help="Skip edgedecode on onnxruntime's stock MatMulNBits (run by default where the own kernels ship).",
     )
     parser.add_argument(
         "--device",
@@ -323,7 +328,6 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_json_flag(parser)
     parser.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.q4_1 = args.q4_1 or DEVICE_Q4_1[args.device]
     if args.memory_child:
         return memory_child(args)
 
@@ -349,7 +353,10 @@ def main(argv: list[str] | None = None) -> None:
         "runs": args.runs,
         "decode_steps": DECODE_STEPS,
         "accuracy_level": args.accuracy_level,
-        "q4_1": args.q4_1,
+        "q4_1": args.q4_1 or DEVICE_Q4_1[args.device],
+        "kernels": {r.name: r.engine.options.kernels for r in runners if r.name != "llama.cpp"},
+        # the own CUDA ops compute with float activations (level 0) whatever --accuracy-level asked
+        "accuracy_levels": {r.name: r.engine.options.accuracy_level for r in runners if r.name != "llama.cpp"},
         "spinning": spin_enabled(),
         "machine": cli.cpu_name(),
         "load_average_before_after": [load_before[0], os.getloadavg()[0]],
@@ -378,13 +385,19 @@ def main(argv: list[str] | None = None) -> None:
         results["ratio_graph_over_no_graph"] = {
             past: graph[past]["decode_tok_s"] / plain[past]["decode_tok_s"] for past in graph
         }
-    accounting(results, model, runners[0].engine.options, args)
+    accounting(results, model, runners, args)
     if "llama.cpp" in results["engines"]:
-        ours, theirs = (results["engines"][name]["past"] for name in ("edgedecode", "llama.cpp"))
-        results["ratio_edgedecode_over_llama_cpp"] = {
-            past: {metric: ours[past][metric] / theirs[past][metric] for metric in ("prefill_tok_s", "decode_tok_s")}
-            for past in ours
-        }
+        theirs = results["engines"]["llama.cpp"]["past"]
+        for name, key in (
+            ("edgedecode", "ratio_edgedecode_over_llama_cpp"),
+            ("edgedecode-stock", "ratio_stock_over_llama_cpp"),
+        ):
+            if name in results["engines"]:
+                ours = results["engines"][name]["past"]
+                results[key] = {
+                    past: {m: ours[past][m] / theirs[past][m] for m in ("prefill_tok_s", "decode_tok_s")}
+                    for past in ours
+                }
     if args.plot:
         plot_decode(results, args.plot)
     if args.json_out:
@@ -413,7 +426,7 @@ def print_table(results: dict) -> None:
         for name, result in engines.items():
             row = result["past"][past]
             ratio = ""
-            if name == "edgedecode" and "llama.cpp" in engines:
+            if name.startswith("edgedecode") and "llama.cpp" in engines:
                 ratio = f"{row['decode_tok_s'] / engines['llama.cpp']['past'][past]['decode_tok_s']:.2f}x"
             read = f"{row['bytes_per_token'] / 1e6:10.1f}" if "bytes_per_token" in row else ""
             read += f"{row['bandwidth_fraction']:10.0%}" if "bandwidth_fraction" in row else ""

@@ -39,8 +39,8 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgedecode.config import load_config
+from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS
 from edgedecode.prefill.fleet.app import replica_names, start_fleet, stop_fleet
-from edgedecode.prefill.prefix_cache import DEFAULT_BLOCK_TOKENS
 from edgedecode.serving.process import start_server, stop_server
 from tools.common import cli
 

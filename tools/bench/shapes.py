@@ -97,6 +97,38 @@ def table_rows(results: list[dict]) -> list[str]:
     return rows
 
 
+def before_after_rows(results: list[dict]) -> list[str]:
+    """One Markdown row per file and past length where edgedecode ran both ways: on onnxruntime's stock
+    MatMulNBits (before the own kernels) and as shipped (the own kernels), each against llama.cpp."""
+    memory = "GPU memory" if any(r.get("device") == "cuda" for r in results) else "peak RSS"
+    rows = [
+        "| model | type | past | stock decode tok/s | own kernels decode tok/s | own / stock | stock / llama.cpp | "
+        f"own / llama.cpp | stock MB/token (of bound) | own MB/token (of bound) | {memory} MiB stock / own |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in results:
+        engines = result.get("engines", {})
+        if "edgedecode-stock" not in engines:
+            continue
+        own, stock, theirs = engines["edgedecode"], engines["edgedecode-stock"], engines.get("llama.cpp")
+        held = f"{memory_cell(stock, result['device'])} / {memory_cell(own, result['device'])}"
+        for past, row in own["past"].items():
+            before, other = stock["past"][past], theirs["past"][past] if theirs else None
+            cells = [
+                result["shape"],
+                result["type"],
+                past,
+                f"{before['decode_tok_s']:.1f}",
+                f"{row['decode_tok_s']:.1f}",
+            ]
+            cells.append(f"{row['decode_tok_s'] / before['decode_tok_s']:.2f}×")
+            for engine_row in (before, row):
+                cells.append(f"**{engine_row['decode_tok_s'] / other['decode_tok_s']:.2f}×**" if other else "–")
+            cells += [read_cell(before), read_cell(row), held]
+            rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = cli.parser(__doc__)
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=[s for s in SHAPES if s != "tiny"])
@@ -117,8 +149,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{shape} {weight_type}: done at {time.perf_counter() - started:.0f} s", file=sys.stderr)
             if args.json_out:  # after every file, so an interrupted run keeps what it measured
                 summary = {"command": command, "elapsed_s": time.perf_counter() - started, "results": results}
-                cli.write_json({**summary, "table": table_rows(results)}, args.json_out, indent=2)
-    rows = table_rows(results)
+                tables = {"table": table_rows(results), "before_after": before_after_rows(results)}
+                cli.write_json({**summary, **tables}, args.json_out, indent=2)
+    rows = table_rows(results) + [""] + before_after_rows(results)
     elapsed = time.perf_counter() - started
     if args.plot and any("engines" in r for r in results):
         plot_shapes([r for r in results if "engines" in r], args.plot)

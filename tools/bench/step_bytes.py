@@ -2,7 +2,7 @@
 tensors for llama.cpp) plus the KV of the past, the quantities a memory-bandwidth bound divides.
 
 Counted, not measured: every initializer a node consumes is read once per step, except tables only
-gathered from (the token embedding: one row a step) and GroupQueryAttention's RoPE cos/sin caches
+gathered from (the token embedding: one row a step) and the attention's RoPE cos/sin caches
 (one row a step). onnxruntime may read a prepacked copy of a MatMulNBits weight instead of the
 initializer (MLAS's layout, about the same size); the graph figure counts the initializer.
 """
@@ -26,6 +26,8 @@ ROW_READS = {
     ("GatherBlockQuantized", 3),  # zero points
     ("GroupQueryAttention", 7),  # cos cache
     ("GroupQueryAttention", 8),  # sin cache
+    ("DecodeAttention", 6),  # cos cache
+    ("DecodeAttention", 7),  # sin cache
 }
 
 

@@ -78,10 +78,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import tools.sim.fleet_report as report
+from edgedecode.config import DaemonConfig
 from edgedecode.daemon.pull.adaptive import PlanInputs, plan_kv
+from edgedecode.daemon.pull.calibration import shipped
 from edgedecode.daemon.pull.link import LinkModel, Reprobes
 from edgedecode.daemon.pull.local_speed import LocalPrefillModel
 from edgedecode.daemon.pull.segment import PullResult
+from edgedecode.model.registry import DEFAULT_MODEL
 from tools.common import cli
 
 FP16_BYTES_PER_TOKEN = 23040  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x (K, V) x 2 bytes
@@ -91,7 +94,9 @@ BENCH = {
 }
 LOCAL_BENCH = cli.ROOT / "docs/bench/serve-cpu-vm-2026-11-26.json"  # the 2-core edge box's own prefill
 MIN_WIRE_BYTES = 64 << 10  # daemon.min_wire_bytes
-MIN_BUDGET, SPLIT_SLOWDOWN = 0.2, 1.3  # daemon.min_budget, daemon.split_slowdown
+CALIBRATION = shipped()[DEFAULT_MODEL]  # the simulated boxes serve the default model: its measured costs
+MIN_BUDGET = CALIBRATION.min_budget  # daemon.min_budget's default (0: the calibration's)
+SPLIT_SLOWDOWN = DaemonConfig.split_slowdown  # the daemon's prior, before a split was measured
 HISTORY_MIN_S = 300.0  # each box's one pull before the simulation was at least this long before it starts
 REPROBE_S = 3600.0  # daemon.link_reprobe_s
 WATCH_S, WATCH_MARGIN = 0.2, 0.8  # the watch's min_observe_s and margin (daemon.pull.adaptive.SegmentWatch)
@@ -380,6 +385,7 @@ def _plan(
                 predict_remote_s=lambda wire: box.model.predict_fetch_s(wire, new),
                 local_s=math.inf if reprobe else local.predict_seconds(new),
                 min_budget=MIN_BUDGET,
+                quality=CALIBRATION.quality(),
                 tokens=new,
                 context_tokens=prompt,
                 local_head_s=None if reprobe else lambda h: local.predict_between(held, held + h),

@@ -1,18 +1,23 @@
-"""Where a turn's KV comes from under a time-to-first-token target: pulled from the prefill server at
-a budget the link delivers in time, or computed on this box — whichever costs the least quality
-among those that make it, the fastest of them where they cost the same.
+"""Where a turn's KV comes from: pulled from the prefill server at a budget the link delivers in
+time, computed on this box, or both (a split) — whichever costs the least quality among those that
+make it, the fastest of them where they cost the same.
 
-Every option has a quality cost, the Δ perplexity the quality harness measured for it at the
-prompt's length (``QualityCosts``): a remote budget's from ``tools/kv_quality.py`` (SmolLM2-135M, b 0.2:
-+1.53 % on 1k-token prompts, +4.07 % on 2k, +3.62 % on 4k; b 0.3: +0.29, +0.48, +0.62 %), local
-prefill's from ``tools/bench_adaptive.py`` (the decode graph's own KV against the prefill graph's FP16
-KV: -0.01 %, i.e. none). The plan is, among the options predicted to meet the target, those within
-``QUALITY_TIE_PCT`` of the best cost, the fastest; when none meets it, the fastest of all. The quality
-floor: no option costing more than ``QUALITY_FLOOR_PCT`` (+2 %) at the prompt's length is planned,
-and no budget below the operator's ``min_budget`` is asked for. Without a target, or while the link is unknown
-(no pull from this endpoint yet), the configured budget is asked for, as before — and that pull
-teaches the link model. A link idle long enough for its estimate to go stale is still planned for,
-from the remembered estimate worsened by the link model's ``stale_margin`` (``pull.link``).
+Every option has a quality cost, the Δ perplexity the served model's calibration measured for it at
+the prompt's length (``QualityCosts``, from ``pull.calibration``). "In time" is the turn's target
+when it has one (``daemon.ttft_target_ms``, or the request's). Without one, a daemon whose budget is
+not pinned plans with its default objective: the best quality whose predicted time is within
+``PlanInputs.near_fastest`` (1.1) of the fastest option's; with ``daemon.budget`` pinned and no
+target, the pinned budget is asked for, as before. The plan is, among the options predicted in time,
+those within ``QUALITY_TIE_PCT`` of the best cost, the fastest; when none is in time, the fastest of
+all. The quality floor: no option costing more than ``QUALITY_FLOOR_PCT`` (+2 %) at the prompt's
+length is planned, and no budget below ``min_budget`` (by default the calibration's lowest measured
+budget within the floor) is asked for. Every remote prediction is the link model's times the learned
+``remote_correction`` (how much longer pulls took than predicted). While the link is unknown (no pull
+from this endpoint yet) the default budget is asked for — and that pull teaches the link model; under
+the default objective it carries a deadline (local prefill's predicted time, ``near_fastest`` times)
+so that the segment watch cuts it and computes the rest here if the link turns out slow. A link idle
+long enough for its estimate to go stale is still planned for, from the remembered estimate worsened
+by the link model's ``stale_margin`` (``pull.link``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,30 +39,30 @@ QUALITY_FLOOR_PCT = 2.0  # no option that costs more (at the prompt's length) is
 class QualityCosts:
     """Δ perplexity (%) of each way to get the KV: remote budgets by prompt length (measured points:
     linear in the budget between them, linear in log2 of the length between lengths, the nearest
-    point's beyond both; each length's costs made non-increasing in the budget, since the measured
-    means are noisy) and local prefill. The defaults are SmolLM2-135M's, measured by
-    ``tools/kv_quality.py`` with the "ours" policy: 1k tokens from docs/kv-quality.md (8 contexts),
-    2k and 4k from ``--policies ours --contexts 4 --context-tokens 2048|4096`` runs
-    (docs/bench/kv-quality-{2k,4k}-ours-4contexts*.json; 4 contexts each, so their intervals are wide)."""
+    length's beyond them; each length's costs made non-increasing in the budget, since the measured
+    means are noisy; below a length's lowest measured budget, unknown: infinite) and local prefill.
+    The served model's come from its calibration (``pull.calibration``)."""
 
-    remote: Mapping[int, Mapping[float, float]] = field(
-        default_factory=lambda: {
-            1024: {1.0: 0.0, 0.5: 0.0, 0.3: 0.29, 0.2: 1.53, 0.15: 3.72, 0.1: 6.61},
-            2048: {1.0: 0.0, 0.5: 0.0, 0.3: 0.48, 0.25: 1.01, 0.2: 4.07, 0.15: 5.77},
-            4096: {1.0: 0.0, 0.5: 0.13, 0.4: 0.0, 0.3: 0.62, 0.25: 2.29, 0.2: 3.62, 0.15: 3.52},
-        }
-    )
+    remote: Mapping[int, Mapping[float, float]]
     local: float = 0.0
 
     def of_budget(self, budget: float, tokens: int = 1024) -> float:
-        """Δ PPL (%) of a pull at ``budget`` for a prompt of ``tokens`` tokens."""
+        """Δ PPL (%) of a pull at ``budget`` for a prompt of ``tokens`` tokens (inf: never measured that low)."""
         lengths = sorted(self.remote)
-        costs = [self._at_length(self.remote[length], budget) for length in lengths]
-        return float(np.interp(np.log2(max(tokens, 1)), np.log2(lengths), costs))
+        at = int(np.searchsorted(lengths, max(tokens, 1)))
+        if at == 0 or at == len(lengths) or lengths[at] == tokens:  # at or beyond a measured length
+            return self._at_length(self.remote[lengths[min(at, len(lengths) - 1)]], budget)
+        below, above = lengths[at - 1], lengths[at]
+        costs = [self._at_length(self.remote[length], budget) for length in (below, above)]
+        if not all(math.isfinite(cost) for cost in costs):
+            return math.inf
+        return float(np.interp(np.log2(tokens), np.log2([below, above]), costs))
 
     @staticmethod
     def _at_length(points: Mapping[float, float], budget: float) -> float:
         budgets = np.array(sorted(points, reverse=True))  # from the best down
+        if budget < budgets[-1] - 1e-9:
+            return math.inf
         costs = np.maximum.accumulate([points[b] for b in budgets])  # never cheaper at a lower budget
         return float(np.interp(budget, budgets[::-1], costs[::-1]))
 
@@ -72,7 +77,8 @@ class KVPlan:
     predicted_s: float | None
     why: str
     head: int = 0  # "split": leading tokens computed here while the rest's KV is pulled at ``budget``
-    pull_s: float | None = None  # "split": the tail's pull as the link model predicts it, alone
+    pull_s: float | None = None  # the pull as the link model predicts it, uncorrected ("split": the tail's, alone)
+    deadline_s: float | None = None  # no target of the turn's own: when the KV should be in (the segment watch's)
 
 
 @dataclass(frozen=True)
@@ -80,16 +86,18 @@ class PlanInputs:
     """What the planner knows about one turn."""
 
     target_s: float | None  # time left for the KV under the turn's target; None: no target
-    fixed_budget: float  # the configured budget
+    fixed_budget: float  # the pinned budget, or the model's default one (asked while the link is unknown)
     wire_bytes: Callable[[float], int]  # expected payload bytes at a budget
     predict_remote_s: Callable[[int], float | None]  # link model: seconds to pull this many wire bytes
     local_s: float  # local prefill model: seconds to compute the tokens here
     min_budget: float  # the quality floor
-    quality: QualityCosts = field(default_factory=QualityCosts)
+    quality: QualityCosts  # the served model's (pull.calibration)
     tokens: int = 0  # the tokens whose KV the plan gets (0: no split is considered)
     context_tokens: int = 0  # the whole prompt's, for its quality costs (0: ``tokens``)
     local_head_s: Callable[[int], float] | None = None  # seconds to compute the first n of them here
     split_slowdown: float = 1.0  # a split's pull takes this much longer than alone (the head's compute competes)
+    near_fastest: float | None = None  # no target: plan the best quality within this factor of the fastest
+    remote_correction: float = 1.0  # pulls take this much longer than the link model predicts (learned)
 
 
 SPLIT_FRACTIONS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875)  # heads tried for a split, of the tokens
@@ -98,7 +106,8 @@ SPLIT_FRACTIONS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75, 0.875)  # heads tried f
 def plan_kv(inputs: PlanInputs) -> KVPlan:
     """The plan for one turn (see the module docstring)."""
     fixed = inputs.fixed_budget
-    if inputs.target_s is None:
+    target_s, near = inputs.target_s, inputs.near_fastest
+    if target_s is None and near is None:
         return KVPlan("remote", fixed, None, "no target: the configured budget")
     predicted = [
         (budget, inputs.predict_remote_s(inputs.wire_bytes(budget)))
@@ -106,10 +115,13 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
         if budget >= inputs.min_budget
     ]
     if not predicted or any(seconds is None for _, seconds in predicted):
-        return KVPlan("remote", fixed, None, "link unknown: the configured budget")
+        deadline_s = None if target_s is not None or near is None else near * inputs.local_s
+        return KVPlan("remote", fixed, None, "link unknown: the default budget", deadline_s=deadline_s)
+    correction = inputs.remote_correction
+    predicted = [(budget, None if seconds is None else seconds * correction) for budget, seconds in predicted]
     quality = inputs.quality
     options = [
-        KVPlan("remote", budget, float(seconds), f"b {budget:g}")
+        KVPlan("remote", budget, float(seconds), f"b {budget:g}", pull_s=float(seconds) / correction)
         for budget, seconds in predicted
         if seconds is not None
     ]
@@ -130,15 +142,21 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
     def seconds(option: KVPlan) -> float:
         return math.inf if option.predicted_s is None else option.predicted_s
 
-    meeting = [option for option in options if seconds(option) <= inputs.target_s]
+    goal = "meets the target"
+    if target_s is None:
+        assert near is not None
+        target_s = near * min(seconds(option) for option in options)
+        goal = f"is within {near:g}x of the fastest"
+    meeting = [option for option in options if seconds(option) <= target_s]
     if meeting:
         best = min(cost(option) for option in meeting)
         chosen = min((option for option in meeting if cost(option) <= best + QUALITY_TIE_PCT), key=seconds)
-        why = f"{chosen.why}: the fastest of the best quality (Δ PPL {cost(chosen):+.2f} %) that meets the target"
+        why = f"{chosen.why}: the fastest of the best quality (Δ PPL {cost(chosen):+.2f} %) that {goal}"
     else:
         chosen = min(options, key=seconds)
         why = f"{chosen.why}: nothing meets the target; the fastest"
-    return KVPlan(chosen.decision, chosen.budget, chosen.predicted_s, why, chosen.head, chosen.pull_s)
+    deadline_s = target_s if inputs.target_s is None and math.isfinite(target_s) else None
+    return KVPlan(chosen.decision, chosen.budget, chosen.predicted_s, why, chosen.head, chosen.pull_s, deadline_s)
 
 
 def _splits(inputs: PlanInputs, predicted: list[tuple[float, float | None]]) -> list[KVPlan]:

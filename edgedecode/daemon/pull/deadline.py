@@ -25,6 +25,11 @@ class Deadline:
         """The deadline of a turn that arrived at ``arrived`` under a target of ``target_ms`` (<= 0: none)."""
         return cls(target_ms / 1e3, arrived + target_ms / 1e3) if target_ms > 0 else cls()
 
+    @classmethod
+    def within(cls, seconds: float) -> Deadline:
+        """Due ``seconds`` from now (a plan's own deadline, for a turn without a target)."""
+        return cls(seconds, time.perf_counter() + seconds)
+
     def left_s(self) -> float | None:
         """Seconds left until it is due (negative once past); None without a target."""
         return None if self.target_s is None else self.at - time.perf_counter()

@@ -106,7 +106,8 @@ class FetchOutcome:
 class KVFetch:
     """Fetches one turn's KV from the prefill server at ``url`` into a ``StreamedKV`` (see the module
     docstring); ``planner`` plans and watches its segments and learns from each that got an answer
-    (``teach_goodput`` False: its round trip and server time only).
+    (``teach_goodput`` False: its round trip and server time only), and from the first what the
+    server's prefix cache held of the prompt (``server_held``: the tokens the planner believed it held).
     """
 
     def __init__(
@@ -117,6 +118,7 @@ class KVFetch:
         planner: KVPlanner,
         *,
         teach_goodput: bool = True,
+        server_held: int = 0,
     ) -> None:
         self.http = http
         self.settings = settings
@@ -124,6 +126,7 @@ class KVFetch:
         self.planner = planner
         # False while other work shares the CPU (a split): its transfers are not the link's goodput
         self.teach_goodput = teach_goodput
+        self.server_held = server_held
 
     async def run(self, stream: StreamedKV, budget: float, deadline: Deadline) -> FetchOutcome:
         """Fetch the KV of ``stream``'s prompt after the positions it covers (kept, or its head)
@@ -145,7 +148,13 @@ class KVFetch:
             )
             outcome.segments.append(SegmentReport(request.budget, result))
             if result.headers_seconds > 0:  # answered: what it measured teaches, even if it was cut short
-                asked = computed if request.path == "/v1/prefill" else 0  # a resume computes nothing
+                asked = 0  # a resume computes nothing
+                if request.path == "/v1/prefill":
+                    reused = result.server_reused_tokens
+                    # the server's time per token is learned from pulls it computed whole: its time
+                    # also encodes every token sent, which a prefix-cache hit does not save
+                    asked = 0 if reused else computed
+                    self.planner.prefixes.learn(url, prompt_ids, self.server_held, reused)
                 self.planner.learn_segment(url, result, asked, goodput=self.teach_goodput)
             if result.failure is not None:
                 logger.warning("KV segment at budget %.3g ended: %s", request.budget, result.failure)

@@ -14,31 +14,52 @@ import dataclasses
 import math
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgedecode.config import DaemonConfig
 from edgedecode.daemon.metrics import DaemonMetrics
-from edgedecode.daemon.pull.adaptive import KVPlan, PlanInputs, QualityCosts, SegmentWatch, plan_kv
+from edgedecode.daemon.pull.adaptive import KVPlan, PlanInputs, SegmentWatch, plan_kv
+from edgedecode.daemon.pull.calibration import ModelCalibration
 from edgedecode.daemon.pull.deadline import Deadline
 from edgedecode.daemon.pull.link import DecayingMean, LinkModels, Reprobes
 from edgedecode.daemon.pull.link_store import LinkStore
-from edgedecode.daemon.pull.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.local_speed import CALIBRATION_LENGTHS, LocalPrefillModel
 from edgedecode.daemon.pull.segment import PullResult
+from edgedecode.daemon.pull.server_prefixes import ServerPrefixes
 from edgedecode.kv.window import tail_budget
 from edgedecode.model.spec import KVContract
 from edgedecode.runtime.handoff import StreamedKV
 
+if TYPE_CHECKING:
+    from edgedecode.runtime.engine import Engine
+
+NEAR_FASTEST = 1.1  # the default objective: the best quality within this factor of the fastest option
+REMOTE_CORRECTION_BOUNDS = (0.8, 3.0)  # a learned correction of the link model's predictions stays within these
+
 
 class KVPlanner:
     """Plans turns' KV for the daemon configured by ``settings``, for a model whose KV is
-    ``fp16_bytes_per_token`` at FP16 under ``contract``; counts its decisions and re-probes in
-    ``metrics``, and exports the link estimates on its registry.
+    ``fp16_bytes_per_token`` at FP16 under ``contract`` and whose quality ``calibration`` measured;
+    counts its decisions and re-probes in ``metrics``, and exports the link estimates on its registry.
 
     ``local_speed`` starts without a point (local prefill predicted never to finish): ``daemon/run.py``
-    calibrates it on a real engine before serving, and every local prefill refines it.
+    calibrates it on a real engine before serving (``calibrate_local``), and every local prefill
+    refines it — unless ``daemon.local_prefill_tokens_per_s`` pins it (prefill time proportional to
+    the tokens at that speed, never measured).
+
+    Without a target (``daemon.ttft_target_ms`` 0 and none in the request) a daemon whose
+    ``daemon.budget`` is 0 (not pinned) plans every turn with the default objective (``NEAR_FASTEST``);
+    a pinned budget is asked for as it is. ``daemon.min_budget`` 0 and an unpinned budget take the
+    calibration's (``ModelCalibration.min_budget``, ``default_budget``).
     """
 
     def __init__(
-        self, settings: DaemonConfig, fp16_bytes_per_token: int, contract: KVContract, metrics: DaemonMetrics
+        self,
+        settings: DaemonConfig,
+        fp16_bytes_per_token: int,
+        contract: KVContract,
+        metrics: DaemonMetrics,
+        calibration: ModelCalibration,
     ) -> None:
         self.settings = settings
         self.fp16_bytes_per_token = fp16_bytes_per_token
@@ -46,12 +67,21 @@ class KVPlanner:
         self.metrics = metrics
         store = LinkStore(Path(settings.state_dir)) if settings.state_dir else None
         self.links = LinkModels(metrics.registry, stale_margin=settings.link_stale_margin, store=store)
-        self.local_speed = LocalPrefillModel()
-        self.quality = QualityCosts(local=settings.local_dppl_pct)
+        pinned = settings.local_prefill_tokens_per_s
+        self.local_speed = LocalPrefillModel([(n, n / pinned) for n in CALIBRATION_LENGTHS] if pinned else ())
+        self.calibration = calibration
+        self.quality = calibration.quality(settings.local_dppl_pct)
+        self.min_budget = settings.min_budget or calibration.min_budget
+        self.budget = settings.budget or max(calibration.default_budget, self.min_budget)
+        self.near_fastest = None if settings.budget else NEAR_FASTEST
         # how much longer a split's pull takes than alone, as measured on this box (the configured
-        # value until a split has been seen, and again after hours without one)
+        # prior until a split has been seen, and again after hours without one)
         self.split_slowdown = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
+        # how much longer a whole pull takes than the link model predicted (1 until measured)
+        self.remote_correction = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
         self.reprobes = Reprobes(settings.link_reprobe_s)
+        self.prefixes = ServerPrefixes()  # what each prefill server's prefix cache holds, as its answers said
+        self._unanswered: dict[str, float] = {}  # endpoint -> when a pull from it last got no answer in time
 
     def kv_deadline(self, deadline: Deadline) -> Deadline:
         """When a turn's KV must be in: before its prompt's last token runs and is sampled."""
@@ -65,18 +95,19 @@ class KVPlanner:
         s = self.settings
         fp16_bytes = max(tokens, 1) * self.fp16_bytes_per_token
         floor = max(s.min_wire_bytes / fp16_bytes, tail_budget(max(tokens, 1), self.contract))
-        return min(1.0, max(s.budget if budget is None else budget, floor))
+        return min(1.0, max(self.budget if budget is None else budget, floor))
 
-    def plan(self, url: str, keep: int, prompt_tokens: int, deadline: Deadline) -> KVPlan:
+    def plan(self, url: str, keep: int, prompt_tokens: int, deadline: Deadline, *, server_held: int = 0) -> KVPlan:
         """Where the KV of the prompt's positions after ``keep`` should come from to be in by
-        ``deadline`` (``pull.adaptive``), counted by decision. A plan to compute it here for an
-        endpoint nothing has measured for ``daemon.link_reprobe_s`` becomes the best pull instead
-        (a re-probe, counted)."""
+        ``deadline`` (``pull.adaptive``), counted by decision; the server is believed to hold the
+        prompt's first ``server_held`` tokens in its prefix cache (``prefixes``), so it computes only
+        the rest. A plan to compute it here for an endpoint nothing has measured for
+        ``daemon.link_reprobe_s`` becomes the best pull instead (a re-probe, counted)."""
         target_s = deadline.left_s()
-        plan = self._plan(url, keep, prompt_tokens, target_s)
+        plan = self._plan(url, keep, prompt_tokens, target_s, server_held)
         if plan.decision == "local" and self.reprobes.due(url, self.links.get(url)):
             self.metrics.reprobes.inc()
-            plan = self._plan(url, keep, prompt_tokens, target_s, reprobe=True)
+            plan = self._plan(url, keep, prompt_tokens, target_s, server_held, reprobe=True)
         self.metrics.decisions.labels(plan.decision).inc()
         return plan
 
@@ -102,7 +133,7 @@ class KVPlanner:
                 wire_bytes=lambda b: int(self.budget_for(tokens, b) * tokens * self.fp16_bytes_per_token),
                 predict_remote_s=predict,
                 local_s=self.local_speed.predict_between(stream.local_from, n),
-                min_budget=min(self.settings.min_budget, budget),
+                min_budget=min(self.min_budget, budget),
                 quality=self.quality,
                 context_tokens=n,
             )
@@ -113,7 +144,7 @@ class KVPlanner:
         which should end by ``deadline`` (it has a target)."""
         end = len(stream.prompt_ids)
         link = self.links.get(url)
-        min_budget = self.settings.min_budget
+        min_budget = self.min_budget
 
         def rest_s(goodput: float, tokens_left: int) -> float:
             """Seconds to get the segment's last ``tokens_left`` tokens another way: resumed at the
@@ -134,38 +165,88 @@ class KVPlanner:
     def learn_segment(self, url: str, result: PullResult, tokens: int, *, goodput: bool = True) -> None:
         """What a segment that got its answer's headers measured teaches the link to ``url``
         (``LinkModel.observe``: ``tokens`` the server computed for it; ``goodput`` False: not its transfer)."""
+        self._unanswered.pop(url.rstrip("/"), None)
         self.links.get(url).observe(result, tokens, goodput=goodput)
+
+    def learn_unanswered(self, url: str) -> None:
+        """A pull from ``url`` under the default objective timed out before its deadline bringing no KV, with
+        no answer (its headers) or too few bytes to teach the link a goodput: while the link stays unknown,
+        the turns after it compute here until a re-probe is due (``daemon.link_reprobe_s``) rather than
+        wait on the endpoint again. (An endpoint that fails is the breaker's; a short pull that came
+        whole but taught no goodput is probed again.)"""
+        self._unanswered[url.rstrip("/")] = time.monotonic()
+
+    def _silent(self, url: str) -> bool:
+        """Whether plans to ``url`` should not wait on it: the default objective, a link not learned,
+        and a pull that got no answer in time less than ``daemon.link_reprobe_s`` ago."""
+        since = self._unanswered.get(url.rstrip("/"))
+        if since is None or self.near_fastest is None or self.links.get(url).estimate().goodput_bps is not None:
+            return False
+        return not self.settings.link_reprobe_s or time.monotonic() - since < self.settings.link_reprobe_s
 
     def learn_split(self, seconds: float, predicted_s: float) -> None:
         """A split's complete pull took ``seconds`` where the link model predicted ``predicted_s`` alone."""
         self.split_slowdown.add(seconds / predicted_s, time.monotonic())
 
+    def learn_pull(self, seconds: float, predicted_s: float) -> None:
+        """A whole pull (one segment, not a split's) took ``seconds`` where the link model predicted
+        ``predicted_s``: the ratio teaches the correction every remote prediction is multiplied by."""
+        self.remote_correction.add(seconds / predicted_s, time.monotonic())
+
+    def corrections(self) -> tuple[float, float]:
+        """(the remote correction, the split slowdown) as plans use them now: learned, bounded; the
+        split's configured prior while none was measured."""
+        now = time.monotonic()
+        low, high = REMOTE_CORRECTION_BOUNDS
+        remote = min(max(self.remote_correction.value(now) or 1.0, low), high)
+        split = max(self.split_slowdown.value(now) or self.settings.split_slowdown, 1.0)
+        return remote, split
+
+    def calibrate_local(self, engine: Engine) -> None:
+        """Measure this box's prefill speed on ``engine`` (its thread, before serving), unless pinned."""
+        if not self.settings.local_prefill_tokens_per_s:
+            self.local_speed.calibrate(engine)
+
     def learn_local_prefill(self, tokens: int, seconds: float) -> None:
-        """A local prefill of ``tokens`` prompt tokens took ``seconds``."""
-        self.local_speed.observe(tokens, seconds)
+        """A local prefill of ``tokens`` prompt tokens took ``seconds`` (nothing learned when the speed is pinned)."""
+        if not self.settings.local_prefill_tokens_per_s:
+            self.local_speed.observe(tokens, seconds)
 
     def _plan(
-        self, url: str, keep: int, prompt_tokens: int, target_s: float | None, *, reprobe: bool = False
+        self,
+        url: str,
+        keep: int,
+        prompt_tokens: int,
+        target_s: float | None,
+        server_held: int,
+        *,
+        reprobe: bool = False,
     ) -> KVPlan:
         """``plan``'s plan for ``target_s`` seconds left; ``reprobe``: the best pull, local prefill left out."""
         link = self.links.get(url)
-        s = self.settings
+        if not reprobe and self._silent(url):
+            why = "the last probe of this endpoint got no answer in time: computed here until a re-probe"
+            return KVPlan("local", None, self.local_speed.predict_between(keep, prompt_tokens), why)
         tokens = prompt_tokens - keep
+        server_tokens = prompt_tokens - server_held  # what the server computes (its cache holds the rest)
         fp16_bytes = max(tokens, 1) * self.fp16_bytes_per_token
         local = self.local_speed
+        remote_correction, split_slowdown = self.corrections()
         plan = plan_kv(
             PlanInputs(
                 target_s=target_s,
-                fixed_budget=s.budget,
+                fixed_budget=self.budget,
                 wire_bytes=lambda budget: int(self.budget_for(tokens, budget) * fp16_bytes),
-                predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, tokens),
+                predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, server_tokens),
                 local_s=math.inf if reprobe else local.predict_seconds(tokens),
-                min_budget=s.min_budget,
+                min_budget=self.min_budget,
                 quality=self.quality,
                 tokens=tokens,
                 context_tokens=prompt_tokens,
                 local_head_s=None if reprobe else lambda head: local.predict_between(keep, keep + head),
-                split_slowdown=max(self.split_slowdown.value(time.monotonic()) or s.split_slowdown, 1.0),
+                split_slowdown=split_slowdown,
+                near_fastest=self.near_fastest,
+                remote_correction=remote_correction,
             )
         )
         if reprobe:

@@ -33,6 +33,9 @@ from edgedecode.runtime.handoff import StreamedKV
 from edgedecode.tls import client_tls
 
 logger = logging.getLogger(__name__)
+# a probe of an unknown link under the default objective is given up after this many times its deadline
+# (1.1x local prefill's predicted time); what arrived by then is kept, the rest computed here
+PROBE_WAIT = 1.0
 
 
 @dataclass(frozen=True)
@@ -114,38 +117,56 @@ class PrefillRemote:
         if self._http is None:
             raise RuntimeError("the prefill remote was not started (await start() first)")
         kv_deadline = self.planner.kv_deadline(deadline)
-        plan = self.planner.plan(url, keep, len(prompt_ids), kv_deadline)
+        server_held = self.planner.prefixes.held_tokens(url, prompt_ids)
+        plan = self.planner.plan(url, keep, len(prompt_ids), kv_deadline, server_held=server_held)
         if plan.decision == "local" or plan.budget is None:
             logger.info("prefilling %d tokens locally by plan: %s", len(prompt_ids) - keep, plan.why)
             return Pull(plan=plan)
+        settings = self._settings(url)
+        if kv_deadline.target_s is None and plan.deadline_s is not None:  # the default objective's: watched too
+            kv_deadline = Deadline.within(plan.deadline_s)
+            if plan.predicted_s is None:  # a probe of an unknown link: waited on for a bounded time only
+                settings = self._settings(url, PROBE_WAIT * plan.deadline_s)
         stream = engine.open_kv_stream(prompt_ids, keep, head=plan.head)
         budget = self.planner.budget_for(len(prompt_ids) - keep - plan.head, plan.budget)
         if plan.head:
-            fetch = KVFetch(self._http, self._settings(url), self.ingest, self.planner, teach_goodput=False)
-            tail = asyncio.create_task(self._fetch(fetch, stream, budget, kv_deadline, plan.pull_s))
+            fetch = KVFetch(
+                self._http, settings, self.ingest, self.planner, teach_goodput=False, server_held=server_held
+            )
+            tail = asyncio.create_task(self._fetch(fetch, stream, budget, kv_deadline, plan))
             return Pull(stream, tail, plan, budget)
-        fetch = KVFetch(self._http, self._settings(url), self.ingest, self.planner)
-        fetched = await self._fetch(fetch, stream, budget, kv_deadline)
+        fetch = KVFetch(self._http, settings, self.ingest, self.planner, server_held=server_held)
+        fetched = await self._fetch(fetch, stream, budget, kv_deadline, plan)
+        segments = fetched.outcome.segments
+        if (
+            plan.deadline_s is not None
+            and fetched.fallback == "timeout"
+            and not fetched.useful
+            and (segments[0].result.headers_seconds == 0 or self.planner.links.get(url).estimate().goodput_bps is None)
+        ):  # the default objective's pull brought no KV, nor enough bytes to learn the link from, before its deadline
+            self.planner.learn_unanswered(url)
         return Pull(stream if fetched.useful else None, None, plan, budget, fetched)
 
-    def _settings(self, url: str) -> PullSettings:
+    def _settings(self, url: str, total_s: float | None = None) -> PullSettings:
+        """The pull settings for ``url``; ``total_s`` shortens the whole fetch's timeout."""
         s = self.settings
-        timeout = aiohttp.ClientTimeout(
-            total=s.fetch_timeout_s, sock_connect=s.connect_timeout_s, sock_read=s.idle_read_timeout_s
-        )
+        total = s.fetch_timeout_s if total_s is None else min(s.fetch_timeout_s, total_s)
+        timeout = aiohttp.ClientTimeout(total=total, sock_connect=s.connect_timeout_s, sock_read=s.idle_read_timeout_s)
         return PullSettings(url, self._token, s.policy, s.max_payload_bytes, timeout)
 
     async def _fetch(
-        self, fetch: KVFetch, stream: StreamedKV, budget: float, deadline: Deadline, split_pull_s: float | None = None
+        self, fetch: KVFetch, stream: StreamedKV, budget: float, deadline: Deadline, plan: KVPlan
     ) -> Fetched:
-        """Run ``fetch`` into ``stream``, counted, and tell the breaker how the endpoint did.
-        ``split_pull_s``: a split's tail pull as predicted alone; what it took teaches the split slowdown."""
+        """Run ``fetch`` into ``stream``, counted, and tell the breaker how the endpoint did. A pull
+        that came whole in one segment teaches the planner how long it took against ``plan``'s
+        prediction (a split's tail: the split slowdown; a whole pull: the remote correction)."""
         start = stream.covered
         outcome = await fetch.run(stream, budget, deadline)
         tokens = stream.covered - start
         self._count(outcome, tokens)
-        if split_pull_s and len(outcome.segments) == 1 and outcome.segments[0].result.complete:
-            self.planner.learn_split(outcome.seconds, split_pull_s)
+        if plan.pull_s and len(outcome.segments) == 1 and outcome.segments[0].result.complete:
+            learn = self.planner.learn_split if plan.head else self.planner.learn_pull
+            learn(outcome.seconds, plan.pull_s)
         failure = outcome.failure
         if failure is None:
             self.breaker.record_success()

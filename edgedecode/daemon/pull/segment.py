@@ -33,7 +33,7 @@ import numpy as np
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import KVFormatError, KVTooLargeError, KVTruncatedError
-from edgedecode.kv.wire.frames import READABLE_MAJORS
+from edgedecode.kv.wire.frames import LOWBIT_MINOR, READABLE_MAJORS
 from edgedecode.runtime.handoff import StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError
 
@@ -84,6 +84,7 @@ class PullResult:
     complete: bool = True  # False: cut by the watch, or by a failure (its verified tokens counted)
     cut_reason: str | None = None  # the watch's reason
     failure: KVPullError | None = None  # what ended the segment early, if a failure did
+    server_reused_tokens: int | None = None  # prompt tokens the server's prefix cache held (X-Prefix-Reused-Tokens)
 
     @property
     def tokens(self) -> int:
@@ -132,8 +133,10 @@ def resume_segment(transfer_id: str, covered: int, budget: float, policy: str) -
 
 def _terms(budget: float, policy: str) -> dict:
     """What every segment request asks of the payload: its budget and policy, and EDKV up to the newest
-    major this daemon reads (2: windowed layers send only the tail they attend to)."""
-    return {"budget": budget, "policy": policy, "edkv_major": max(READABLE_MAJORS)}
+    major this daemon reads (2: windowed layers send only the tail they attend to) and the newest minor of it (2.1,
+    as 1.3: INT3 and rotated tiers, which the reader undoes at ingest)."""
+    major = max(READABLE_MAJORS)
+    return {"budget": budget, "policy": policy, "edkv_major": major, "edkv_minor": LOWBIT_MINOR[major]}
 
 
 @dataclass
@@ -146,6 +149,7 @@ class _Timing:
     last_at: float = 0.0
     headers_seconds: float = 0.0
     server_seconds: float | None = None
+    server_reused_tokens: int | None = None
     cut_reason: str | None = None
 
 
@@ -187,6 +191,7 @@ async def pull_segment(
         complete=segment.complete,
         cut_reason=timing.cut_reason,
         failure=failure,
+        server_reused_tokens=timing.server_reused_tokens,
     )
 
 
@@ -225,6 +230,7 @@ async def _transfer(
                 raise KVPullError(reason, f"the prefill server answered {response.status}: {detail}")
             timing.headers_seconds = time.perf_counter() - sent
             timing.server_seconds = _header_float(response.headers.get("X-Prefill-Seconds"))
+            timing.server_reused_tokens = _header_int(response.headers.get("X-Prefix-Reused-Tokens"))
             announced = _header_int(response.headers.get("X-EDKV-Wire-Bytes"))
             while True:
                 data = await _read(response.content, WATCH_TICK_S if watch is not None else None)

@@ -6,19 +6,22 @@ import dataclasses
 import hashlib
 import threading
 import zlib
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import chain, islice
 from typing import Any
 
 import numpy as np
 import zstandard
 
-from edgedecode.kv.quant import DEFAULT_LAYOUTS, QuantLayout, quantize
-from edgedecode.kv.rotation import Rotation, hadamard_signs, rotate
+from edgedecode.kv.quant import DEFAULT_LAYOUTS, QuantLayout
+from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.snapshot import KVSnapshot
+from edgedecode.kv.stage_clock import UNCLOCKED, StageClock
 from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
-from edgedecode.kv.wire.chunks import ChunkPlan, chunk_rects, plan_chunk, section_arrays
+from edgedecode.kv.wire.chunks import ChunkPlan, chunk_rects, plan_chunk
+from edgedecode.kv.wire.coder import SectionCoder
 from edgedecode.kv.wire.errors import KVMalformedError
 from edgedecode.kv.wire.frames import (
     CHUNK_MAGIC,
@@ -49,6 +52,9 @@ from edgedecode.kv.wire.header import (
 
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_ZSTD_LEVEL = 3
+# zstd level 1 compresses real FP16, INT4 and INT2 chunks to within 0.6 % of level 3's size at 0.6-0.7 of its CPU
+# time; INT8 codes gain 1.9 % from level 3 (docs/performance.md, "The prefill node's own time")
+FAST_ZSTD_LEVEL = 1
 
 
 def encode_payload(
@@ -65,6 +71,9 @@ def encode_payload(
     importance: np.ndarray | None = None,
     window_start: int | None = None,
     rotation: Rotation | None = None,
+    coder: SectionCoder | None = None,
+    clock: StageClock = UNCLOCKED,
+    fast_level: int | None = None,
 ) -> Iterator[bytes]:
     """Encode `snapshot` as an EDKV stream: 1.2, or 2.0 where `window_start` cuts the windowed layers; 1.3 (2.1)
     where INT3 or a rotation is used, which only a reader of 1.3 (2.1) reads right.
@@ -76,10 +85,11 @@ def encode_payload(
         chunk_tokens, chunk_layers: chunk size (chunk_layers None: all layers in every chunk). The reader's limits
             (docs/kv-format.md §7) bound the chunks and sections: chunk_tokens >= frames.MIN_CHUNK_TOKENS always
             fits; a finer chunking that does not is a ValueError.
-        level: zstd level.
+        level: zstd level (the header's ``zstd_level``).
         meta: free-form JSON object stored in the header (policy name, budget, ...).
         workers: threads that quantize and compress chunks at once (numpy and zstd release the GIL);
-            the frames come out in order either way, byte for byte the same.
+            the frames come out in order either way, byte for byte the same, each as soon as it and the ones
+            before it are ready: at most ``workers + 1`` waves of chunks are in work ahead of the one consumed.
         transfer: where the sender keeps this prefill for a resume (EDKV 1.1 header field).
         importance: float [n], each token's relative importance to the sender (>= 0; NaN where none is known),
             written as float16 (EDKV 1.2 header field): what a receiver ranks tokens by when it must drop some later.
@@ -87,6 +97,14 @@ def encode_payload(
             (EDKV 2.0 ``window``; ``kv.window`` says which tokens a receiver needs); None: every cell is sent.
         rotation: rotate the K and V of these tiers before quantizing (EDKV 1.3 ``rotation``, ``kv.rotation``);
             written only when the tier map uses one of them. A head_dim its blocks do not tile is a ValueError.
+        coder: what computes the sections (``wire.coder``): the reference ``SectionCoder`` by default; a
+            ``CachingCoder`` of this snapshot, reused across payloads, computes each chunk's bytes once. It must
+            have been made for ``rotation``.
+        clock: records CPU and wall time of the stages header (once a payload), quantize, assemble, compress and
+            frame (``kv.stage_clock``).
+        fast_level: zstd level of the chunks that hold no 8-bit codes (FP16 and sections of 4 bits or fewer),
+            which gain little from a higher level; None: ``level``. Each chunk is its own zstd frame: a reader
+            takes any level.
 
     Returns:
         An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
@@ -94,17 +112,40 @@ def encode_payload(
         (ValueError on values a quantizer cannot represent).
     """
     window = None if window_start is None else WindowCut(snapshot.contract.sliding_layers, window_start)
-    header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window, rotation)
-    if transfer is not None or importance is not None:
-        given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
-        header = dataclasses.replace(header, transfer=transfer, importance=given)
-    try:
-        body = header.to_json()
-    except TypeError as e:  # every other field is built here from numbers and strings
-        raise KVMalformedError("meta", f"meta must be JSON-serialisable: {e}") from None
+    with clock.stage("header"):
+        header, plans = _build_header(
+            snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window, rotation
+        )
+        if transfer is not None or importance is not None:
+            given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
+            header = dataclasses.replace(header, transfer=transfer, importance=given)
+        try:
+            body = header.to_json()
+        except TypeError as e:  # every other field is built here from numbers and strings
+            raise KVMalformedError("meta", f"meta must be JSON-serialisable: {e}") from None
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    return _frames(snapshot, body, plans, level, workers, (header.major, header.minor), header.rotation)
+    if coder is not None and coder.snapshot is not snapshot:
+        raise ValueError("the coder was made for another snapshot")
+    if coder is not None and coder.rotation != rotation:
+        raise ValueError(f"the coder was made for rotation {coder.rotation}, not {rotation}")
+    cells = carried_cells(header.tiers, window)
+    levels = [level if fast_level is None else chunk_level(plan, level, fast_level) for plan in plans]
+    # a chunk's bytes follow from its rectangle's tier rows, the layouts, the rotation and the level (and the
+    # snapshot: the coder's)
+    layouts_given = tuple(layouts.items())
+    keys = [
+        (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop, chunk, layouts_given, rotation,
+         cells[spec.layer_start : spec.layer_stop, spec.token_start : spec.token_stop].tobytes())
+        for spec, chunk in zip(header.chunks, levels)
+    ]  # fmt: skip
+    version = (header.major, header.minor)
+    return _frames(body, plans, keys, levels, workers, version, coder or SectionCoder(snapshot, rotation), clock)
+
+
+def chunk_level(plan: ChunkPlan, level: int, fast_level: int) -> int:
+    """``level`` for a chunk with a section of 8-bit codes, else ``fast_level``."""
+    return level if any(s.layout is not None and s.layout.bits == 8 for s in plan.sections) else fast_level
 
 
 def _build_header(
@@ -155,7 +196,8 @@ def _build_header(
             f"({max_chunks(n, c.n_layers)}); use larger chunks"
         )
     rects = chunk_rects(c.n_layers, n, chunk_layers, chunk_tokens)
-    plans = [plan_chunk(carried_cells(tiers, window), used, c.n_kv_heads, c.head_dim, rect) for rect in rects]
+    cells = carried_cells(tiers, window)
+    plans = [plan_chunk(cells, used, c.n_kv_heads, c.head_dim, rect) for rect in rects]
     sections = sum(len(plan.sections) for plan in plans)
     if sections > max_sections(n, c.n_layers):
         raise ValueError(
@@ -182,61 +224,80 @@ def _build_header(
 
 
 def _frames(
-    snapshot: KVSnapshot,
     body: bytes,
     plans: list[ChunkPlan],
-    level: int,
+    keys: list[tuple],
+    levels: list[int],
     workers: int,
     version: tuple[int, int],
-    rotation: Rotation | None,
+    coder: SectionCoder,
+    clock: StageClock,
 ) -> Iterator[bytes]:
-    digest = hashlib.sha256()
-    frame = HEADER_PREFIX.pack(HEADER_MAGIC, *version, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
-    digest.update(frame)
+    """The header frame, then each chunk's frame in order as soon as it is ready, then the trailer."""
+    with clock.stage("header"):
+        digest = hashlib.sha256()
+        frame = HEADER_PREFIX.pack(HEADER_MAGIC, *version, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
+        digest.update(frame)
     yield frame
+    coder.begin_payload()
     compressors = threading.local()  # a ZstdCompressor is not shared between threads
+    step = max(coder.wave_chunks, 1)
+    waves = [range(start, min(start + step, len(plans))) for start in range(0, len(plans), step)]
 
-    def encode(plan: ChunkPlan) -> bytes:
-        if not hasattr(compressors, "zstd"):
-            compressors.zstd = zstandard.ZstdCompressor(level=level)
-        return compressors.zstd.compress(_raw_chunk(snapshot, plan, rotation))
+    def prepared(wave: range) -> None:
+        """Compute the sections of the wave's chunks not kept from an earlier payload (a device coder: in one run)."""
+        missing = [i for i in wave if coder.compressed(keys[i]) is None]
+        with clock.stage("quantize"):
+            coder.prepare([plans[i] for i in missing])
 
-    with ThreadPoolExecutor(workers, thread_name_prefix="edkv-encode") if workers > 1 else nullcontext() as pool:
-        for index, compressed in enumerate(pool.map(encode, plans) if pool else map(encode, plans)):
-            prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), zlib.crc32(compressed))
+    def encoded(i: int, ready: Future | None = None) -> tuple[bytes, int]:
+        """Chunk ``i`` compressed, and its CRC-32: kept from an earlier payload, or made now (once its wave is
+        ``ready``: a chunk waits only for its own wave's sections)."""
+        if ready is not None:
+            ready.result()
+        body = coder.compressed(keys[i])
+        if body is None:
+            raw = bytearray(plans[i].raw_nbytes)
+            with clock.stage(coder.fill_stage):
+                coder.fill(raw, plans[i])
+            with clock.stage("compress"):
+                if not hasattr(compressors, "zstd"):
+                    compressors.zstd = {}
+                if levels[i] not in compressors.zstd:
+                    compressors.zstd[levels[i]] = zstandard.ZstdCompressor(level=levels[i])
+                compressed = compressors.zstd[levels[i]].compress(raw)
+            with clock.stage("frame"):
+                body = (compressed, zlib.crc32(compressed))
+            coder.keep(keys[i], body)
+        return body
+
+    def waves_encoded() -> Iterator[list[tuple[bytes, int]]]:
+        if workers == 1:
+            for wave in waves:
+                prepared(wave)
+                yield [encoded(i) for i in wave]
+            return
+        # A wave's sections are prepared by one task, its chunks compressed by one task each, so a wave of many
+        # chunks (a device coder's) still spreads over the workers. Each task is queued after the preparation it
+        # waits for, so a waiting chunk's preparation is already running or done.
+        with ThreadPoolExecutor(workers, thread_name_prefix="edkv-encode") as pool:
+
+            def submit(wave: range) -> list[Future]:
+                ready = pool.submit(prepared, wave)
+                return [pool.submit(encoded, i, ready) for i in wave]
+
+            ahead = iter(waves)
+            pending = deque(submit(wave) for wave in islice(ahead, workers + 1))
+            while pending:
+                chunks = pending.popleft()
+                bodies = [chunk.result() for chunk in chunks]
+                pending.extend(submit(wave) for wave in islice(ahead, 1))
+                yield bodies
+
+    for index, (compressed, crc) in enumerate(chain.from_iterable(waves_encoded())):
+        with clock.stage("frame"):
+            prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), crc)
             digest.update(prefix)  # the body is covered by the CRC-32 inside the prefix
-            yield prefix + compressed
+            frame = prefix + compressed
+        yield frame
     yield TRAILER.pack(TRAILER_MAGIC, len(plans), digest.digest())
-
-
-def _raw_chunk(snapshot: KVSnapshot, plan: ChunkPlan, rotation: Rotation | None) -> bytearray:
-    """The chunk's bytes before zstd: every section quantized (rotated first where `rotation` says so, or cast to
-    float16) into its place."""
-    raw = bytearray(plan.raw_nbytes)
-    c = snapshot.contract
-    for section in plan.sections:
-        source = (snapshot.keys, snapshot.values)[section.kv][section.layer_start : section.layer_stop]
-        rows = source[:, :, section.tokens, :]  # [layers, H, m, D]
-        if rotation is not None and rotation.rotates(section.tier):
-            signs = hadamard_signs(rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)
-            rows = _rotated(rows, signs[section.layer_start : section.layer_stop, section.kv], rotation.block)
-        arrays = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
-        if section.layout is None:
-            with np.errstate(over="ignore"):  # refused just below, with the layers named
-                arrays[0][...] = rows
-            if not np.isfinite(arrays[0]).all():
-                raise ValueError(
-                    f"FP16 {('keys', 'values')[section.kv]} of layers [{section.layer_start}, "
-                    f"{section.layer_stop}) hold values that are not finite in float16"
-                )
-            continue
-        for array, part in zip(arrays, quantize(rows, section.layout)):
-            array[...] = part
-    return raw
-
-
-def _rotated(rows: np.ndarray, signs: np.ndarray, block: int) -> np.ndarray:
-    """`rotate`, refusing non-finite rows first (a rotation would spread one inf or NaN over its whole row)."""
-    if not np.isfinite(rows).all():
-        raise ValueError("cannot quantize non-finite KV values (inf or NaN)")
-    return rotate(rows.astype(np.float32, copy=False), signs, block)

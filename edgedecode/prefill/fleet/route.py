@@ -1,7 +1,7 @@
 """Where a request to the prefill tier should go, read from the request alone.
 
 A prompt's route is the chain of hashes of its leading blocks, the same hashes the prefix cache
-indexes its entries by (``prefix_cache.block_chain``: 64-token blocks of token ids), so the router
+indexes its entries by (``kv.prefix.block_chain``: 64-token blocks of token ids), so the router
 can match it against what each replica holds. Prompts given as ``messages`` or ``text`` (the tier
 does not tokenize) chain their messages, or 4 KiB blocks of their text, instead: requests sharing
 a system prompt or a conversation's earlier turns still share the head of their chain.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.prefill.prefix_cache import block_chain
+from edgedecode.kv.prefix import block_chain
 from edgedecode.prefill.transfers import ID_PREFIX_END
 from edgedecode.serving.json_body import parse_json_object
 

@@ -1,0 +1,41 @@
+/* The library's exported C functions: onnxruntime's entry point, and what Python asks through ctypes without
+ * onnxruntime (what the library is, which CPU path it runs) plus the kernels themselves, for tests and benchmarks. */
+#ifndef EDGEDECODE_EXPORTS_H
+#define EDGEDECODE_EXPORTS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ort_abi.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* Bumped whenever these exports or the ops' contract change, so Python can tell a stale build from a current one. */
+#define EDGEDECODE_KERNELS_ABI 1
+
+EXPORT OrtStatus *RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base);
+/* Why the last RegisterCustomOps refused without a status ("" if it did not). */
+EXPORT const char *edgedecode_kernels_last_refusal(void);
+
+EXPORT int edgedecode_kernels_version(void);
+EXPORT uint32_t edgedecode_kernels_required_api(void);
+EXPORT int edgedecode_kernels_cuda_built(void);
+/* The CPU path in use, the usable ones (comma-separated, best first), and choosing one: 0 ok, -1 unusable. */
+EXPORT const char *edgedecode_kernels_cpu_isa(void);
+EXPORT const char *edgedecode_kernels_cpu_isas(void);
+EXPORT int edgedecode_kernels_set_cpu_isa(const char *name);
+
+/* Calls the OrtApi entries this library names that need no session, on the live runtime, and checks what they
+ * return: 0 when all agree, else -1 with the first disagreement in `message`. */
+EXPORT int edgedecode_kernels_abi_selftest(const OrtApiBase *base, char *message, size_t size);
+
+/* Y[M, N] = A[M, K] . dequant(B)^T on the calling thread with the current path; 0 ok, -1 bad arguments. */
+EXPORT int edgedecode_kernels_matmul(int ggml_type, int accuracy_level, int64_t k, int64_t n, int64_t m,
+                                     const float *a, const uint8_t *b, float *y);
+/* Accuracy level 4's activation quantization of one row: codes [K], scales [K / QA], sums of 16 and 32 codes. */
+EXPORT int edgedecode_kernels_quantize(int ggml_type, int64_t k, const float *x, int8_t *q, float *d,
+                                       int16_t *sum16, int16_t *sum32);
+/* rows [R, row bytes] -> floats [R, K]. */
+EXPORT int edgedecode_kernels_dequantize(int ggml_type, int64_t k, int64_t rows, const uint8_t *b, float *out);
+
+#endif

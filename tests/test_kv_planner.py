@@ -1,0 +1,122 @@
+"""The KV planner as the daemon builds it, with speeds given, not measured (nothing here depends on the
+machine). A probe of an unknown link that got no answer is not waited on again. Prefix-aware plans:
+the daemon remembers what each prefill server's prefix cache holds from the
+server's own answers (X-Prefix-Reused-Tokens), and the planner prices only the part of a prompt the
+server will compute. A shared ~3k-token document with short questions, over a fast link, to a server
+that computes 1000 tokens/s — as fast as this box — is pulled once the server holds the document,
+computed here before."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgedecode.config import DaemonConfig
+from edgedecode.daemon.metrics import DaemonMetrics
+from edgedecode.daemon.pull.calibration import shipped
+from edgedecode.daemon.pull.deadline import Deadline
+from edgedecode.daemon.pull.local_speed import LocalPrefillModel
+from edgedecode.daemon.pull.planner import KVPlanner
+from edgedecode.daemon.pull.segment import PullResult
+from edgedecode.daemon.pull.server_prefixes import ServerPrefixes
+from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS
+from edgedecode.model.spec import DECODER_KV_LAYOUT, KVContract
+
+URL = "http://prefill:8089"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+FP16_BYTES_PER_TOKEN = 23040  # SmolLM2-135M
+CONTRACT = KVContract("llama", 30, 3, 64, 10000.0, DECODER_KV_LAYOUT, "tok")
+DOCUMENT = np.arange(10_000, 13_000, dtype=np.int64)  # 3000 tokens shared by every question
+
+
+def _question(seed: int) -> np.ndarray:
+    return np.concatenate([DOCUMENT, np.arange(seed * 100, seed * 100 + 40, dtype=np.int64)])
+
+
+def _planner() -> KVPlanner:
+    """A daemon with no adaptive key set, whose box prefills 1000 tokens/s and whose link to the
+    server has carried one pull: 1 Gbit/s, 5 ms round trip, the server 1 ms per token it computed."""
+    planner = KVPlanner(DaemonConfig(), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL])
+    planner.local_speed = LocalPrefillModel([(n, n / 1000) for n in (128, 512, 2048, 4096)])
+    transfer = 20 << 20
+    first = PullResult(
+        wire_bytes=transfer,
+        fp16_bytes=4 * transfer,
+        tier_counts={"FP16": 1000},
+        seconds=0.005 + 1.0 + transfer / 125e6,
+        server_seconds=1.0,
+        headers_seconds=1.005,
+        transfer_seconds=transfer / 125e6,
+        transfer_bytes=transfer,
+    )
+    planner.learn_segment(URL, first, 1000)
+    return planner
+
+
+def _plan(planner: KVPlanner, prompt: np.ndarray):
+    held = planner.prefixes.held_tokens(URL, prompt)
+    return planner.plan(URL, 0, len(prompt), Deadline(), server_held=held), held
+
+
+def test_a_shared_document_is_pulled_once_the_server_holds_it():
+    planner = _planner()
+    first, held = _plan(planner, _question(1))
+    assert held == 0 and first.decision == "local", first  # the server would compute all 3040 tokens too
+    planner.prefixes.learn(URL, _question(1), 0, 0)  # a pull of it happened: the server keeps the prompt
+    second, held = _plan(planner, _question(2))
+    assert held == len(DOCUMENT) // DEFAULT_BLOCK_TOKENS * DEFAULT_BLOCK_TOKENS
+    assert second.decision == "remote" and second.predicted_s is not None, second
+    assert second.predicted_s < planner.local_speed.predict_seconds(len(_question(2))) / 2
+
+
+def test_a_server_that_missed_what_was_believed_held_is_not_believed_again_until_it_reports_a_hit():
+    prefixes = ServerPrefixes()
+    prompt = _question(1)
+    prefixes.learn(URL, prompt, 0, 0)
+    believed = prefixes.held_tokens(URL, _question(2))
+    assert believed > 0
+    prefixes.learn(URL, _question(2), believed, 0)  # its cache is off, or evicted the document
+    assert prefixes.held_tokens(URL, _question(3)) == 0
+    prefixes.learn(URL, _question(3), 0, 0)
+    assert prefixes.held_tokens(URL, _question(3)) == 0  # still doubted: nothing remembered
+    prefixes.learn(URL, _question(4), 0, 64)  # a hit: the cache works again
+    assert prefixes.held_tokens(URL + "/", _question(4)) == len(_question(4)) // 64 * 64
+
+
+def test_a_server_that_does_not_say_teaches_nothing():
+    prefixes = ServerPrefixes()
+    prefixes.learn(URL, _question(1), 0, None)
+    assert prefixes.held_tokens(URL, _question(1)) == 0
+
+
+def test_the_memory_is_bounded():
+    prefixes = ServerPrefixes(max_blocks=10)
+    prefixes.learn(URL, np.arange(64 * 8, dtype=np.int64), 0, 0)
+    prefixes.learn(URL, np.arange(5000, 5000 + 64 * 8, dtype=np.int64), 0, 0)
+    assert prefixes.held_tokens(URL, np.arange(64 * 8, dtype=np.int64)) == 0  # its first blocks went first
+    assert prefixes.held_tokens(URL, np.arange(5000, 5000 + 64 * 8, dtype=np.int64)) == 64 * 8
+
+
+@pytest.mark.parametrize("tokens", [1024, 3040])
+def test_the_default_objective_keeps_a_pull_within_a_tenth_of_local_prefill(tokens):
+    planner = _planner()
+    prompt = np.arange(tokens, dtype=np.int64)
+    plan, _ = _plan(planner, prompt)
+    assert plan.predicted_s is not None
+    assert plan.predicted_s <= 1.1 * planner.local_speed.predict_seconds(tokens) + 1e-9
+
+
+def test_an_unknown_link_whose_probe_got_no_answer_is_not_waited_on_again():
+    planner = KVPlanner(DaemonConfig(), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL])
+    planner.local_speed = LocalPrefillModel([(n, n / 1000) for n in (128, 512, 2048)])
+    url, prompt = "http://slow:8089", _question(1)
+    probe = planner.plan(url, 0, len(prompt), Deadline())
+    assert probe.decision == "remote" and probe.predicted_s is None and probe.deadline_s is not None, probe
+    planner.learn_unanswered(url)
+    after = planner.plan(url, 0, len(prompt), Deadline())
+    assert after.decision == "local" and "no answer" in after.why, after
+    pinned = KVPlanner(
+        DaemonConfig(budget=0.3), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL]
+    )
+    pinned.learn_unanswered(url)
+    assert pinned.plan(url, 0, len(prompt), Deadline()).budget == 0.3  # a pinned budget is asked as before

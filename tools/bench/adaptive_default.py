@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""What a new user gets: a daemon with no adaptive key set against local-only and a fixed b 0.3 pull,
+time to first token, interleaved (issue 29's acceptance).
+
+One prefill server on this box (its prefix cache off, so every request computes, as for distinct
+prompts), and three daemons: ``default`` (no [daemon] key but the prefill URL: the planner's default
+objective), ``b0.3`` (``daemon.budget = 0.3``, the old default) and ``local`` (``local_prefill_only``).
+Each cell is a link: ``--mbits`` through the project's link shaper (one-way delay ``--rtt-ms``/2), or
+``unshaped`` (straight to the prefill server). The default daemon is started afresh per cell (it
+knows nothing of the link; its first request is the probe, reported apart) and the others once per
+cell, each warmed by one request first (the prefill server's first requests are slower).
+Requests go round by round, one of each policy per round in a rotating order, each round on its own
+distinct pydoc window of ``--prompt-tokens`` tokens (the same window for the three policies), so
+that the box's load hits all three alike: the ratios default/local and default/min(local, b 0.3) are
+taken per round and summarised by their median (and the medians of the TTFTs beside them).
+
+    python tools/bench/adaptive_default.py [--mbits 10] [--unshaped] [--prompt-tokens 1024] [--rounds 5]
+        [--rtt-ms 20] [--threads 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a file: import tools.* (and edgedecode) from the repo root, as `python -m` would
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
+
+import contextlib
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+
+from edgedecode.evaluation.texts import pydoc_corpus, token_windows
+from edgedecode.model.loader import load_model
+from edgedecode.testing.link_shaper import LinkShaper
+from edgedecode.testing.link_traces import MBIT
+from tools.bench.serve import write_config
+from tools.common import cli
+from tools.common.servers import running, streamed_completion
+
+POLICIES = ("default", "b0.3", "local")
+
+
+def settings(policy: str, url: str) -> dict:
+    """The [daemon] keys of one policy's daemon behind ``url``."""
+    if policy == "local":
+        return {"local_prefill_only": True}
+    return {"prefill_url": url} | ({"budget": 0.3} if policy == "b0.3" else {})
+
+
+@contextlib.contextmanager
+def daemon(policy: str, directory: Path, args, url: str, tag: str) -> Iterator[str]:
+    config = write_config(directory, f"{policy}-{tag}", args, **settings(policy, url))
+    with running(["serve", "--config", str(config)], directory / f"{policy}-{tag}.log") as (_, daemon_url):
+        yield daemon_url
+
+
+def request(url: str, prompt, max_tokens: int) -> dict:
+    body = {"prompt": prompt.tolist(), "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    done = streamed_completion(url, body)
+    kv = (done.report or {}).get("kv", {})
+    return {
+        "ttft_ms": None if done.ttft_s is None else round(1e3 * done.ttft_s, 1),
+        "decision": kv.get("decision"),
+        "source": kv.get("source"),
+        "budget": kv.get("budget"),
+        "head_tokens": kv.get("head_tokens"),
+        "predicted_ms": kv.get("predicted_ms"),
+        "fetch_ms": kv.get("fetch_ms"),
+        "wire_bytes": kv.get("wire_bytes"),
+        "error": done.error,
+    }
+
+
+def run_cell(label: str, target: str, steady: dict[str, str], windows, args, directory: Path) -> dict:
+    """The rounds of one link: a fresh default daemon against the steady ones."""
+    with daemon("default", directory, args, target, label.replace(" ", "_").replace("/", "")) as fresh:
+        urls = {"default": fresh, **steady}
+        probe = request(fresh, windows[0], args.max_tokens)
+        print(f"{label}: the default daemon's first request (the probe): {probe}", file=sys.stderr, flush=True)
+        rounds = []
+        for i, prompt in enumerate(windows[1:]):
+            order = POLICIES[i % 3 :] + POLICIES[: i % 3]
+            round_ = {policy: request(urls[policy], prompt, args.max_tokens) for policy in order}
+            rounds.append(round_)
+            line = ", ".join(f"{p} {r['ttft_ms']} ms ({r['decision'] or r['source']})" for p, r in round_.items())
+            print(f"  {label} round {i}: {line}", file=sys.stderr, flush=True)
+    return {"cell": label, "probe": probe, "rounds": rounds, "summary": summarise(rounds)}
+
+
+def summarise(rounds: list[dict]) -> dict:
+    """Median TTFT per policy and the median per-round ratios."""
+
+    def ttft(round_: dict, policy: str) -> float:
+        return round_[policy]["ttft_ms"] or float("inf")
+
+    return {
+        "median_ttft_ms": {p: statistics.median(ttft(r, p) for r in rounds) for p in POLICIES},
+        "default_over_local": statistics.median(ttft(r, "default") / ttft(r, "local") for r in rounds),
+        "default_over_best_of_local_b03": statistics.median(
+            ttft(r, "default") / min(ttft(r, "local"), ttft(r, "b0.3")) for r in rounds
+        ),
+        "default_decisions": [r["default"]["decision"] for r in rounds],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = cli.parser(__doc__)
+    p.add_argument("--mbits", type=float, nargs="*", default=[10.0], help="shaped links")
+    p.add_argument("--unshaped", action="store_true", help="also a cell straight to the prefill server")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rtt-ms", type=float, default=20.0)
+    p.add_argument("--max-tokens", type=int, default=8)
+    cli.add_threads(p, help="onnxruntime threads of each server")
+    cli.add_json_file(p, help="write every request here")
+    args = p.parse_args(argv)
+    args.prompt_tokens = [args.prompt_tokens]  # as write_config takes it
+    started = time.time()
+    model = load_model()
+    cells = [(f"{m:g} Mbit/s", m) for m in args.mbits] + ([("unshaped", None)] if args.unshaped else [])
+    windows = token_windows(model.tokenizer, pydoc_corpus(), args.prompt_tokens[0], len(cells) * (args.rounds + 2))
+    results = []
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        directory = Path(tmp)
+        prefill_config = write_config(directory, "prefill", args)
+        _, prefill_url = stack.enter_context(
+            running(["prefill-server", "--config", str(prefill_config)], directory / "prefill.log")
+        )
+        host, port = prefill_url.removeprefix("http://").rsplit(":", 1)
+        for index, (label, mbits) in enumerate(cells):
+            cell_windows = windows[index * (args.rounds + 2) : (index + 1) * (args.rounds + 2)]
+            with contextlib.ExitStack() as cell_stack:
+                target = prefill_url
+                if mbits is not None:
+                    shaper = cell_stack.enter_context(
+                        LinkShaper(host, int(port), rate_bytes_per_s=mbits * MBIT, delay_s=args.rtt_ms / 2e3)
+                    )
+                    target = shaper.url
+                steady = {
+                    policy: cell_stack.enter_context(daemon(policy, directory, args, target, f"c{index}"))
+                    for policy in ("b0.3", "local")
+                }
+                for url in steady.values():  # warm: the servers' first requests are not what is measured
+                    request(url, cell_windows[0], args.max_tokens)
+                results.append(run_cell(label, target, steady, cell_windows[1:], args, directory))
+            print(f"{label}: {results[-1]['summary']}", file=sys.stderr, flush=True)
+    record = {**cli.record(__file__, argv, started), "model": model.record.name, "args": cli.settings(args)}
+    record |= {"cells": results, "wall_s": round(time.time() - started, 1)}
+    if args.json:
+        cli.write_json(record, args.json)
+    cli.print_json({cell["cell"]: {"probe": cell["probe"], **cell["summary"]} for cell in results})
+    return 0
+
+
+if __name__ == "__main__":
+    cli.run(main)
