@@ -16,13 +16,14 @@ from kvfuzz.mutant import Mutant
 from kvfuzz.mutations import Case, make_case
 from kvfuzz.oracle import FuzzFailure, reference_kv, run_case
 from kvfuzz.seeds import CONTEXT, Seed, bits, build_seeds
-from test_kv_format import join_frames, rechunk, streamed_frame
+from test_kv_format import join_frames, per_value, rechunk, rewrite_header, streamed_frame
 
+from edgedecode.kv.quant import QuantLayout, quantize
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader
 from edgedecode.kv.wire import reader as reader_module
 from edgedecode.kv.wire.chunks import plan_chunk, section_float16
-from edgedecode.kv.wire.frames import MINOR
+from edgedecode.kv.wire.frames import LOWBIT_MINOR, MAJOR, MINOR
 
 FUZZ_CASES = 2500
 
@@ -40,10 +41,12 @@ def seeds(smollm2_model, prefiller, fuzz_decoder):
     return build_seeds(smollm2_model.tokenizer, prefiller, fuzz_decoder)
 
 
-def test_the_seeds_cover_every_tier_both_minors_and_chunkings_and_the_oracle_decodes_them_as_the_reader(seeds):
+def test_the_seeds_cover_every_tier_every_minor_and_chunkings_and_the_oracle_decodes_them_as_the_reader(seeds):
     tiers = set().union(*(np.unique(seed.header.tiers).tolist() for seed in seeds))
     assert tiers == {tier.value for tier in Tier}
-    assert {seed.header.minor for seed in seeds} == {0, MINOR}
+    assert {seed.header.minor for seed in seeds} == {0, MINOR, LOWBIT_MINOR[MAJOR]}
+    rotated = [seed for seed in seeds if seed.header.rotation is not None]
+    assert len(rotated) == 2 and all((seed.header.tiers == Tier.INT3).any() for seed in rotated)
     assert {seed.header.transfer is None for seed in seeds} == {True, False}
     assert {seed.header.importance is None for seed in seeds} == {True, False}
     assert max(len(seed.header.chunks) for seed in seeds) > 1 and any(seed.head for seed in seeds)
@@ -91,6 +94,27 @@ def test_the_oracle_refuses_a_sender_edit_passed_off_as_transport_damage(seeds, 
     assert run_case(fuzz_decoder, _case(seeds[0], sealed)).result == "ingested, edited KV"
     with pytest.raises(FuzzFailure, match="wrong ingest"):
         run_case(fuzz_decoder, _case(seeds[0], Mutant(payload, "one bit of KV, as if damaged in transit")))
+
+
+def test_the_oracle_rotates_back_as_the_stream_declares(seeds, fuzz_decoder) -> None:
+    """Another rotation seed, resealed: the reader ingests other KV, which the oracle derives from the format's
+    definition; passed off as transport damage, it is a wrong ingest."""
+    seed = next(s for s in seeds if s.header.rotation is not None)
+    reseeded = rewrite_header(seed.payload, lambda doc: doc["rotation"].update(seed=7), minor=seed.header.minor)
+    sealed = Mutant(reseeded, "another rotation seed, resealed", seed.bodies)
+    assert run_case(fuzz_decoder, _case(seed, sealed)).result == "ingested, edited KV"
+    with pytest.raises(FuzzFailure, match="wrong ingest"):
+        run_case(fuzz_decoder, _case(seed, Mutant(reseeded, "another rotation seed, as if damaged in transit")))
+
+
+def test_the_oracle_unpacks_3_bit_codes_as_the_quantizer_packs_them() -> None:
+    layout = QuantLayout("token", 32, 3)
+    x = np.random.default_rng(4).standard_normal((2, 7, 64)).astype(np.float32)
+    codes, scales, zeros = quantize(x, layout)
+    q = oracle.unpack_codes(codes, layout, 64)
+    assert q.min() == 0 and q.max() == 7 and (q == np.round(q)).all()
+    rebuilt = q * per_value(scales, layout, 7) + per_value(zeros, layout, 7)
+    assert np.abs(rebuilt - x).max() <= scales.astype(np.float32).max() / 2 * (1 + 1e-5)
 
 
 def test_the_oracle_reports_a_chunk_written_despite_non_finite_values(seeds, fuzz_decoder, monkeypatch) -> None:

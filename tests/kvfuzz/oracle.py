@@ -7,7 +7,7 @@ engine's prompt checks) or a complete ingest, and in either case:
 - every KV slot holds what the oracle expects: the rows of each chunk the reader verified, and a sentinel
   everywhere else (nothing written from a refused chunk, before the segment's first slot or past its last);
   verified rows are the clean payload's for transport damage, and for a sender's resealed edit what the stream
-  declares, decoded here value by value;
+  declares, decoded here value by value (a rotated section, EDKV 1.3, rotated back from the format's definition);
 - the kept prefix (``cut``) is exactly the leading tokens every layer of which those chunks hold, and the token
   ids and positions adopted are the prompt's;
 - it took at most HANG_S of CPU, allocated at most ``allocation_bound`` (as tracemalloc sees it) and left the
@@ -27,6 +27,7 @@ import zstandard
 from test_kv_format import per_value
 
 from edgedecode.kv.quant import QuantLayout
+from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, KVFormatError
 from edgedecode.kv.wire.chunks import plan_chunk, section_arrays
 from edgedecode.kv.wire.frames import HEADER_CRC, HEADER_PREFIX
@@ -43,6 +44,7 @@ MARGIN_SLOTS = 8  # slots past the prompt's last that are watched for stray writ
 FIXED_BYTES = 64 << 10  # see allocation_bound
 HEADER_FACTOR = 8
 CELL_BYTES = 32
+SIGN_BYTES = 16  # per sign of a rotation (1.3): its random bytes, the bits, float64 and float32 arrays
 ZSTD_BYTES = 1 << 20
 
 
@@ -128,7 +130,9 @@ def allocation_bound(payload: bytes, reader: EDKVReader) -> int:
       header's coverage and size checks are vectorised over its cells (layers × n_tokens, n_tokens ≤ max_tokens);
     - once a header is accepted: its largest chunk's raw bytes (the decompression buffer) and twice the float32
       staging for its widest chunk (the staging itself, and the code unpacking's index temporaries, at most a
-      staging block's size).
+      staging block's size);
+    - once a header with a rotation (1.3) is accepted: twice that staging again (the rotated values, and the product
+      before its signs) and SIGN_BYTES per sign (layers × 2 × kv_heads × head_dim).
     """
     bound = FIXED_BYTES + len(payload)
     if len(payload) >= HEADER_PREFIX.size:
@@ -139,7 +143,10 @@ def allocation_bound(payload: bytes, reader: EDKVReader) -> int:
     if reader.header is not None:
         c, table = reader.header.contract, reader.header.chunk_table
         widest = int((table[:, 3] - table[:, 2]).max(initial=0))
-        bound += int(table[:, 4].max(initial=0)) + 2 * 4 * max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim)
+        staging = 4 * max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim)
+        bound += int(table[:, 4].max(initial=0)) + 2 * staging
+        if reader.header.rotation is not None:
+            bound += 2 * staging + SIGN_BYTES * c.n_layers * 2 * c.n_kv_heads * c.head_dim
     return bound
 
 
@@ -240,6 +247,7 @@ def _same_kv_layout(header: EDKVHeader, clean: EDKVHeader) -> bool:
     return (
         header.contract == clean.contract
         and header.layouts == clean.layouts
+        and header.rotation == clean.rotation
         and all(
             np.array_equal(getattr(header, name), getattr(clean, name))
             for name in ("token_ids", "positions", "tiers", "chunk_table")
@@ -253,6 +261,8 @@ def reference_kv(header: EDKVHeader, bodies: Sequence[bytes]) -> np.ndarray:
     head_dim]`` (zeros in the cells no body holds)."""
     c = header.contract
     kv = np.zeros((c.n_layers, 2, c.n_kv_heads, header.n_tokens, c.head_dim), np.float32)
+    rotation = header.rotation
+    signs = None if rotation is None else rotation_signs(rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)
     for spec, body in zip(header.chunks, bodies):
         raw = bytearray()  # a chunk of no bytes (every token dropped) may come with no zstd frame: the reader takes it
         if spec.raw_nbytes:
@@ -267,13 +277,46 @@ def reference_kv(header: EDKVHeader, bodies: Sequence[bytes]) -> np.ndarray:
                 m = len(section.tokens)
                 q = unpack_codes(codes, section.layout, c.head_dim)
                 values = q * per_value(scales, section.layout, m) + per_value(zeros, section.layout, m)
+                if rotation is not None and section.tier in rotation.tiers:
+                    assert signs is not None
+                    values = rotated_back(values, signs[section.layer_start : section.layer_stop, section.kv], rotation)
             kv[section.layer_start : section.layer_stop, section.kv][:, :, section.tokens] = values
     return kv[:, :, :, header.kept]
 
 
 def unpack_codes(codes: np.ndarray, layout: QuantLayout, head_dim: int) -> np.ndarray:
-    """Packed codes ``[..., m, D·bits/8]`` as float32 ``[..., m, D]`` (lowest bits first)."""
-    lanes = 8 // layout.bits
-    shifts = (layout.bits * np.arange(lanes)).astype(np.uint8)
-    q = (codes[..., None] >> shifts) & ((1 << layout.bits) - 1)
+    """Packed codes ``[..., m, D·bits/8]`` as float32 ``[..., m, D]`` (lowest bits first; 3 bits: D/4 bytes of
+    their low two bits, then D/8 bytes of their high bits)."""
+    if layout.bits == 3:
+        low, high = codes[..., : head_dim // 4], codes[..., head_dim // 4 :]
+        return _unpack(low, 2, head_dim) + 4 * _unpack(high, 1, head_dim)
+    return _unpack(codes, layout.bits, head_dim)
+
+
+def _unpack(codes: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
+    lanes = 8 // bits
+    shifts = (bits * np.arange(lanes)).astype(np.uint8)
+    q = (codes[..., None] >> shifts) & ((1 << bits) - 1)
     return q.reshape(*codes.shape[:-1], head_dim).astype(np.float32)
+
+
+def rotation_signs(seed: int, n_layers: int, n_heads: int, head_dim: int) -> np.ndarray:
+    """σ of docs/kv-format.md §4a, float32 [layers, 2, heads, D] of ±1: bit i (lowest first) of the uint8 stream
+    of ``Generator(PCG64(seed))``, 1 meaning −1, in C order."""
+    count = n_layers * 2 * n_heads * head_dim
+    stream = np.random.Generator(np.random.PCG64(seed)).integers(0, 256, -(-count // 8), np.uint8)
+    flags = [(int(stream[i // 8]) >> (i % 8)) & 1 for i in range(count)]
+    return np.where(np.array(flags, bool), np.float32(-1), np.float32(1)).reshape(n_layers, 2, n_heads, head_dim)
+
+
+def rotated_back(values: np.ndarray, signs: np.ndarray, rotation: Rotation) -> np.ndarray:
+    """``(r̂ · H) ⊙ σ`` of float32 ``values [layers, H, m, D]`` with ``signs [layers, H, D]``: H the Sylvester
+    Walsh–Hadamard matrix of order B over √B on each run of B channels. One float32 matrix product over all the
+    rows at once (the reader's runs in batches: a row's product does not depend on the rows beside it)."""
+    block = rotation.block
+    sylvester = np.ones((1, 1))
+    while len(sylvester) < block:
+        sylvester = np.kron([[1, 1], [1, -1]], sylvester)
+    h = (sylvester / np.sqrt(block)).astype(np.float32)
+    product = np.matmul(np.ascontiguousarray(values, np.float32).reshape(-1, block), h).reshape(values.shape)
+    return product * signs[:, :, None, :]
