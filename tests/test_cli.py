@@ -91,6 +91,9 @@ def test_probe_saves_a_verdict_the_allocator_reads(model):
         assert Tier.FP16 in profile.allowed and Tier.DROP in profile.allowed
         d = profile.distortion
         assert 0 <= d[Tier.INT8] < d[Tier.INT4] < d[Tier.INT2]  # measured, and ordered by precision
+        measured = profile.value_range  # each layer's |K| and |V| range, which the daemon's reader checks against
+        assert measured is not None and len(measured.abs_max) == model.spec.n_layers
+        assert all(0 < k < 1e3 and 0 < v < 1e3 for k, v in measured.abs_max)
         assert "INT2" in result.stdout and "saved" in result.stdout
     finally:
         path.unlink(missing_ok=True)

@@ -9,6 +9,7 @@ test_decode_pipeline.py) against peers that misbehave in ways a real server cann
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import numpy as np
@@ -93,6 +94,25 @@ def test_a_segment_that_times_out_having_verified_nothing_is_not_resumed():
     assert (report.kv_source, report.fallback_reason) == ("local", "timeout")
     assert [segment["ended"] for segment in report.segments] == ["timeout"] and peer.requests == ["/v1/prefill"]
     assert report.fetch_seconds < 1.0
+
+
+def test_a_stalled_pull_ends_at_its_timeout_not_rounded_up_to_a_whole_second():
+    """aiohttp rounds a timeout over its ceil_threshold (5 s) up to the next whole second of the event loop's clock:
+    a pull with fetch_timeout_s 20 ended 20.9 s after it began (docs/reliability.md). Started just after a whole
+    second of that clock, a 5.2 s fetch timeout would end about 0.7 s late."""
+    peer = BreakingPeer("stall", frames=1)
+    try:
+        service = make_service(peer.url, [FakeEngine(max_context=1024)], fetch_timeout_s=5.2, idle_read_timeout_s=30.0)
+
+        async def scenario():
+            await asyncio.sleep(1.05 - time.monotonic() % 1)  # the loop's clock is time.monotonic()
+            return (await run_turn(service, LONG_PROMPT)).report
+
+        report = drive(service, scenario)
+    finally:
+        peer.server.stop()
+    assert [segment["ended"] for segment in report.segments] == ["timeout"]
+    assert 5.2 <= report.fetch_seconds < 5.2 + 0.4
 
 
 def test_a_peer_that_stalls_every_segment_holds_a_turn_no_longer_than_the_fetch_timeout_then_is_skipped():

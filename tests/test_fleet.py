@@ -33,8 +33,10 @@ from edgedecode.config import load_config
 from edgedecode.kv.policy import TierProfile, profile_path
 from edgedecode.model.graph import GraphOptions
 from edgedecode.prefill.fleet.app import APP_NAME, build_app, replica_actor, replica_names, start_fleet, stop_fleet
+from edgedecode.prefill.fleet.faults import FAULT_FILE_ENV
 from edgedecode.prefill.pipeline import prefill_and_score, through_wire
 from edgedecode.runtime.sampler import SamplingParams
+from edgedecode.testing.agreement import divergence_gap
 from edgedecode.testing.link_shaper import LinkShaper
 
 TOKEN, PREFILL_TOKEN = "daemon-secret", "fleet-secret"
@@ -45,6 +47,8 @@ ANSWER_WAIT_S = 120  # a bound on a chat answer, however its pull went: nothing 
 FAST_LINK_BPS = 200e6  # the shaped link between the daemon and the tier, as good as loopback for these payloads
 SENT_BYTES = "edgedecode_prefill_sent_bytes_total{}"  # EDKV bytes a replica's server sent (to its relay)
 SLOW_LINK_BPS = 1e6  # a ~2 MB payload takes seconds to cross it: the daemon is still receiving when its replica dies
+CUT_AT = 0.4  # of a payload: where the cut-stream test's replica stops relaying before it is killed
+NEAR_TIE = 0.5  # logits: how close the two tokens at a first difference may be (KV partly computed locally)
 FLEET_CONFIG = f"""
 [model]
 threads = 2
@@ -66,12 +70,22 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(smollm2_model, workdir):
-    """The tier's URL: two replicas on a Ray instance of this process (2 CPUs, a small object store)."""
+def fault_file(workdir) -> Path:
+    """Where a test writes the byte count after which the replicas stall a prefill answer (faults.py); absent:
+    no fault."""
+    return workdir / "relay-stall-bytes"
+
+
+@pytest.fixture(scope="module")
+def fleet(smollm2_model, workdir, fault_file):
+    """The tier's URL: two replicas on a Ray instance of this process (2 CPUs, a small object store), started
+    with ``fault_file`` named to them."""
     smollm2_model.graph(GraphOptions.for_device("prefill", "cpu"))  # built once here, not by each replica
     path = workdir / "fleet.toml"
     path.write_text(FLEET_CONFIG)
-    url = start_fleet(load_config(path, env={}), num_cpus=2, object_store_memory=128 << 20)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FAULT_FILE_ENV, str(fault_file))  # Ray's processes inherit this process's environment
+        url = start_fleet(load_config(path, env={}), num_cpus=2, object_store_memory=128 << 20)
     yield url
     stop_fleet()
 
@@ -93,7 +107,11 @@ def link(fleet):
 
 @pytest.fixture(scope="module")
 def daemon(link, workdir):
-    config = server_config(workdir, "daemon", prefill_token=PREFILL_TOKEN, budget=BUDGET)
+    # a loaded box's replica may be silent for over the default 10 s while it prefills and scores a prompt:
+    # generous bounds, so that the pulls these tests watch are not given up for the box's speed
+    config = server_config(
+        workdir, "daemon", prefill_token=PREFILL_TOKEN, budget=BUDGET, idle_read_timeout_s=90.0, fetch_timeout_s=110.0
+    )
     server = ServerProcess(
         ["serve", "--config", config, "--prefill-url", link.url],
         workdir / "daemon.log",
@@ -143,15 +161,16 @@ def _changed(before: dict, after: dict) -> dict[str, dict[str, float]]:
     }
 
 
-def _single_server_answer(model, prefiller, decoder, messages) -> tuple[str, dict[str, int]]:
+def _single_server_answer(model, prefiller, decoder, messages) -> tuple[str, dict[str, int], int]:
     """The single-server path, in process: prefill, score and encode at the budget, decode greedily.
-    Returns the answer and the payload's tokens per tier."""
+    Returns the answer, the payload's tokens per tier and its bytes."""
     prompt = model.tokenizer.encode_chat(messages)
     scored = prefill_and_score(prefiller, np.asarray(prompt, np.int64))
     profile = TierProfile.load(profile_path(model))
     kv, encoded = through_wire(scored, BUDGET, "ours", model.spec.kv_contract, profile=profile)
     tokens = list(decoder.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), kv=kv))
-    return model.tokenizer.decode(tokens), {name: n for name, n in encoded.tier_counts().items() if n}
+    tiers = {name: n for name, n in encoded.tier_counts().items() if n}
+    return model.tokenizer.decode(tokens), tiers, sum(len(frame) for frame in encoded.frames)
 
 
 def test_the_daemon_gets_the_single_server_greedy_answer_through_two_replicas(
@@ -160,7 +179,7 @@ def test_the_daemon_gets_the_single_server_greedy_answer_through_two_replicas(
     messages = [{"role": "user", "content": "Name three rivers in Europe."}]
     completion, report = _chat(daemon, messages, "rivers")
     assert report["kv"]["source"] == "prefill_server"
-    answer, tiers = _single_server_answer(smollm2_model, prefiller, decoder, messages)
+    answer, tiers, _ = _single_server_answer(smollm2_model, prefiller, decoder, messages)
     assert completion.choices[0].message.content == answer
     assert report["kv"]["tiers"] == tiers
 
@@ -251,13 +270,71 @@ def test_losing_the_replica_whose_payload_the_daemon_is_receiving_still_answers_
     kv = report["kv"]
     assert kv["source"] == "prefill_server" and [s["ended"] for s in kv["segments"]] == ["complete"]
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == MAX_TOKENS
-    answer, tiers = _single_server_answer(smollm2_model, prefiller, decoder, messages)
+    answer, tiers, _ = _single_server_answer(smollm2_model, prefiller, decoder, messages)
     assert completion.choices[0].message.content == answer and kv["tiers"] == tiers
     # the next request is served, by a live replica (not the lost one)
     before_next = _replica_tokens(fleet)
     completion, report = _chat(daemon, [{"role": "user", "content": "Say goodbye."}], "after")
     assert completion.choices[0].message.content and report["kv"]["source"] == "prefill_server"
     assert len(_changed(before_next, _replica_tokens(fleet))) == 1
+    _wait_replaced(fleet, victim)
+
+
+def test_a_replica_killed_with_its_stream_cut_short_leaves_the_verified_prefix_and_the_answer(
+    daemon, fleet, link, fault_file, smollm2_model, prefiller, decoder
+):
+    """A replica dies with its payload part way across the wire (it stalls its relay at CUT_AT of the
+    payload, faults.py, and is killed once that much has crossed the daemon's link): the daemon keeps the
+    KV it verified, gets or computes the rest, and answers as the single server does, up to a near-tie;
+    the next request is served by the live replica."""
+    sentence = "The harbour master counted the boats that came in after the storm."  # no other test's prompt
+    messages = [{"role": "user", "content": "Summarize: " + " ".join([sentence] * 30)}]  # ~400 tokens, ~2.7 MB
+    answer, _, payload = _single_server_answer(smollm2_model, prefiller, decoder, messages)
+    stall = int(CUT_AT * payload)
+    before = _replica_tokens(fleet)
+    down_before = link.bytes_down
+    fault_file.write_text(str(stall))
+    result: dict = {}
+    request = threading.Thread(target=lambda: result.update(answer=_chat(daemon, messages, "cut")))
+    try:
+        request.start()
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        serving: dict = {}
+        while not serving and time.monotonic() < deadline:
+            serving = _changed(before, _replica_tokens(fleet))
+            time.sleep(0.05)
+        assert len(serving) == 1, f"no single replica was seen serving the request: {serving}"
+        (victim,) = serving
+        while link.bytes_down - down_before < stall and time.monotonic() < deadline:
+            time.sleep(0.02)
+        fault_file.unlink()  # the requests that follow (the daemon's resume among them) are not stalled
+        crossed = link.bytes_down - down_before
+        ray.kill(replica_actor(victim), no_restart=True)
+        request.join(ANSWER_WAIT_S)
+        assert not request.is_alive(), "the daemon did not answer in time"
+    finally:
+        fault_file.unlink(missing_ok=True)
+        request.join(ANSWER_WAIT_S)
+    assert payload // 4 <= crossed < payload, (
+        crossed,
+        payload,
+        result["answer"][1]["kv"],
+    )  # the proxy's count: cut between 25 % and all
+    completion, report = result["answer"]
+    kv = report["kv"]
+    assert kv["segments"][0]["ended"] != "complete" and kv["segments"][0]["tokens"] > 0, kv  # the cut, kept
+    assert kv["reused_tokens"] + kv["pulled_tokens"] + kv["computed_tokens"] == completion.usage.prompt_tokens, kv
+    # the verified prefix was used, not recomputed (a position the payload dropped is computed here too)
+    assert 0 < kv["pulled_tokens"] <= kv["segments"][0]["tokens"] and kv["fallback_reason"] in (None, "truncated"), kv
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == MAX_TOKENS
+    prompt = smollm2_model.tokenizer.encode_chat(messages)
+    tokens = [
+        smollm2_model.tokenizer.encode(text, add_bos=False) for text in (answer, completion.choices[0].message.content)
+    ]
+    gap = divergence_gap(prefiller, np.asarray(prompt, np.int64), *tokens)
+    assert gap <= NEAR_TIE, (gap, answer, completion.choices[0].message.content)
+    completion, report = _chat(daemon, [{"role": "user", "content": "Say goodbye."}], "after-cut")
+    assert completion.choices[0].message.content and report["kv"]["source"] == "prefill_server"
     _wait_replaced(fleet, victim)
 
 

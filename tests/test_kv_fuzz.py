@@ -10,20 +10,22 @@ import pytest
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvfuzz import oracle
+from kvfuzz import oracle, windowed
 from kvfuzz.draw import HypothesisDraw
 from kvfuzz.mutant import Mutant
 from kvfuzz.mutations import Case, make_case
 from kvfuzz.oracle import FuzzFailure, reference_kv, run_case
 from kvfuzz.seeds import CONTEXT, Seed, bits, build_seeds
-from test_kv_format import join_frames, per_value, rechunk, rewrite_header, streamed_frame
+from kvfuzz.segmented import build_segmented_seeds
+from test_kv_format import join_frames, per_value, rechunk, rewrite_header, split_frames, streamed_frame
 
 from edgedecode.kv.quant import QuantLayout, quantize
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader
 from edgedecode.kv.wire import reader as reader_module
 from edgedecode.kv.wire.chunks import plan_chunk, section_float16
-from edgedecode.kv.wire.frames import LOWBIT_MINOR, MAJOR, MINOR
+from edgedecode.kv.wire.frames import CHUNK_PREFIX, LOWBIT_MINOR, MAJOR, MINOR
+from edgedecode.kv.wire.value_check import ValueBounds
 
 FUZZ_CASES = 2500
 
@@ -44,7 +46,7 @@ def seeds(smollm2_model, prefiller, fuzz_decoder):
 def test_the_seeds_cover_every_tier_every_minor_and_chunkings_and_the_oracle_decodes_them_as_the_reader(seeds):
     tiers = set().union(*(np.unique(seed.header.tiers).tolist() for seed in seeds))
     assert tiers == {tier.value for tier in Tier}
-    assert {seed.header.minor for seed in seeds} == {0, MINOR, LOWBIT_MINOR[MAJOR]}
+    assert {seed.header.minor for seed in seeds} == {0, 1, MINOR, LOWBIT_MINOR[MAJOR]}
     rotated = [seed for seed in seeds if seed.header.rotation is not None]
     assert len(rotated) == 2 and all((seed.header.tiers == Tier.INT3).any() for seed in rotated)
     assert {seed.header.transfer is None for seed in seeds} == {True, False}
@@ -66,6 +68,70 @@ def test_the_seeds_cover_every_tier_every_minor_and_chunkings_and_the_oracle_dec
 @given(st.data())
 def test_every_mutated_payload_is_refused_typed_or_ingested_verified(seeds, fuzz_decoder, data) -> None:
     run_case(fuzz_decoder, make_case(seeds, HypothesisDraw(data)))
+
+
+# the windowed (EDKV 2.0) and segmented (resumed transfer) seed families, a few hundred cases each
+
+
+@pytest.fixture(scope="module")
+def windowed_family(tmp_path_factory):
+    """(decoder, seeds) of the tiny Gemma 3's EDKV 2.0 payloads."""
+    home = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGEDECODE_HOME", str(home))
+        prefill, decoder = windowed.engines(windowed.tiny_gemma3(home))
+        return decoder, windowed.build_windowed_seeds(prefill, decoder)
+
+
+@pytest.fixture(scope="module")
+def segmented_seeds(smollm2_model, prefiller, fuzz_decoder):
+    return build_segmented_seeds(smollm2_model.tokenizer, prefiller, fuzz_decoder)
+
+
+def _decodes_as_the_reader(seed: Seed) -> None:
+    """The oracle's decode of a seed is its clean ingest, in every cell the payload carries."""
+    carried = (seed.header.cells != Tier.DROP)[:, seed.header.kept][:, None, None, :, None]
+    oracle = bits(reference_kv(seed.header, seed.bodies).astype(seed.clean.dtype))
+    np.testing.assert_array_equal(np.where(carried, oracle, 0), np.where(carried, bits(seed.clean), 0))
+
+
+def test_the_windowed_seeds_are_edkv_2_with_windows_cutting_layers_and_the_oracle_decodes_them(windowed_family):
+    _, seeds = windowed_family
+    assert {(seed.header.major, seed.header.window is not None) for seed in seeds} == {(2, True), (1, False)}
+    windows = [seed.header.window for seed in seeds if seed.header.window is not None]
+    assert all(window.start > 0 and window.layers for window in windows)  # windowed cells left out
+    assert any(seed.head for seed in seeds) and any(len(seed.header.chunks) > 1 for seed in seeds)
+    for seed in seeds:
+        _decodes_as_the_reader(seed)
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_every_mutated_windowed_payload_is_refused_typed_or_ingested_verified(windowed_family, data) -> None:
+    decoder, seeds = windowed_family
+    run_case(decoder, make_case(seeds, HypothesisDraw(data)))
+
+
+def test_the_segmented_seeds_resume_after_a_cut_segment_and_refuse_an_overlapping_resume(segmented_seeds, fuzz_decoder):
+    covered = [seed.lead.covered for seed in segmented_seeds if seed.lead is not None]
+    assert len(covered) == len(segmented_seeds) and 0 in covered and max(covered) > 0
+    assert any(seed.lead is not None and seed.lead.slots < seed.lead.covered for seed in segmented_seeds)  # drops
+    for seed in segmented_seeds:
+        _decodes_as_the_reader(seed)
+        assert seed.header.positions[0] == seed.first_position
+    seed = next(seed for seed in segmented_seeds if len(seed.alternates) == 2)
+    overlap, gap = (
+        Mutant(a.payload, a.name, tuple(c[CHUNK_PREFIX.size :] for c in split_frames(a.payload)[1]))
+        for a in seed.alternates
+    )
+    assert run_case(fuzz_decoder, _case(seed, overlap)).result == "KVInjectionError"  # positions already covered
+    assert run_case(fuzz_decoder, _case(seed, gap)).result == "ingested, edited KV"  # later positions: computed
+
+
+@settings(max_examples=300, derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_every_mutated_resume_is_refused_typed_or_ingested_verified(segmented_seeds, fuzz_decoder, data) -> None:
+    run_case(fuzz_decoder, make_case(segmented_seeds, HypothesisDraw(data)))
 
 
 # the oracle itself: each rule it checks can fail
@@ -127,7 +193,7 @@ def test_the_oracle_reports_a_chunk_written_despite_non_finite_values(seeds, fuz
     payload, body = _with_raw(seed, poison)
     poisoned = _case(seed, Mutant(payload, "NaN, resealed", (body, *seed.bodies[1:])))
     assert run_case(fuzz_decoder, poisoned).result == "KVValueError"
-    monkeypatch.setattr(EDKVReader, "_check_finite", staticmethod(lambda *args: None))
+    monkeypatch.setattr(ValueBounds, "check", lambda *args: None)
     with pytest.raises(FuzzFailure, match="inf or NaN"):
         run_case(fuzz_decoder, poisoned)
 

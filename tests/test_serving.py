@@ -27,7 +27,8 @@ from test_kv_format import join_frames, rechunk, split_frames
 
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
-from edgedecode.kv.wire import encode_payload
+from edgedecode.kv.wire import EDKVHeader, EDKVReader, encode_payload
+from edgedecode.kv.wire.chunks import plan_chunk, section_arrays
 from edgedecode.kv.wire.frames import CHUNK_PREFIX
 
 TOKEN = "daemon-secret"  # the prefill server is the session's (conftest.py), whose token is PREFILL_TOKEN
@@ -558,7 +559,7 @@ class FaultyPrefill:
             raise web.HTTPInternalServerError()
         if self.mode == "other-model":
             return self._respond(request, self._other_model_payload(body["token_ids"]))
-        if self.mode == "nan-kv":
+        if self.mode in ("nan-kv", "huge-kv"):
             body["budget"] = 1.0  # every token at FP16: the chunk's raw bytes are float16 rows
         async with (
             aiohttp.ClientSession() as http,
@@ -583,18 +584,38 @@ class FaultyPrefill:
             payload[len(payload) // 2] ^= 0x40
         elif self.mode == "truncated":
             payload = payload[: len(payload) // 2]
-        elif self.mode == "nan-kv":
-            payload = self._nan_payload(payload)
+        elif self.mode in ("nan-kv", "huge-kv"):  # layer 0's first key: NaN, or 30000 (the model's: |k| < 11)
+            value = np.nan if self.mode == "nan-kv" else 3e4
+            payload = self._first_chunk_edited(payload, lambda raw, _: _set_first_half(raw, value))
+        elif self.mode == "huge-scale":
+            payload = self._first_chunk_edited(payload, self._huge_scale)
         return self._respond(request, bytes(payload))
 
-    @staticmethod
-    def _nan_payload(payload: bytes) -> bytes:
-        """The payload with one NaN in its first chunk's KV, every checksum made right again."""
+    def _first_chunk_edited(self, payload: bytes, edit) -> bytes:
+        """The payload with its first chunk's raw bytes edited by ``edit(raw, header)``, every checksum made
+        right again."""
         header, chunks, _ = split_frames(payload)
+        c = self.model.spec.kv_contract
+        reader = EDKVReader(
+            c,
+            max_tokens=self.model.spec.context_length,
+            target_factory=lambda h: np.zeros((c.n_layers, 2, c.n_kv_heads, h.n_kept, c.head_dim), np.float32),
+        )
+        reader.feed(header)
         raw = bytearray(zstandard.ZstdDecompressor().decompress(chunks[0][CHUNK_PREFIX.size :]))
-        raw[:2] = np.array([np.nan], np.float16).tobytes()
+        edit(raw, reader.header)
         chunks[0] = rechunk(chunks[0], zstandard.ZstdCompressor().compress(bytes(raw)))
         return join_frames(header, chunks)
+
+    def _huge_scale(self, raw: bytearray, header: EDKVHeader) -> None:
+        """A scale of 1000 in the first quantized section of the first chunk: finite, within float16, but its codes
+        dequantize to hundreds of times what the model's KV ever holds."""
+        c = self.model.spec.kv_contract
+        spec = header.chunks[0]
+        rect = (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop)
+        plan = plan_chunk(header.cells, header.layouts, c.n_kv_heads, c.head_dim, rect)
+        section = next(s for s in plan.sections if s.layout is not None)
+        section_arrays(raw, section, c.n_kv_heads, c.head_dim)[1][0, 0, 0, 0] = 1000.0
 
     @staticmethod
     def _respond(request, payload: bytes) -> web.Response:
@@ -619,6 +640,13 @@ class FaultyPrefill:
         self.server.stop()
 
 
+VALUE_REFUSAL = "beyond the receiver's limit"  # the reader's message for KV beyond the model's measured range
+
+
+def _set_first_half(raw: bytearray, value: float) -> None:
+    raw[:2] = np.array([value], np.float16).tobytes()
+
+
 @pytest.fixture(scope="module")
 def faulty(prefill_server, smollm2_model):
     endpoint = FaultyPrefill(prefill_server.url, smollm2_model)
@@ -635,16 +663,26 @@ def daemon_behind_faulty(faulty, workdir):
 
 @pytest.mark.parametrize(
     "mode, reason",
-    [("corrupt", "bad_payload"), ("truncated", "truncated"), ("other-model", "bad_payload"), ("nan-kv", "bad_payload")],
+    [
+        ("corrupt", "bad_payload"),
+        ("truncated", "truncated"),
+        ("other-model", "bad_payload"),
+        ("nan-kv", "bad_payload"),
+        ("huge-kv", "bad_payload"),  # finite, but far beyond the model's measured range (kv/value_range.py)
+        ("huge-scale", "bad_payload"),
+    ],
 )
 def test_a_bad_payload_falls_back_to_local_prefill_and_the_next_request_is_normal(
     daemon_behind_faulty, faulty, mode, reason
 ):
     faulty.mode = mode
     before = _metrics(daemon_behind_faulty)
+    refused = daemon_behind_faulty.log.read_text().count(VALUE_REFUSAL)
     completion, report = _chat(daemon_behind_faulty, QUESTION)
     assert (report["kv"]["source"], report["kv"]["fallback_reason"]) == ("local", reason)
     assert "Paris" in completion.choices[0].message.content
+    if mode.startswith("huge"):  # refused by the value check, and the log says why
+        assert daemon_behind_faulty.log.read_text().count(VALUE_REFUSAL) > refused
     counter = f"edgedecode_prefill_fallbacks_total{{reason={reason}}}"
     assert _metrics(daemon_behind_faulty)[counter] == before.get(counter, 0) + 1
     faulty.mode = "relay"

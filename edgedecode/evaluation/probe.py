@@ -32,6 +32,7 @@ from edgedecode.evaluation.transfer import with_tiers
 from edgedecode.kv.policy import TierProfile, pinned_mask
 from edgedecode.kv.rotation import DEFAULT_ROTATION, Rotation
 from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
+from edgedecode.kv.value_range import KVValueRange
 from edgedecode.kv.window import tail_mask
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
@@ -91,17 +92,22 @@ def run_probe(
     scorer = Engine(model, GraphOptions(accuracy_level=0), max_context=context_len, threads=s.threads)
     decoder = Engine(model, GraphOptions(), max_context=context_len, threads=s.threads)
     contract = model.spec.kv_contract
-    windows = token_windows(model.tokenizer, pydoc_corpus(), s.context_tokens + s.continuation_tokens + 1, s.contexts)
+    windows = calibration_windows(model, s)
     dnll: dict[Tier, list[float]] = {t: [] for t in (*QUANTIZED_TIERS, Tier.DROP)}
     kl: dict[Tier, list[float]] = {t: [] for t in dnll}  # mean KL(FP16 transfer ‖ tier) per context
     dnll_rotated: dict[Tier, list[float]] = {t: [] for t in DEFAULT_ROTATION.tiers}  # the same, rotated (1.3)
     kl_rotated: dict[Tier, list[float]] = {t: [] for t in DEFAULT_ROTATION.tiers}
     affected: dict[Tier, int] = {}  # tokens sent at that tier per context
+    value_range: KVValueRange | None = None  # the calibration contexts' KV magnitudes (kv/value_range.py)
     with tracker.task("probe: perplexity contexts", len(windows), "context") as advance:
         for index, window in enumerate(windows):
             context, continuation = window[: s.context_tokens], window[s.context_tokens :]
             scored = prefill_and_score(prefiller, context)
             snap, n = scored.snapshot, scored.snapshot.n_tokens
+            if value_range is None:
+                value_range = KVValueRange.measure([snap], calibration_source(s))
+            else:
+                value_range = value_range.widened(snap)
             fp16 = with_tiers(snap, np.zeros(n, np.uint8), contract)
             reference = score_continuation(scorer, context, continuation, fp16)
             for tier, tiers in _probe_tiers(scored.importance, droppable(snap.positions, contract)):
@@ -160,7 +166,23 @@ def run_probe(
         f"edgedecode probe: {s.contexts} contexts × {s.continuation_tokens} tokens, needle "
         f"{len(needle['trials'])} trials at {s.niah_tokens} tokens (FP16 {needle[Tier.FP16]}/{len(needle['trials'])})"
     )
-    return TierProfile(tuple(allowed), distortion, source, rotated), verdicts
+    return TierProfile(tuple(allowed), distortion, source, rotated, value_range), verdicts
+
+
+def calibration_windows(model: LoadedModel, settings: ProbeSettings) -> list[np.ndarray]:
+    """The probe's calibration text: ``contexts`` windows of context and continuation tokens of pydoc prose."""
+    s = settings
+    return token_windows(model.tokenizer, pydoc_corpus(), s.context_tokens + s.continuation_tokens + 1, s.contexts)
+
+
+def calibration_contexts(model: LoadedModel, settings: ProbeSettings) -> list[np.ndarray]:
+    """The prompts whose KV the probe prefills (each window's context part): where the KV value range is measured."""
+    return [window[: settings.context_tokens] for window in calibration_windows(model, settings)]
+
+
+def calibration_source(settings: ProbeSettings) -> str:
+    """How a value range measured on ``calibration_contexts`` was measured."""
+    return f"{settings.contexts} calibration contexts of {settings.context_tokens} tokens (pydoc prose), prefill graph"
 
 
 def droppable(positions: np.ndarray, contract: KVContract) -> np.ndarray:

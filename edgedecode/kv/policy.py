@@ -29,6 +29,7 @@ from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.importance import position_importance
 from edgedecode.kv.rotation import DEFAULT_ROTATION, Rotation
 from edgedecode.kv.tiers import Tier
+from edgedecode.kv.value_range import PROFILE_KEY, KVValueRange
 from edgedecode.model.registry import model_dir
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class TierProfile:
     )
     source: str = "default (research/kv_calibration.md)"
     rotated: tuple[Tier, ...] = ()
+    value_range: KVValueRange | None = None  # the probe's measured KV magnitudes (None: not measured)
 
     def rotation(self) -> Rotation | None:
         """The rotation an EDKV 1.3 receiver's payloads get for this model: the default one, on ``rotated``."""
@@ -84,16 +86,19 @@ class TierProfile:
         data["allowed"] = [t.name for t in self.allowed]
         data["distortion"] = {t.name: d for t, d in self.distortion.items()}
         data["rotated"] = [t.name for t in self.rotated]
+        data[PROFILE_KEY] = None if self.value_range is None else self.value_range.to_dict()
         return json.dumps(data, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> TierProfile:
         data = json.loads(text)
+        value_range = data.get(PROFILE_KEY)
         return cls(
             tuple(Tier[name] for name in data["allowed"]),
             {Tier[name]: float(d) for name, d in data["distortion"].items()},
             data.get("source", ""),
             tuple(Tier[name] for name in data.get("rotated", [])),
+            None if value_range is None else KVValueRange.from_dict(value_range),
         )
 
     @classmethod

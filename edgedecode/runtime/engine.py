@@ -11,6 +11,7 @@ or **computed** here (``ModelRunner.run``); the decode loop is ``generation.deco
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
+from edgedecode.kv.policy import profile_path
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.value_range import load_value_range
 from edgedecode.kv.window import tail_tokens
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
@@ -33,6 +36,8 @@ from edgedecode.runtime.sequence import ContextOverflowError, Sequence
 
 if TYPE_CHECKING:  # the type only: llguidance is imported where grammars are made
     from edgedecode.runtime.constraint import TokenMask
+
+logger = logging.getLogger(__name__)
 
 # Rows of one prompt run. onnxruntime's working memory for a run grows with its rows (attention scores
 # rows x heads x past, the MLP's activations) and its arena keeps the largest: on the 0.5B shape, a
@@ -115,7 +120,8 @@ class Engine:
         else:
             graph = GraphSession.open(model, options, device, threads, profile, cuda_graph)
         self.session, self.cuda_graph = graph.session, graph.cuda_graph
-        self.cache = KVCache(self.spec, self.max_context, options.kv_np_dtype, device)
+        limits = share.cache.value_limits if share is not None else _value_limits(model)
+        self.cache = KVCache(self.spec, self.max_context, options.kv_np_dtype, device, limits)
         self.sequence = Sequence(self.cache, self.spec)
         self.runner = ModelRunner(graph, self.sequence)
         self.runner.warm_up(self.spec.eos_token_id)
@@ -437,3 +443,13 @@ class Engine:
             yield scorer.run(logits, prompt_ids[done + 1 : done + len(logits) + 1], done + 1)
             done += len(logits)
         self.stats.prefill_seconds = time.perf_counter() - started
+
+
+def _value_limits(model: LoadedModel) -> np.ndarray | None:
+    """The largest |key| and |value| per layer that KV received for ``model`` may hold: its measured range
+    (``kv.value_range``) times the multiple, or None where it was never measured."""
+    value_range = load_value_range(model.record.name, profile_path(model))
+    if value_range is None:
+        logger.info("no KV value range measured for %s: received KV is checked finite only", model.record.name)
+        return None
+    return value_range.limits()

@@ -46,7 +46,12 @@ def segment_reader(sequence: Sequence, prompt_ids: np.ndarray) -> SegmentReader:
             sequence.check_receivable(header.positions, first_position, first_slot)
             return cache.ingest_target(first_slot, header.n_kept)
 
-        return EDKVReader(cache.spec.kv_contract, max_tokens=sequence.max_context - first_slot, target_factory=target)
+        return EDKVReader(
+            cache.spec.kv_contract,
+            max_tokens=sequence.max_context - first_slot,
+            target_factory=target,
+            value_limits=cache.value_limits,
+        )
 
     return open_reader
 
@@ -86,7 +91,12 @@ def restore_payload(sequence: Sequence, prompt_ids: np.ndarray, payload: bytes |
             raise KVInjectionError(f"{header.n_kept} kept tokens exceed the context buffer of {sequence.max_context}")
         return cache.ingest_target(0, header.n_kept)
 
-    reader = EDKVReader(cache.spec.kv_contract, max_tokens=cache.spec.context_length, target_factory=target)
+    reader = EDKVReader(
+        cache.spec.kv_contract,
+        max_tokens=cache.spec.context_length,
+        target_factory=target,
+        value_limits=cache.value_limits,
+    )
     reader.feed(payload)
     header = reader.finish()
     n = min(header.n_tokens, len(prompt_ids))

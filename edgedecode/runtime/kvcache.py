@@ -18,6 +18,7 @@ import numpy.typing as npt
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot, increasing_positions
+from edgedecode.kv.wire.value_check import ValueBounds
 from edgedecode.model.onnx_builder import INT64, GraphBuilder, onnx_dtype
 from edgedecode.model.spec import ModelSpec
 from edgedecode.runtime.session import create_session, import_onnxruntime
@@ -36,13 +37,22 @@ class KVCache:
     """
 
     def __init__(
-        self, spec: ModelSpec, max_context: int, dtype: npt.DTypeLike = np.float32, device: str = "cpu"
+        self,
+        spec: ModelSpec,
+        max_context: int,
+        dtype: npt.DTypeLike = np.float32,
+        device: str = "cpu",
+        value_limits: np.ndarray | None = None,
     ) -> None:
+        """``value_limits``: float32 ``[n_layers, 2]``, the largest |key| and |value| KV received into the cache may
+        hold in each layer (``KVValueRange.limits()``; None: any finite value)."""
         ort = import_onnxruntime()
         self.spec = spec
         self.max_context = max_context
         self.device = device
         self.dtype = np.dtype(dtype)
+        # capped by the buffers' dtype: a float16 cache on CUDA is fed from float32 staging (ingest_target)
+        self.value_limits = ValueBounds(value_limits, spec.n_layers).for_target(self.dtype).limits
         if device == "cpu":
             host_shape = (spec.n_layers, 2, 1, spec.n_kv_heads, max_context, spec.head_dim)
             nbytes = int(np.prod(host_shape)) * self.dtype.itemsize  # private: released pages are gone, not kept aside

@@ -100,7 +100,7 @@ def _poisoned(seed: Seed, k: int, raw: bytes, draw: Draw) -> bytes:
     header = seed.header
     c, spec = header.contract, header.chunks[k]
     rect = (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop)
-    sections = plan_chunk(header.tiers, header.layouts, c.n_kv_heads, c.head_dim, rect).sections
+    sections = plan_chunk(header.cells, header.layouts, c.n_kv_heads, c.head_dim, rect).sections
     buffer = bytearray(raw)
     if sections:
         halves = section_float16(buffer, pick(draw, sections), c.n_kv_heads, c.head_dim)

@@ -17,7 +17,7 @@ from edgedecode.kv.quant import QuantLayout
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire.chunks import chunk_sizes
 from edgedecode.kv.wire.frames import HEADER_CRC, HEADER_PREFIX, LOWBIT_MINOR, MAJOR, MINOR
-from edgedecode.kv.wire.header import check_layouts, check_tier_map
+from edgedecode.kv.wire.header import WindowCut, carried_cells, check_layouts, check_tier_map
 from kvfuzz.draw import Draw, chance, pick
 from kvfuzz.mutant import Mutant
 from kvfuzz.seeds import Seed
@@ -188,7 +188,75 @@ def _field(doc: Doc, draw: Draw, seed: Seed) -> str:
     return f"field: {key}"
 
 
-EDITS: list[Callable[[Doc, Draw, Seed], str]] = [_token_ids, _positions, _tiers, _layouts, _chunks, _field]
+def _importance(doc: Doc, draw: Draw, seed: Seed) -> str:
+    """EDKV 1.2's ``importance`` (float16 a token): a value made NaN, infinite, negative or huge, one too few or
+    many, or not base64."""
+    if not isinstance(doc.get("importance"), str):
+        doc["importance"] = pick(draw, ["", "AAAA", None, 1.5, [0.5]])
+        return "importance: added"
+    values = _array(doc, "importance", "<f2")
+    op = pick(draw, ["one value", "one fewer", "one more", "not base64"])
+    if op == "one value" and len(values):
+        values[draw.integer(0, len(values) - 1)] = pick(draw, [np.nan, np.inf, -np.inf, -1.0, 65504.0, 0.0])
+    elif op == "one fewer":
+        values = values[:-1]
+    elif op == "one more":
+        values = np.append(values, np.float16(1))
+    if op == "not base64":
+        doc["importance"] = pick(draw, ["@@@@", doc["importance"][:-1], doc["importance"] + "A"])
+    else:
+        _put(doc, "importance", values)
+    return f"importance: {op}"
+
+
+def _window(doc: Doc, draw: Draw, seed: Seed) -> str:
+    """EDKV 2.0's ``window``: its start moved (by one, to the ends, past them, to anything), its layers changed (a
+    global layer added, one left out, repeated, out of order, none), or the whole field removed or added."""
+    window = doc.get("window")
+    if not isinstance(window, dict):
+        layers = list(seed.header.contract.sliding_layers) or [0]
+        doc["window"] = {"layers": layers, "start": draw.integer(0, max(len(seed.prompt_ids), 1))}
+        return "window: added"
+    op = pick(draw, ["start", "start", "layers", "layers", "removed", "field"])
+    n, n_layers = doc.get("n_tokens", 0), seed.header.contract.n_layers
+    if op == "start":
+        start = window.get("start", 0)
+        start = start if type(start) is int else 0
+        window["start"] = pick(draw, [start + 1, start - 1, 0, n, n + 1, -1, None, int_value(draw, start)])
+    elif op == "layers":
+        layers = list(window.get("layers") or [0])
+        change = pick(draw, ["a global layer", "one fewer", "repeat one", "reversed", "none", "out of range"])
+        if change == "a global layer":
+            layers.append(next((i for i in range(n_layers) if i not in layers), n_layers))
+        elif change == "one fewer":
+            layers.pop(draw.integer(0, len(layers) - 1))
+        elif change == "repeat one":
+            layers.append(layers[0])
+        elif change == "reversed":
+            layers.reverse()
+        elif change == "none":
+            layers = []
+        else:
+            layers[draw.integer(0, len(layers) - 1)] = pick(draw, [n_layers, -1, 2**63])
+        window["layers"] = layers
+        op = f"layers, {change}"
+    elif op == "removed":
+        del doc["window"]
+    else:
+        doc["window"] = any_value(draw, window)
+    return f"window: {op}"
+
+
+EDITS: list[Callable[[Doc, Draw, Seed], str]] = [
+    _token_ids,
+    _positions,
+    _tiers,
+    _layouts,
+    _chunks,
+    _field,
+    _importance,
+    _window,
+]
 
 
 def edit_header(seed: Seed, draw: Draw) -> Mutant:
@@ -199,7 +267,7 @@ def edit_header(seed: Seed, draw: Draw) -> Mutant:
     label = pick(draw, EDITS)(doc, draw, seed)
     if chance(draw, 50) and _resize_chunks(doc, seed):
         label += ", sizes agree"
-    major, minor = MAJOR, seed.header.minor
+    major, minor = seed.header.major, seed.header.minor
     if chance(draw, 10):
         major, minor = pick(
             draw,
@@ -239,9 +307,11 @@ def _resize_chunks(doc: Doc, seed: Seed) -> bool:
         }
         check_tier_map(tiers, c.n_layers, n)  # KVMalformedError is a ValueError
         check_layouts(tiers, layouts, c.head_dim)
-    except (KeyError, TypeError, ValueError, AttributeError):
+        window = WindowCut.from_doc(doc["window"], c.n_layers) if "window" in doc else None
+        cells = carried_cells(tiers, window)  # a window's start or layers beyond the map: IndexError
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
         return False
-    raw, _ = chunk_sizes(tiers, layouts, c.n_kv_heads, c.head_dim, np.array(rects, np.int64).reshape(-1, 4))
+    raw, _ = chunk_sizes(cells, layouts, c.n_kv_heads, c.head_dim, np.array(rects, np.int64).reshape(-1, 4))
     for row, size in zip(rows, raw.tolist()):
         row[4] = size
     return True

@@ -28,6 +28,7 @@ from test_kv_format import per_value
 
 from edgedecode.kv.quant import QuantLayout
 from edgedecode.kv.rotation import Rotation
+from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, KVFormatError
 from edgedecode.kv.wire.chunks import plan_chunk, section_arrays
 from edgedecode.kv.wire.frames import HEADER_CRC, HEADER_PREFIX
@@ -76,6 +77,10 @@ def run_case(decoder: Engine, case: Case) -> Outcome:
     window = _window(decoder, seed)
     window[...] = SENTINEL_BITS[decoder.cache.host.dtype]
     stream = decoder.open_kv_stream(seed.prompt_ids, head=seed.head)
+    if seed.lead is not None:  # a resume: the first segment broken off, its verified prefix kept
+        stream.feed(seed.lead.payload)
+        stream.cut()
+        stream.resume()
     data = memoryview(mutant.payload)
     tracemalloc.start()  # only the ingest's own allocations are traced (and slowed)
     start, start_cpu = time.perf_counter(), time.thread_time()
@@ -173,13 +178,16 @@ def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
     kv_dtype = case.seed.clean.dtype  # the decoder's
     expected = np.full(window.shape, SENTINEL_BITS[kv_dtype], window.dtype)
     edited = False
+    lead = case.seed.lead
+    if lead is not None:  # the cut first segment's rows stay as it wrote them
+        expected[:, :, :, : lead.slots] = bits(lead.rows)
     if header is None:
         if done or stream.segments[-1].tokens:
             raise FuzzFailure("wrong ingest", f"{done} chunks, {stream.segments[-1].tokens} tokens kept, no header")
     else:
         kv, edited = _expected_kv(case, header, done)
-        cells = _cells(header, done)[:, header.kept][:, None, None, :, None]
-        slots = slice(case.seed.head, case.seed.head + header.n_kept)
+        cells = _written(header, done)[:, header.kept][:, None, None, :, None]
+        slots = slice(case.seed.first_slot, case.seed.first_slot + header.n_kept)
         expected[:, :, :, slots] = np.where(cells, bits(kv.astype(kv_dtype)), SENTINEL_BITS[kv_dtype])
         _check_prefix(stream, case.seed, header, done)
     if not np.array_equal(window, expected):
@@ -202,7 +210,7 @@ def _expected_kv(case: Case, header: EDKVHeader, done: int) -> tuple[np.ndarray,
             raise FuzzFailure("wrong ingest", "transport damage changed the header the reader accepted")
         return seed.clean, False
     kv = reference_kv(header, bodies[:done])
-    cells = _cells(header, done)[:, header.kept][:, None, None, :, None]
+    cells = _written(header, done)[:, header.kept][:, None, None, :, None]
     if not np.isfinite(np.where(cells, kv, 0)).all():
         raise FuzzFailure("wrong ingest", "a chunk holding inf or NaN was written")
     same_tokens = all(
@@ -214,18 +222,18 @@ def _expected_kv(case: Case, header: EDKVHeader, done: int) -> tuple[np.ndarray,
 
 def _check_prefix(stream: StreamedKV, seed: Seed, header: EDKVHeader, done: int) -> None:
     """The segment keeps exactly the leading tokens whose every layer is in the verified chunks, and what it
-    adopts are the prompt's tokens at their positions, after the segment's first."""
+    adopts are the prompt's tokens at their positions, from the first position it may hold on."""
     whole = _cells(header, done).all(axis=0)
     prefix = header.n_tokens if whole.all() else int(np.argmin(whole))
     segment = stream.segments[-1]
-    ids, positions, _ = stream.adopted()
+    ids, positions = segment.token_ids, segment.positions
     if segment.tokens != prefix or len(ids) != header.slots_before[prefix]:
         raise FuzzFailure(
             "wrong ingest", f"kept {segment.tokens} tokens ({len(ids)} slots); the verified chunks hold {prefix}"
         )
     prompt = seed.prompt_ids
     if len(positions) and (
-        positions[0] < seed.head
+        positions[0] < seed.first_position
         or positions[-1] >= len(prompt)
         or (positions[1:] <= positions[:-1]).any()
         or not np.array_equal(prompt[positions], ids)
@@ -241,6 +249,12 @@ def _cells(header: EDKVHeader, done: int) -> np.ndarray:
     return cells
 
 
+def _written(header: EDKVHeader, done: int) -> np.ndarray:
+    """bool [layers, n_tokens]: the cells the first ``done`` chunks write: those they hold and carry (an EDKV 2.0
+    window leaves the windowed layers' cells before its start out)."""
+    return _cells(header, done) & (header.cells != Tier.DROP)
+
+
 def _same_kv_layout(header: EDKVHeader, clean: EDKVHeader) -> bool:
     """Whether ``header`` places the same KV at the same tokens as ``clean`` (it may differ in meta, producer,
     transfer, zstd level and minor version)."""
@@ -252,6 +266,7 @@ def _same_kv_layout(header: EDKVHeader, clean: EDKVHeader) -> bool:
             np.array_equal(getattr(header, name), getattr(clean, name))
             for name in ("token_ids", "positions", "tiers", "chunk_table")
         )
+        and header.window == clean.window
     )
 
 
@@ -268,7 +283,7 @@ def reference_kv(header: EDKVHeader, bodies: Sequence[bytes]) -> np.ndarray:
         if spec.raw_nbytes:
             raw = bytearray(zstandard.ZstdDecompressor().decompress(body, spec.raw_nbytes))
         rect = (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop)
-        for section in plan_chunk(header.tiers, header.layouts, c.n_kv_heads, c.head_dim, rect).sections:
+        for section in plan_chunk(header.cells, header.layouts, c.n_kv_heads, c.head_dim, rect).sections:
             arrays = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
             if section.layout is None:
                 values = arrays[0].astype(np.float32)

@@ -1,6 +1,10 @@
-"""The valid payloads fuzz cases start from: real SmolLM2 KV from the prefill pipeline (``prefill_and_score``,
-tiers from the allocator under a budget, ``payload_frames`` as the prefill server serves them), built once per run
-and kept in memory with what a clean ingest writes."""
+"""The valid payloads fuzz cases start from, in three families, each built once per run and kept in memory with what
+a clean ingest writes:
+
+- ``build_seeds``: real SmolLM2 KV from the prefill pipeline (``prefill_and_score``, tiers from the allocator under a
+  budget, as the prefill server serves them) as EDKV 1.2 (with ``importance``), 1.1 and 1.0;
+- ``build_windowed_seeds`` (``kvfuzz.windowed``): EDKV 2.0 payloads of a sliding-window model;
+- ``build_segmented_seeds`` (``kvfuzz.segmented``): resumed transfers, a segment after a cut one."""
 
 from __future__ import annotations
 
@@ -43,6 +47,18 @@ class Seed:
     header: EDKVHeader
     clean: np.ndarray  # [layers, 2, kv_heads, n_kept, head_dim] in the decoder's KV dtype: the clean ingest's KV
     weight: int  # how often cases start from it (small payloads more often: they are cheaper)
+    lead: Lead | None = None  # a resume: the cut segment fed before this payload (None: the payload is the first)
+    alternates: tuple[Alternate, ...] = ()  # the same prompt's payloads as served from other resume offsets
+
+    @property
+    def first_slot(self) -> int:
+        """The cache slot the payload's first kept token lands in."""
+        return self.head + (0 if self.lead is None else self.lead.slots)
+
+    @property
+    def first_position(self) -> int:
+        """The first prompt position the payload may hold (the positions before are computed or covered)."""
+        return self.head if self.lead is None else self.lead.covered
 
     @cached_property
     def frames(self) -> tuple[bytes, tuple[bytes, ...], bytes]:
@@ -56,10 +72,33 @@ class Seed:
         return tuple(chunk[CHUNK_PREFIX.size :] for chunk in self.frames[1])
 
 
+@dataclass(frozen=True, eq=False)
+class Lead:
+    """The first segment of a resumed transfer: ``payload`` (a clean stream broken off after some chunks) is fed,
+    then cut, keeping its verified prefix; the next segment is the seed's payload."""
+
+    payload: bytes
+    covered: int  # the first prompt position the cut segment left uncovered: where the resume starts
+    rows: np.ndarray  # the KV the cut segment wrote, [layers, 2, kv_heads, slots, head_dim] in the decoder's dtype
+
+    @property
+    def slots(self) -> int:
+        return self.rows.shape[3]
+
+
+@dataclass(frozen=True)
+class Alternate:
+    """A payload the prefill server serves for the same prompt from another position than the resume asks."""
+
+    name: str  # e.g. "from covered - 2"
+    payload: bytes
+
+
 def build_seeds(tokenizer: Tokenizer, prefill: Engine, decoder: Engine) -> list[Seed]:
-    """Seed payloads covering the FP16, INT8, INT4, INT3, INT2 and DROP tiers, EDKV 1.2 with a transfer, 1.0
-    without, and 1.3 with INT3 and rotated tiers (as served to a 1.3 receiver, and by layer with small chunks), one
-    and several chunks (and layer groups), a segment after computed positions, and no kept token.
+    """Seed payloads covering the FP16, INT8, INT4, INT3, INT2 and DROP tiers, EDKV 1.2 with a transfer and
+    importance, 1.1 with a transfer only, 1.0 with neither, and 1.3 with INT3 and rotated tiers (as served to a 1.3
+    receiver, and by layer with small chunks), one and several chunks (and layer groups), a segment after computed
+    positions, and no kept token.
 
     ``prefill``: a prefill graph engine (emit_queries) of the model ``tokenizer`` belongs to; ``decoder``: the
     CPU decode engine the cases run on, with CONTEXT slots.
@@ -86,8 +125,9 @@ def build_seeds(tokenizer: Tokenizer, prefill: Engine, decoder: Engine) -> list[
     tiers = np.repeat(runs, fine.snapshot.contract.n_layers // len(runs), axis=0)
     tiers[:, ::5] = Tier.DROP
     specs = [
-        ("24t INT8+INT4, 1.1", prompts[0][:24], 0, served(prompts[0][:24], 0.45), 4),
-        ("24t INT4+DROP, 1.0", prompts[1][:24], 0, as_minor_0(served(prompts[1][:24], 0.25)), 4),
+        ("24t INT8+INT4, 1.2", prompts[0][:24], 0, served(prompts[0][:24], 0.45), 4),
+        ("24t INT4+DROP, 1.0", prompts[1][:24], 0, as_minor(served(prompts[1][:24], 0.25), 0), 4),
+        ("24t INT4+DROP, 1.1", prompts[1][:24], 0, as_minor(served(prompts[1][:24], 0.25), 1), 2),
         ("12t FP16+INT8", prompts[3][:12], 0, served(prompts[3][:12], 0.6), 4),
         (
             "32t tiers by layer with INT2, 16-token chunks of 10 layers",
@@ -131,21 +171,41 @@ def build_seeds(tokenizer: Tokenizer, prefill: Engine, decoder: Engine) -> list[
         ),
         ("160t INT8+INT4+DROP, 2 chunks as served", prompts[1], 0, served(prompts[1], 0.15), 1),
     ]
-    return [_seed(decoder, name, prompt, head, payload, weight) for name, prompt, head, payload, weight in specs]
+    return [make_seed(decoder, name, prompt, head, payload, weight) for name, prompt, head, payload, weight in specs]
 
 
-def as_minor_0(payload: bytes) -> bytes:
-    """The payload as an EDKV 1.0 stream: minor version 0, no ``transfer`` or ``importance`` field (resealed)."""
+MINOR_FIELDS = {0: ("transfer", "importance"), 1: ("importance",)}  # the 1.x fields a stream of that minor lacks
+
+
+def as_minor(payload: bytes, minor: int) -> bytes:
+    """The EDKV 1.2 payload as a stream of an earlier ``minor`` version: without the fields that minor lacks
+    (1.0: ``transfer`` and ``importance``; 1.1: ``importance``), resealed."""
     header, _, _ = split_frames(payload)
     doc = json.loads(header[HEADER_PREFIX.size : -HEADER_CRC.size])
-    doc.pop("transfer", None)
-    doc.pop("importance", None)
-    return with_header(payload, json.dumps(doc, separators=(",", ":")).encode(), minor=0)
+    for name in MINOR_FIELDS[minor]:
+        doc.pop(name, None)
+    return with_header(payload, json.dumps(doc, separators=(",", ":")).encode(), minor=minor)
 
 
-def _seed(decoder: Engine, name: str, prompt: np.ndarray, head: int, payload: bytes, weight: int) -> Seed:
+def make_seed(
+    decoder: Engine,
+    name: str,
+    prompt: np.ndarray,
+    head: int,
+    payload: bytes,
+    weight: int,
+    lead: Lead | None = None,
+    alternates: tuple[Alternate, ...] = (),
+) -> Seed:
+    """The seed of ``payload``, its clean ingest read back from ``decoder``'s KV buffers (after ``lead``'s cut
+    segment, where given)."""
     stream = decoder.open_kv_stream(prompt, head=head)
+    if lead is not None:
+        stream.feed(lead.payload)
+        stream.cut()
+        stream.resume()
     stream.feed(payload)
     header = stream.finish()
-    rows = decoder.cache.host[:, :, 0, :, head : head + header.n_kept].copy()
-    return Seed(name, np.asarray(prompt, np.int64), head, payload, header, rows, weight)
+    first = head + (0 if lead is None else lead.slots)
+    rows = decoder.cache.host[:, :, 0, :, first : first + header.n_kept].copy()
+    return Seed(name, np.asarray(prompt, np.int64), head, payload, header, rows, weight, lead, alternates)

@@ -180,9 +180,9 @@ def summarize(report: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
+    head = cli.record(__file__, argv, started)  # the commit as the run starts
     with servers(args) as (daemon, prefill, config):
-        report = asyncio.run(run(daemon, prefill, config, args))
-    report["command"] = cli.command(__file__, argv)
+        report = head | asyncio.run(run(daemon, prefill, config, args))
     report["wall_s"] = round(time.time() - started, 1)
     problems = summarize(report)
     print(f"{len(problems)} problems" + "".join(f"\n  {problem}" for problem in problems))

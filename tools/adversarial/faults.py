@@ -16,7 +16,7 @@ allows, fetched longer than ``fetch_timeout_s`` (plus ``peer_faults.FETCH_SLACK_
 turn did not pull again.
 
     python tools/adversarial/faults.py [--prefill-url URL --prefill-token T] [--fetch-timeout-s 20]
-        [--idle-read-timeout-s 10] [--breaker-failures 3] [--breaker-reset-s 3] [--json PATH]
+        [--idle-read-timeout-s 10] [--budget 0.5] [--breaker-failures 3] [--breaker-reset-s 10] [--json PATH]
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--connect-timeout-s", type=float, default=3.0)
     p.add_argument("--idle-read-timeout-s", type=float, default=10.0)
     p.add_argument("--fetch-timeout-s", type=float, default=20.0)
+    p.add_argument("--budget", type=float, default=0.5, help="the KV budget every turn asks of the peer")
     p.add_argument("--breaker-failures", type=int, default=3)
-    p.add_argument("--breaker-reset-s", type=float, default=3.0)
+    p.add_argument("--breaker-reset-s", type=float, default=10.0)  # longer than a turn after a failure takes loaded
     cli.add_json_file(p, help="write every outcome here")
     return p.parse_args(argv)
 
@@ -70,6 +71,9 @@ def daemon_settings(args: argparse.Namespace, peer_url: str) -> dict:
         "fetch_timeout_s": args.fetch_timeout_s,
         "breaker_failures": args.breaker_failures,
         "breaker_reset_s": args.breaker_reset_s,
+        # pinned: every turn asks the peer, so each fault meets a pull (a planned daemon computes short prompts
+        # here, and after a pull that timed out unanswered computes every turn here until it probes the link again)
+        "budget": args.budget,
     }
 
 
@@ -165,17 +169,25 @@ def cycle_problems(cycle: dict, failures: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
+    head = cli.record(__file__, argv, started)  # the commit as the run starts
     with tempfile.TemporaryDirectory(prefix="faults-") as tmp, prefill_server(args, Path(tmp)) as (url, token):
-        report = asyncio.run(run(args, Path(tmp), url, token))
-    report["command"] = cli.command(__file__, argv)
+        report = head | asyncio.run(run(args, Path(tmp), url, token))
     report["wall_s"] = round(time.time() - started, 1)
     problems = [f"{s['scenario']}: {p}" for s in report["scenarios"] for p in s["problems"]]
     problems += cycle_problems(report["breaker_cycle"], args.breaker_failures)
     slowest = max(report["scenarios"], key=lambda s: s["turn"]["seconds"])
+    longest = max(report["scenarios"], key=lambda s: s["turn"]["fetch_s"] or 0.0)
+    report["longest_fetch"] = {
+        "scenario": longest["scenario"],
+        "fetch_s": longest["turn"]["fetch_s"],
+        "fetch_timeout_s": args.fetch_timeout_s,
+        "over_s": round((longest["turn"]["fetch_s"] or 0.0) - args.fetch_timeout_s, 3),
+    }
     worst = f"{slowest['turn']['seconds']:.2f} s ({slowest['scenario']}; its fetch {slowest['turn']['fetch_s']:.2f} s)"
     print(
-        f"{len(report['scenarios'])} scenarios; slowest turn {worst}, fetch_timeout_s {args.fetch_timeout_s:g}; "
-        f"{len(problems)} problems" + "".join(f"\n  {problem}" for problem in problems)
+        f"{len(report['scenarios'])} scenarios; slowest turn {worst}; longest fetch "
+        f"{longest['turn']['fetch_s'] or 0.0:.3f} s ({longest['scenario']}) against fetch_timeout_s "
+        f"{args.fetch_timeout_s:g}; {len(problems)} problems" + "".join(f"\n  {problem}" for problem in problems)
     )
     if args.json:
         cli.write_json(report, args.json)

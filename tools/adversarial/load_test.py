@@ -1,22 +1,26 @@
 #!/usr/bin/env python3
-"""Load and isolation against one real decode daemon: many streamed multi-turn chats at once, each
-answer held to the same conversation's answer alone, and the daemon's memory over many requests.
+"""Load and isolation against one real decode daemon pulling its KV from a real prefill server on 127.0.0.1 (or
+computing it, ``--prefill local``): many streamed multi-turn chats at once, each answer held to the same
+conversation's answer alone, and the daemon's memory over many requests.
 
 For each --clients count C: C conversations (distinct subjects, --turns turns, greedy, --max-tokens)
 run first one at a time ("alone"), then all at once, each client its own user (the daemon's
-fair-queueing key) and session, every turn's prompt the same as alone. An answer under load counts
-as right when it equals the one alone, or departs from it only at a near-tie (the two tokens within
---near-tie logits after the same context, in-process on the same INT4 graph: the KV took another
-path, e.g. compressed between turns instead of resident); a turn whose KV lost tokens to the memory
-ladder (dropped or evicted tokens in its report) is counted, not compared. Reported per C: turns completed and
-failed, wrong answers, time to first token (p50 / p95 / max) under load and alone, and fairness:
-Jain's index over the clients' mean TTFT, and the longest wait against the median. Then --sequential
-short requests one after another, the daemon's RSS sampled after each: first, last, max, and the
-least-squares slope over the last 80 % (KiB per request). The KV memory budget is checked at the
-end against the daemon's peak gauge.
+fair-queueing key) and session, every turn's prompt the same as alone. Each answer under load is classified
+against the one alone: **exact** (the same text), **near-tie** (it departs from it only where the two tokens were
+within --near-tie logits after the same context, ``testing.agreement.divergence_gap`` in process on the same INT4
+graph: the KV took another path, e.g. compressed between turns instead of resident, or pulled instead of
+computed) or **different** (a wider gap: wrong); a turn whose KV lost tokens to the memory ladder (dropped or
+evicted tokens in its report) is counted as **lossy**, not compared. Reported per C: turns completed and failed,
+the counts of each class, where the KV came from (pulled or computed), time to first token (p50 / p95 / max)
+under load and alone, and fairness: Jain's index over the clients' mean TTFT, and the longest wait against the
+median. Then --sequential short requests one after another, the daemon's RSS sampled after each: first, last,
+max, and the least-squares slope over the last 80 % (KiB per request). The KV memory budget is checked at the end
+against the daemon's peak gauge. With remote prefill the daemon's budget is pinned (--budget): every turn pulls.
+Exit status 1 when a turn failed or an answer was different.
 
     python tools/adversarial/load_test.py [--clients 8 32] [--turns 2] [--max-tokens 16] [--slots 2]
-                              [--kv-memory-mb 64] [--sequential 500] [--threads 2] [--json FILE]
+                              [--kv-memory-mb 64] [--sequential 500] [--threads 2] [--prefill remote|local]
+                              [--budget 0.5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ if not __package__:  # run as a file: import tools.* (and edgedecode) from the r
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -140,21 +146,35 @@ async def run_clients(url: str, clients: int, turns: int, max_tokens: int, tag: 
         return [turn for conversation in await asyncio.gather(*tasks) for turn in conversation]
 
 
-def wrong_answers(model: LoadedModel, engine: Engine, alone: list[Turn], loaded: list[Turn], near_tie: float) -> list:
-    """The loaded turns whose answer departs from the alone one other than at a near-tie (turns whose
-    KV lost tokens to the memory ladder are left out: see ``lossy``)."""
+ANSWER_CLASSES = ("exact", "near_tie", "different", "lossy", "failed")
+
+
+def classify_answers(
+    model: LoadedModel, engine: Engine, alone: list[Turn], loaded: list[Turn], near_tie: float
+) -> list[dict]:
+    """Each loaded turn's class against the same turn alone (``ANSWER_CLASSES``: see the module docstring), with
+    the logit gap where the answers depart."""
     reference = {(t.client, t.turn): t for t in alone}
-    wrong = []
+    classified = []
     for turn in loaded:
         mine = reference[turn.client, turn.turn]
-        if turn.error is not None or turn.answer == mine.answer or lossy(turn):
-            continue
-        request = parse_request({"messages": turn.messages}, "chat", model, default_max_tokens=1, session_header=None)
-        alone_ids, loaded_ids = (model.tokenizer.encode(t.answer, add_bos=False) for t in (mine, turn))
-        gap = divergence_gap(engine, request.prompt_ids, alone_ids, loaded_ids)
-        if gap > near_tie:
-            wrong.append({"client": turn.client, "turn": turn.turn, "alone": mine.answer, "loaded": turn.answer})
-    return wrong
+        entry: dict = {"client": turn.client, "turn": turn.turn}
+        if turn.error is not None:
+            entry["class"] = "failed"
+        elif turn.answer == mine.answer:
+            entry["class"] = "exact"
+        elif lossy(turn):
+            entry["class"] = "lossy"
+        else:
+            request = parse_request(
+                {"messages": turn.messages}, "chat", model, default_max_tokens=1, session_header=None
+            )
+            alone_ids, loaded_ids = (model.tokenizer.encode(t.answer, add_bos=False) for t in (mine, turn))
+            gap = divergence_gap(engine, request.prompt_ids, alone_ids, loaded_ids)
+            entry |= {"class": "near_tie" if gap <= near_tie else "different", "gap_logits": round(gap, 4)}
+            entry |= {"alone": mine.answer, "loaded": turn.answer}
+        classified.append(entry)
+    return classified
 
 
 def lossy(turn: Turn) -> bool:
@@ -209,17 +229,32 @@ def peak_kv_memory(url: str) -> float:
     return scrape_metrics(url)["edgedecode_kv_memory_peak_bytes{}"]
 
 
-def daemon_config(directory: Path, args: argparse.Namespace) -> Path:
-    """The config of a local-prefill daemon sized for the run."""
+def daemon_config(directory: Path, args: argparse.Namespace, prefill_url: str | None) -> Path:
+    """The config of a daemon sized for the run, pulling from ``prefill_url`` (None: local prefill only)."""
     daemon = {
         "slots": args.slots,
         "max_context": 2048,
         "kv_memory_mb": args.kv_memory_mb,
         "max_sessions": max(max(args.clients), args.slots),
         "max_queue": max(args.clients) + 8,
-        "local_prefill_only": True,
     }
+    # a pinned budget: every turn asks the prefill server (the planner would compute these short prompts here)
+    remote = {"prefill_url": prefill_url, "budget": args.budget}
+    daemon |= {"local_prefill_only": True} if prefill_url is None else remote
     return toml_config(directory / "daemon.toml", {"model": {"threads": args.threads}, "daemon": daemon})
+
+
+@contextlib.contextmanager
+def prefill_server(args: argparse.Namespace, directory: Path) -> Iterator[str | None]:
+    """The URL of a prefill server started on 127.0.0.1 for the run (None with ``--prefill local``)."""
+    if args.prefill == "local":
+        yield None
+        return
+    config = toml_config(
+        directory / "prefill.toml", {"model": {"threads": args.threads}, "prefill": {"max_prompt_tokens": 2048}}
+    )
+    with running(["prefill-server", "--config", str(config)], directory / "prefill.log") as (_, url):
+        yield url
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -227,8 +262,8 @@ def run(args: argparse.Namespace) -> dict:
     model = load_model()
     engine = Engine(model, GraphOptions.for_device("decode", "cpu"), max_context=2048, threads=args.threads)
     results: dict = {"settings": vars(args), "loads": []}
-    with tempfile.TemporaryDirectory() as workdir:
-        config = daemon_config(Path(workdir), args)
+    with tempfile.TemporaryDirectory() as workdir, prefill_server(args, Path(workdir)) as prefill_url:
+        config = daemon_config(Path(workdir), args, prefill_url)
         with running(["serve", "--config", str(config)], Path(workdir) / "daemon.log") as (process, url):
             for clients in args.clients:
                 alone = asyncio.run(run_clients(url, clients, args.turns, args.max_tokens, f"alone{clients}", None))
@@ -236,15 +271,18 @@ def run(args: argparse.Namespace) -> dict:
                 started = time.perf_counter()
                 loaded = asyncio.run(run_clients(url, clients, args.turns, args.max_tokens, f"load{clients}", said))
                 wall = time.perf_counter() - started
-                wrong = wrong_answers(model, engine, alone, loaded, args.near_tie)
+                classified = classify_answers(model, engine, alone, loaded, args.near_tie)
                 results["loads"].append(
                     {
                         "clients": clients,
                         "turns": len(loaded),
                         "failed": [t.error for t in loaded if t.error is not None],
-                        "wrong": wrong,
-                        "exact": sum(t.answer == said[t.client, t.turn] for t in loaded),
-                        "lossy": sum(lossy(t) for t in loaded),
+                        "answers": {name: sum(c["class"] == name for c in classified) for name in ANSWER_CLASSES},
+                        "departures": [c for c in classified if c["class"] in ("near_tie", "different")],
+                        "kv_sources": {
+                            "alone": dict(Counter(kv_source(t) for t in alone)),
+                            "loaded": dict(Counter(kv_source(t) for t in loaded)),
+                        },
                         "wall_s": wall,
                         "loaded": latency_summary(loaded),
                         "alone": latency_summary(alone),
@@ -258,7 +296,12 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> None:
+def kv_source(turn: Turn) -> str:
+    """Where the turn's KV came from, as its report says ("prefill_server", "local"; "none" without a report)."""
+    return str(turn.report.get("kv", {}).get("source", "none"))
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = cli.parser(__doc__)
     parser.add_argument("--clients", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--turns", type=int, default=2)
@@ -268,15 +311,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sequential", type=int, default=500)
     cli.add_threads(parser)
     parser.add_argument("--near-tie", type=float, default=1.0, help="logits")
+    parser.add_argument(
+        "--prefill", choices=("remote", "local"), default="remote", help="a prefill server here, or local prefill"
+    )
+    parser.add_argument(
+        "--budget", type=float, default=0.5, help="KV wire bytes / FP16 bytes every turn asks of the prefill server"
+    )
     cli.add_json_file(parser, help="write the figures here")
     args = parser.parse_args(argv)
-    results = run(args)
+    head = cli.record(__file__, argv, time.time())  # the commit as the run starts
+    results = head | run(args)
     for load in results["loads"]:
-        lo, al = load["loaded"], load["alone"]
+        lo, al, n = load["loaded"], load["alone"], load["answers"]
         print(
-            f"{load['clients']} clients: {load['turns'] - len(load['failed'])}/{load['turns']} turns completed, "
-            f"{len(load['wrong'])} wrong, {load['exact']} exactly equal to alone, {load['lossy']} with tokens "
-            "lost to the memory ladder (not compared); TTFT p50/p95/max "
+            f"{load['clients']} clients: {load['turns'] - len(load['failed'])}/{load['turns']} turns completed; "
+            f"answers against alone: {n['exact']} exact, {n['near_tie']} near-tie, {n['different']} different, "
+            f"{n['lossy']} with tokens lost to the memory ladder (not compared); KV {load['kv_sources']}; "
+            "TTFT p50/p95/max "
             f"{lo['ttft_p50_s']:.2f}/{lo['ttft_p95_s']:.2f}/{lo['ttft_max_s']:.2f} s under load "
             f"({al['ttft_p50_s']:.2f} s alone), Jain {lo['jain_fairness']:.3f}, max/median "
             f"{lo['max_over_median_ttft']:.1f}; resumes {load['resumes']}; {load['wall_s']:.0f} s"
@@ -291,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"KV memory peak {peak / (1 << 20):.1f} MiB of a {budget >> 20} MiB budget")
     if args.json:
         cli.write_json(results, args.json, indent=2)
+    bad = sum(len(load["failed"]) + load["answers"]["different"] for load in results["loads"])
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ SmolLM2-135M-shaped KV (30 layers, 3 KV heads, head_dim 64) of synthetic data: s
 the 64 key channels of every head scaled ×10 (the per-channel key outliers real models have). Tier mixes: all
 FP16, all INT8, all INT4, all INT3, all INT2, each of the last three also rotated (EDKV 1.3 Hadamard rotation,
 `-rot`), and a mix (5 % FP16: the first 4 tokens and the most recent ones; then, at random positions, 20 % INT8,
-65 % INT4, 10 % DROP). b_raw / b_zstd: chunk bytes before zstd / whole payload, over
+65 % INT4, 10 % DROP). The reader checks every value against the data's own range × 8, as a daemon checks against
+its model's (``kv.value_range``). b_raw / b_zstd: chunk bytes before zstd / whole payload, over
 FP16 bytes. Medians over --runs; the process is pinned to one CPU. On a shared machine, --cpu-time measures
 the process's CPU time instead of wall time, which other load inflates far less.
 
@@ -32,6 +33,7 @@ import zstandard
 from edgedecode.kv.rotation import DEFAULT_ROTATION, Rotation
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
+from edgedecode.kv.value_range import KVValueRange
 from edgedecode.kv.wire import EDKVReader, encode_payload
 from edgedecode.model.spec import KVContract, KVLayout
 from tools.common import cli
@@ -96,11 +98,12 @@ def bench_mix(
     clock = time.process_time if args.cpu_time else time.perf_counter
     encode_s = median_seconds(encode, args.runs, clock)
     kv = np.zeros((LAYERS, 2, KV_HEADS, n, HEAD_DIM), np.float32)  # the decoder's buffer, touched once here
+    limits = KVValueRange.measure([snapshot], "the synthetic data").limits()
     raw_bytes = 0
 
     def decode() -> None:
         nonlocal raw_bytes
-        reader = EDKVReader(snapshot.contract, max_tokens=n, target_factory=lambda header: kv)
+        reader = EDKVReader(snapshot.contract, max_tokens=n, target_factory=lambda header: kv, value_limits=limits)
         reader.feed(payload)
         raw_bytes = sum(chunk.raw_nbytes for chunk in reader.finish().chunks)
 
@@ -142,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "tokens": args.tokens},
         "data": f"synthetic: standard normal, {OUTLIER_CHANNELS} key channels per head ×{OUTLIER_SCALE:g}",
         "mix": "5% FP16 (first 4 + most recent), random 20% INT8, 65% INT4, 10% DROP",
+        "value_limits": "the data's range × 8 (kv.value_range)",
         "zstd_level": args.level,
         "runs": args.runs,
         "clock": "process CPU time" if args.cpu_time else "wall",

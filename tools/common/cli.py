@@ -133,7 +133,22 @@ def record(script: str, argv: Sequence[str] | None, started_s: float) -> dict[st
     """The head of a run's record: the command line that ran it (``command``), when it started (``started_s``,
     ``time.time()``) and the machine."""
     date = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started_s))
-    return {"command": command(script, argv), "date": date, "machine": machine()}
+    return {"command": command(script, argv), "date": date, "machine": machine(), "code": git_state()}
+
+
+def git_state() -> dict[str, Any]:
+    """The code a run measured: the checkout's commit and whether tracked files differed from it (``dirty``);
+    None for each where git cannot say (not a checkout)."""
+
+    def git(*args: str) -> str | None:
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30)
+            if out.returncode == 0:
+                return out.stdout.strip()
+        return None
+
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
 def cpu_name() -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +34,9 @@ from edgedecode.runtime.handoff import StreamedKV
 from edgedecode.tls import client_tls
 
 logger = logging.getLogger(__name__)
+# aiohttp rounds a timeout above its ceil threshold (5 s by default) up to the next whole second of the event loop's
+# clock, so a pull could outlive fetch_timeout_s by up to a second: no timeout of a pull is rounded
+NO_ROUNDING = math.inf
 # a probe of an unknown link under the default objective is given up after this many times its deadline
 # (1.1x local prefill's predicted time); what arrived by then is kept, the rest computed here
 PROBE_WAIT = 1.0
@@ -92,7 +96,7 @@ class PrefillRemote:
         """Open the HTTP session that pulls KV; an https prefill server's certificate is verified
         against ``daemon.prefill_ca_file`` (else the system's CAs)."""
         tls = client_tls(self.settings.prefill_ca_file)
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=tls))
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=tls, timeout_ceil_threshold=NO_ROUNDING))
 
     async def close(self) -> None:
         """Close the session, then wait for the ingest thread to finish what it was handed."""
@@ -151,7 +155,12 @@ class PrefillRemote:
         """The pull settings for ``url``; ``total_s`` shortens the whole fetch's timeout."""
         s = self.settings
         total = s.fetch_timeout_s if total_s is None else min(s.fetch_timeout_s, total_s)
-        timeout = aiohttp.ClientTimeout(total=total, sock_connect=s.connect_timeout_s, sock_read=s.idle_read_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=total,
+            sock_connect=s.connect_timeout_s,
+            sock_read=s.idle_read_timeout_s,
+            ceil_threshold=NO_ROUNDING,
+        )
         return PullSettings(url, self._token, s.policy, s.max_payload_bytes, timeout)
 
     async def _fetch(

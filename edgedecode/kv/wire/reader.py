@@ -19,7 +19,6 @@ from edgedecode.kv.wire.chunks import (
     Section,
     plan_chunk,
     section_arrays,
-    section_float16,
 )
 from edgedecode.kv.wire.errors import (
     KVChecksumError,
@@ -28,7 +27,6 @@ from edgedecode.kv.wire.errors import (
     KVMalformedError,
     KVTooLargeError,
     KVTruncatedError,
-    KVValueError,
     KVVersionError,
 )
 from edgedecode.kv.wire.frames import (
@@ -54,6 +52,7 @@ from edgedecode.kv.wire.header import (
     doc_field,
     load_doc,
 )
+from edgedecode.kv.wire.value_check import ValueBounds
 from edgedecode.model.spec import KVContract
 
 DECODE_SNAPSHOT_MAX_TOKENS = 1 << 20
@@ -96,10 +95,12 @@ class EDKVReader:
         max_chunk_bytes: limit on a chunk's compressed and raw sizes.
         max_header_bytes: limit on the header JSON; None (the default): what a legitimate header of up to
             `max_tokens` tokens can need (`frames.max_header_nbytes`).
+        value_limits: float32 ``[n_layers, 2]``, the largest |key| and |value| accepted in each layer
+            (``KVValueRange.limits()``); None: any finite value. A float16 destination caps them at 65504.
 
     The header's declared counts (chunks, sections, layouts, meta) are bounded before any per-item work. Each
-    chunk is checked (CRC-32, bounded zstd decompression, exact size, finite float16 values) before anything
-    from it is written. After any error the reader refuses further input.
+    chunk is checked (CRC-32, bounded zstd decompression, exact size, values finite and within `value_limits`:
+    ``value_check``) before anything from it is written. After any error the reader refuses further input.
     """
 
     def __init__(
@@ -111,6 +112,7 @@ class EDKVReader:
         on_chunk: ChunkCallback | None = None,
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         max_header_bytes: int | None = None,
+        value_limits: np.ndarray | None = None,
     ) -> None:
         self.expected = expected
         self.max_tokens = max_tokens
@@ -120,6 +122,7 @@ class EDKVReader:
         )
         self._target_factory = target_factory
         self._on_chunk = on_chunk
+        self._bounds = ValueBounds(value_limits, expected.n_layers)  # the target's dtype may cap them
         self._stage = _Stage.HEADER_PREFIX
         self._need = HEADER_PREFIX.size
         self._buf = bytearray()
@@ -271,6 +274,7 @@ class EDKVReader:
                 f"chunk {int(over[0])}", f"{int(table[over[0], 4])} raw bytes, limit {self.max_chunk_bytes}"
             )
         self._target = _checked_target(self._target_factory(header), header)
+        self._bounds = self._bounds.for_target(self._target.dtype)
         widest = int((table[:, 3] - table[:, 2]).max(initial=0))
         self._scratch = np.empty(max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim), np.float32)
         if header.rotation is not None:
@@ -324,7 +328,7 @@ class EDKVReader:
         if plan.raw_nbytes != spec.raw_nbytes:  # the header's check makes this unreachable
             raise KVMalformedError(f"chunk {spec.index}", f"{spec.raw_nbytes} raw bytes, the plan {plan.raw_nbytes}")
         for section in plan.sections:  # every value of the chunk, before anything from it is written
-            self._check_finite(spec, section, section_float16(raw, section, c.n_kv_heads, c.head_dim))
+            self._bounds.check(spec, section, raw, c.n_kv_heads, c.head_dim)
         for section in plan.sections:
             self._write(section, section_arrays(raw, section, c.n_kv_heads, c.head_dim))
         self._chunks_done += 1
@@ -358,25 +362,6 @@ class EDKVReader:
                 f"chunk {spec.index}", f"{'more than ' if extra else ''}{got} raw bytes, expected {spec.raw_nbytes}"
             )
         return raw
-
-    @staticmethod
-    def _check_finite(spec: ChunkSpec, section: Section, halves: np.ndarray) -> None:
-        """KVValueError if any float16 of `halves` is inf or NaN, i.e. has an all-ones exponent.
-
-        As uint16, +inf/+NaN are 0x7C00..0x7FFF (the int16 maximum's range) and -inf/-NaN 0xFC00..0xFFFF (the uint16
-        maximum's range): two max-reductions over the bits, no copy, no per-element Python work.
-        """
-        bits = halves.view(np.uint16)
-        if not bits.size or (bits.max() < 0xFC00 and bits.view(np.int16).max() < 0x7C00):
-            return
-        what = "FP16 rows" if section.layout is None else "scales/zeros"
-        bad = np.flatnonzero(((bits & 0x7C00) == 0x7C00).reshape(len(bits), -1).any(axis=1))
-        layer = section.layer_start + int(bad[0])
-        raise KVValueError(
-            f"chunk {spec.index}",
-            f"{section.tier.name} {('keys', 'values')[section.kv]} "
-            f"{what} of layer {layer} hold inf or NaN; nothing of the chunk was written",
-        )
 
     def _write(self, section: Section, arrays: list[np.ndarray]) -> None:
         """Decode one section into its compacted slots: slices when they are contiguous, else one scatter.

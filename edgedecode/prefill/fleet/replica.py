@@ -19,6 +19,7 @@ from ray import serve
 
 from edgedecode.config import Config
 from edgedecode.model.loader import load_model
+from edgedecode.prefill.fleet.faults import relay_stall_bytes
 from edgedecode.prefill.fleet.route import Route
 from edgedecode.prefill.fleet.router import STATS_BLOCKS_KEY
 from edgedecode.prefill.run import build_service
@@ -86,10 +87,16 @@ class PrefillReplica:
             return
         url = self.url + request.path + (f"?{request.query_string}" if request.query_string else "")
         headers = [(k, v) for k, v in request.headers if k.lower() not in HOP_HEADERS]
+        stall_bytes = relay_stall_bytes() if request.path == "/v1/prefill" else None  # tests only (faults.py)
         async with self.session.request(request.method, url, headers=headers, data=request.body) as response:
             kept = tuple((k, v) for k, v in response.headers.items() if k.lower() not in HOP_HEADERS)
             yield ResponseHead(response.status, kept, self.name)
             async for piece in response.content.iter_chunked(RELAY_BYTES):
+                if stall_bytes is not None and len(piece) >= stall_bytes:
+                    yield piece[:stall_bytes]
+                    await asyncio.Event().wait()  # held until the test kills this replica
+                if stall_bytes is not None:
+                    stall_bytes -= len(piece)
                 yield piece
 
     def check_health(self) -> None:
