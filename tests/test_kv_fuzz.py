@@ -23,7 +23,7 @@ from edgedecode.kv.quant import QuantLayout, quantize
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader
 from edgedecode.kv.wire import reader as reader_module
-from edgedecode.kv.wire.chunks import plan_chunk, section_float16
+from edgedecode.kv.wire.chunks import plan_chunk, section_arrays, section_float16
 from edgedecode.kv.wire.frames import CHUNK_PREFIX, LOWBIT_MINOR, MAJOR, MINOR
 from edgedecode.kv.wire.value_check import ValueBounds
 
@@ -141,14 +141,15 @@ def _case(seed: Seed, mutant: Mutant) -> Case:
     return Case(seed, mutant, (0, len(mutant.payload)))
 
 
-def _with_raw(seed: Seed, change) -> tuple[bytes, bytes]:
+def _with_raw(seed: Seed, change, which=lambda section: True) -> tuple[bytes, bytes]:
     """(payload, body): the seed with its first chunk's raw bytes changed by ``change(raw, section)`` (its first
-    section) and every checksum resealed."""
+    section, or the first ``which`` picks) and every checksum resealed."""
     h, c = seed.header, seed.header.contract
     spec = h.chunks[0]
     rect = (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop)
     raw = bytearray(zstandard.ZstdDecompressor().decompress(seed.bodies[0]))
-    change(raw, plan_chunk(h.tiers, h.layouts, c.n_kv_heads, c.head_dim, rect).sections[0])
+    sections = plan_chunk(h.tiers, h.layouts, c.n_kv_heads, c.head_dim, rect).sections
+    change(raw, next(section for section in sections if which(section)))
     body = zstandard.ZstdCompressor().compress(bytes(raw))
     header, chunks, _ = seed.frames
     return join_frames(header, [rechunk(chunks[0], body), *chunks[1:]]), body
@@ -196,6 +197,28 @@ def test_the_oracle_reports_a_chunk_written_despite_non_finite_values(seeds, fuz
     monkeypatch.setattr(ValueBounds, "check", lambda *args: None)
     with pytest.raises(FuzzFailure, match="inf or NaN"):
         run_case(fuzz_decoder, poisoned)
+
+
+def test_the_oracle_expects_the_value_checks_refusal_of_a_rotated_section_beyond_the_limit_once_rotated_back(
+    seeds, fuzz_decoder, monkeypatch
+) -> None:
+    """A rotated section whose groups all hold zero = limit / 4 and scale 0: within the limit as sent, but each
+    block rotates back into one entry of √32 / 4 = 1.41 times it. The reader refuses it (KVValueError); with the
+    check stubbed out, the oracle reports the write from the format's definition."""
+    seed = next(s for s in seeds if s.header.rotation is not None)
+    c, rotation, limits = seed.header.contract, seed.header.rotation, fuzz_decoder.cache.value_limits
+
+    def gather(raw: bytearray, section) -> None:
+        _, scales, zeros = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
+        scales[0] = 0.0
+        zeros[0] = limits[section.layer_start, section.kv] / 4
+
+    payload, body = _with_raw(seed, gather, lambda section: rotation.rotates(section.tier))
+    gathered = _case(seed, Mutant(payload, "a rotated section gathered, resealed", (body, *seed.bodies[1:])))
+    assert run_case(fuzz_decoder, gathered).result == "KVValueError"
+    monkeypatch.setattr(ValueBounds, "check", lambda *args: None)
+    with pytest.raises(FuzzFailure, match="beyond the receiver's value limits"):
+        run_case(fuzz_decoder, gathered)
 
 
 def test_the_oracle_reports_untyped_errors_hangs_and_allocations_beyond_the_bound(

@@ -7,7 +7,8 @@ engine's prompt checks) or a complete ingest, and in either case:
 - every KV slot holds what the oracle expects: the rows of each chunk the reader verified, and a sentinel
   everywhere else (nothing written from a refused chunk, before the segment's first slot or past its last);
   verified rows are the clean payload's for transport damage, and for a sender's resealed edit what the stream
-  declares, decoded here value by value (a rotated section, EDKV 1.3, rotated back from the format's definition);
+  declares, decoded here value by value (a rotated section, EDKV 1.3, rotated back from the format's definition),
+  finite and within the receiver's value limits (``KVCache.value_limits``: the reader refuses the rest);
 - the kept prefix (``cut``) is exactly the leading tokens every layer of which those chunks hold, and the token
   ids and positions adopted are the prompt's;
 - it took at most HANG_S of CPU, allocated at most ``allocation_bound`` (as tracemalloc sees it) and left the
@@ -42,6 +43,7 @@ from kvfuzz.seeds import SENTINEL_BITS, Seed, bits
 TYPED_ERRORS = (KVFormatError, KVInjectionError)
 HANG_S = 1.0
 MARGIN_SLOTS = 8  # slots past the prompt's last that are watched for stray writes, too
+LIMIT_SLACK = 1e-5  # relative: the reader's float32 arithmetic (a rotation's GEMM) against this one's
 FIXED_BYTES = 64 << 10  # see allocation_bound
 HEADER_FACTOR = 8
 CELL_BYTES = 32
@@ -102,7 +104,7 @@ def run_case(decoder: Engine, case: Case) -> Outcome:
     tracemalloc.stop()
     if cpu_seconds > HANG_S:  # CPU time: the work the case made (the wall clock adds the neighbours' load)
         raise FuzzFailure("hang", f"{cpu_seconds:.2f} s of CPU, {seconds:.2f} s")
-    edited = _check_slots(stream, case, window)
+    edited = _check_slots(stream, case, window, decoder.cache.value_limits)
     bound = allocation_bound(mutant.payload, stream.reader)
     if peak > bound:
         raise FuzzFailure("over allocation", f"{peak} bytes traced, bound {bound}")
@@ -171,9 +173,9 @@ def _window(decoder: Engine, seed: Seed) -> np.ndarray:
     return bits(decoder.cache.host[:, :, 0, :, : len(seed.prompt_ids) + MARGIN_SLOTS])
 
 
-def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
-    """Check the watched slots, the kept prefix and the adopted tokens; returns whether the KV written is a
-    sender's edit (not the clean payload's)."""
+def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray, limits: np.ndarray) -> bool:
+    """Check the watched slots, the kept prefix and the adopted tokens (``limits``: the decoder's value limits,
+    float32 [layers, 2]); returns whether the KV written is a sender's edit (not the clean payload's)."""
     header, done = stream.reader.header, stream.reader.progress.chunks_done
     kv_dtype = case.seed.clean.dtype  # the decoder's
     expected = np.full(window.shape, SENTINEL_BITS[kv_dtype], window.dtype)
@@ -185,7 +187,7 @@ def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
         if done or stream.segments[-1].tokens:
             raise FuzzFailure("wrong ingest", f"{done} chunks, {stream.segments[-1].tokens} tokens kept, no header")
     else:
-        kv, edited = _expected_kv(case, header, done)
+        kv, edited = _expected_kv(case, header, done, limits)
         cells = _written(header, done)[:, header.kept][:, None, None, :, None]
         slots = slice(case.seed.first_slot, case.seed.first_slot + header.n_kept)
         expected[:, :, :, slots] = np.where(cells, bits(kv.astype(kv_dtype)), SENTINEL_BITS[kv_dtype])
@@ -200,7 +202,7 @@ def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
     return edited
 
 
-def _expected_kv(case: Case, header: EDKVHeader, done: int) -> tuple[np.ndarray, bool]:
+def _expected_kv(case: Case, header: EDKVHeader, done: int, limits: np.ndarray) -> tuple[np.ndarray, bool]:
     """The KV the verified chunks must have written, ``[layers, 2, kv_heads, n_kept, head_dim]`` (meaningful in
     their cells), and whether it is a sender's edit: other tokens or positions, or other KV in those cells, than
     the clean payload's."""
@@ -213,6 +215,15 @@ def _expected_kv(case: Case, header: EDKVHeader, done: int) -> tuple[np.ndarray,
     cells = _written(header, done)[:, header.kept][:, None, None, :, None]
     if not np.isfinite(np.where(cells, kv, 0)).all():
         raise FuzzFailure("wrong ingest", "a chunk holding inf or NaN was written")
+    peaks = np.abs(np.where(cells, kv, 0)).max(axis=(2, 3, 4), initial=0.0)  # [layers, 2]
+    over = np.argwhere(peaks > limits * (1 + LIMIT_SLACK))
+    if over.size:
+        layer, kind = over[0]
+        raise FuzzFailure(
+            "wrong ingest",
+            f"a chunk beyond the receiver's value limits was written: layer {layer} {'KV'[kind]} reach "
+            f"{peaks[layer, kind]:g}, limit {limits[layer, kind]:g}",
+        )
     same_tokens = all(
         np.array_equal(getattr(header, name), getattr(seed.header, name)) for name in ("token_ids", "positions", "kept")
     )

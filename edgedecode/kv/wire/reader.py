@@ -52,7 +52,7 @@ from edgedecode.kv.wire.header import (
     doc_field,
     load_doc,
 )
-from edgedecode.kv.wire.value_check import ValueBounds
+from edgedecode.kv.wire.value_check import Unrotation, ValueBounds
 from edgedecode.model.spec import KVContract
 
 DECODE_SNAPSHOT_MAX_TOKENS = 1 << 20
@@ -139,6 +139,7 @@ class EDKVReader:
         self._scratch = np.empty(0, np.float32)
         self._rotated = np.empty((2, 0), np.float32)  # a rotated section's x̂ and its product with H, staged
         self._signs = np.empty((0, 2, 0, 0), np.float32)  # [layers, K/V, heads, D] of a rotated stream
+        self._unrotation: Unrotation | None = None  # how the value check rotates a section back, likewise
         self._raw = bytearray()
         self._layers_done = np.zeros(0, np.int64)
 
@@ -280,6 +281,7 @@ class EDKVReader:
         if header.rotation is not None:
             self._rotated = np.empty((2, len(self._scratch)), np.float32)
             self._signs = hadamard_signs(header.rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)
+            self._unrotation = Unrotation(header.rotation.block, self._signs, self._rotated)
         self._raw = bytearray(int(table[:, 4].max(initial=0)))
         self._dctx = zstandard.ZstdDecompressor(max_window_size=max_zstd_window(len(self._raw)))
         self._header = header
@@ -327,8 +329,10 @@ class EDKVReader:
         )
         if plan.raw_nbytes != spec.raw_nbytes:  # the header's check makes this unreachable
             raise KVMalformedError(f"chunk {spec.index}", f"{spec.raw_nbytes} raw bytes, the plan {plan.raw_nbytes}")
+        rotation = header.rotation
         for section in plan.sections:  # every value of the chunk, before anything from it is written
-            self._bounds.check(spec, section, raw, c.n_kv_heads, c.head_dim)
+            rotated = rotation is not None and rotation.rotates(section.tier)
+            self._bounds.check(spec, section, raw, c.n_kv_heads, c.head_dim, self._unrotation if rotated else None)
         for section in plan.sections:
             self._write(section, section_arrays(raw, section, c.n_kv_heads, c.head_dim))
         self._chunks_done += 1
