@@ -276,6 +276,7 @@ def probe(
     ),
     threads: int | None = typer.Option(None, help="onnxruntime intra-op threads."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the verdict without saving it."),
+    save: Path | None = typer.Option(None, "--save", help="Save the verdict here (default: beside the model)."),
 ) -> None:
     """Measure which KV tiers the model tolerates (perplexity + needle trials, with intervals) and save the
     verdict beside the model, where the tier allocator reads it."""
@@ -305,10 +306,12 @@ def probe(
     except EdgeDecodeError as exc:
         _fail(exc)
     typer.echo(f"{'tier':5}  {'Δ PPL %':>8}  {'upper':>7}  {'KL':>8}  {'needle':>7}  verdict")
+    allowed_names = {t.name for t in profile.allowed}
     for v in verdicts:
+        verdict = "tolerated" if v.tolerated else "for drops only" if v.tier in allowed_names else "refused"
         typer.echo(
             f"{v.tier:5}  {v.dppl_pct:+8.2f}  {v.dppl_high_pct:+7.2f}  {v.kl:8.5f}  "
-            f"{v.needle_hits:>3}/{v.needle_trials:<3}  {'tolerated' if v.tolerated else 'refused'}: {v.reason}"
+            f"{v.needle_hits:>3}/{v.needle_trials:<3}  {verdict}: {v.reason}"
         )
     typer.echo(
         "allowed tiers: "
@@ -317,7 +320,7 @@ def probe(
         + ", ".join(f"{t.name} {d:.4f}" for t, d in profile.distortion.items())
     )
     if not dry_run:
-        path = profile_path(loaded)
+        path = save or profile_path(loaded)
         path.write_text(profile.to_json())
         typer.echo(f"saved {path}")
 

@@ -22,7 +22,7 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import decode_snapshot, encode_payload
 from edgedecode.kv.wire.coder import CachingCoder, SectionCoder
 from edgedecode.model.spec import KVContract, KVLayout
-from edgedecode.prefill.kv_device import DeviceCoder, HostCoder, KVDevice
+from edgedecode.prefill.kv_device import DEVICE_BITS, DeviceCoder, HostCoder, KVDevice
 from edgedecode.runtime.session import create_session
 
 LAYERS, HEADS, DIM = 6, 2, 64
@@ -31,6 +31,7 @@ LAYOUTS = [layout for pair in DEFAULT_LAYOUTS.values() for layout in pair] + [
     QuantLayout("channel", 16, 8),
     QuantLayout("token", 16, 2),
 ]
+DEVICE_LAYOUTS = [layout for layout in LAYOUTS if layout.bits in DEVICE_BITS]  # the graphs have no 3-bit codes
 
 
 # -- the oracle: kv/quant.py's quantizer as it was before it was made faster (rint, clip, cast; nextafter rounding)
@@ -61,9 +62,14 @@ def _oracle_quantize(x: np.ndarray, layout: QuantLayout) -> tuple[np.ndarray, np
     scales = _oracle_round_fp16(np.maximum((hi.astype(np.float64) - zeros) / ((1 << layout.bits) - 1), 2.0**-24), True)
     q = (x - expand(zeros).astype(np.float32)) / expand(scales).astype(np.float32)
     q = np.clip(np.rint(q), 0, (1 << layout.bits) - 1).astype(np.uint8)
-    per = 8 // layout.bits
-    packed = sum(q[..., lane::per].astype(np.uint16) << (layout.bits * lane) for lane in range(per)).astype(np.uint8)
-    return packed, scales, zeros
+    return _oracle_pack(q, layout.bits), scales, zeros
+
+
+def _oracle_pack(q: np.ndarray, bits: int) -> np.ndarray:
+    if bits == 3:  # two planes: the low two bits as 2-bit codes, then the high bits, eight per byte
+        return np.concatenate([_oracle_pack(q & 3, 2), _oracle_pack(q >> 2, 1)], axis=-1)
+    per = 8 // bits
+    return sum(q[..., lane::per].astype(np.uint16) << (bits * lane) for lane in range(per)).astype(np.uint8)
 
 
 def _awkward(rng: np.random.Generator, shape: tuple[int, ...], zeros: bool = True, dtype=np.float32) -> np.ndarray:
@@ -112,7 +118,7 @@ def test_float16_rounding_matches_nextafter_at_every_float16_and_its_neighbours(
             assert round_fp16(x, up).view(np.uint16).tobytes() == _oracle_round_fp16(x, up).view(np.uint16).tobytes()
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("layout", DEVICE_LAYOUTS, ids=str)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_the_quantizer_graph_writes_numpys_bytes_on_the_cpu_ep(layout, dtype):
     """Where no group's minimum is zero; where one is, the graph counts it (``zero_groups``), and the device coder
@@ -235,13 +241,13 @@ class CountingCoder(CachingCoder):
         self.computed = {"tokens": 0, "sections": 0}
         self.prepared: list[int] = []
 
-    def quantized_tokens(self, kv, layout, l0, l1, tokens):
+    def quantized_tokens(self, kv, layout, l0, l1, tokens, rotated=False):
         self.computed["tokens"] += 1
-        return super().quantized_tokens(kv, layout, l0, l1, tokens)
+        return super().quantized_tokens(kv, layout, l0, l1, tokens, rotated)
 
-    def quantized_sections(self, kv, layout, l0, l1, token_lists):
+    def quantized_sections(self, kv, layout, l0, l1, token_lists, rotated=False):
         self.computed["sections"] += len(token_lists)
-        return super().quantized_sections(kv, layout, l0, l1, token_lists)
+        return super().quantized_sections(kv, layout, l0, l1, token_lists, rotated)
 
     def prepare(self, plans):
         self.prepared += [int(p.sections[0].tokens[0]) for p in plans if p.sections]
@@ -428,7 +434,7 @@ def test_the_cuda_device_coder_writes_the_reference_bytes(dtype):
             got = encode_payload(snapshot, tiers, chunk_tokens=128, window_start=start, coder=coder, workers=4)
             assert b"".join(got) == expected, (name, windowed)
     data = np.random.default_rng(0).standard_normal((4, 2, 4096, DIM)).astype(np.float32)
-    for layout in LAYOUTS:  # many groups, every layout
+    for layout in DEVICE_LAYOUTS:  # many groups, every layout the graphs compute
         session = cuda.session(("test-quant", layout), lambda layout=layout: quant_graph(layout, np.float32))
         outputs = ["codes", "scales", "zeros", "zero_groups"]
         tokens = np.arange(4096, dtype=np.int64)

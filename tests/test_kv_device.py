@@ -62,7 +62,7 @@ def test_budgeted_payloads_are_the_references_bytes(smollm2, device, budget):
     assert clock.calls["quantize"] > 0 and clock.calls["compress"] > 0
     original = device.coder
     try:
-        device.coder = lambda snap: DeviceCoder(snap, device)  # the CUDA form, on the CPU EP
+        device.coder = lambda snap, rotation, int3: DeviceCoder(snap, device)  # the CUDA form, on the CPU EP
         assert encode_within_budget(scored, budget, device=device, workers=2).frames == reference.frames
     finally:
         device.coder = original

@@ -17,13 +17,14 @@ from kvfuzz.mutations import Case, make_case
 from kvfuzz.oracle import FuzzFailure, reference_kv, run_case
 from kvfuzz.seeds import CONTEXT, Seed, bits, build_seeds
 from kvfuzz.segmented import build_segmented_seeds
-from test_kv_format import join_frames, rechunk, split_frames, streamed_frame
+from test_kv_format import join_frames, per_value, rechunk, rewrite_header, split_frames, streamed_frame
 
+from edgedecode.kv.quant import QuantLayout, quantize
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader
 from edgedecode.kv.wire import reader as reader_module
-from edgedecode.kv.wire.chunks import plan_chunk, section_float16
-from edgedecode.kv.wire.frames import CHUNK_PREFIX, MINOR
+from edgedecode.kv.wire.chunks import plan_chunk, section_arrays, section_float16
+from edgedecode.kv.wire.frames import CHUNK_PREFIX, LOWBIT_MINOR, MAJOR, MINOR
 from edgedecode.kv.wire.value_check import ValueBounds
 
 FUZZ_CASES = 2500
@@ -42,10 +43,12 @@ def seeds(smollm2_model, prefiller, fuzz_decoder):
     return build_seeds(smollm2_model.tokenizer, prefiller, fuzz_decoder)
 
 
-def test_the_seeds_cover_every_tier_both_minors_and_chunkings_and_the_oracle_decodes_them_as_the_reader(seeds):
+def test_the_seeds_cover_every_tier_every_minor_and_chunkings_and_the_oracle_decodes_them_as_the_reader(seeds):
     tiers = set().union(*(np.unique(seed.header.tiers).tolist() for seed in seeds))
     assert tiers == {tier.value for tier in Tier}
-    assert {seed.header.minor for seed in seeds} == {0, 1, MINOR}
+    assert {seed.header.minor for seed in seeds} == {0, 1, MINOR, LOWBIT_MINOR[MAJOR]}
+    rotated = [seed for seed in seeds if seed.header.rotation is not None]
+    assert len(rotated) == 2 and all((seed.header.tiers == Tier.INT3).any() for seed in rotated)
     assert {seed.header.transfer is None for seed in seeds} == {True, False}
     assert {seed.header.importance is None for seed in seeds} == {True, False}
     assert max(len(seed.header.chunks) for seed in seeds) > 1 and any(seed.head for seed in seeds)
@@ -138,14 +141,15 @@ def _case(seed: Seed, mutant: Mutant) -> Case:
     return Case(seed, mutant, (0, len(mutant.payload)))
 
 
-def _with_raw(seed: Seed, change) -> tuple[bytes, bytes]:
+def _with_raw(seed: Seed, change, which=lambda section: True) -> tuple[bytes, bytes]:
     """(payload, body): the seed with its first chunk's raw bytes changed by ``change(raw, section)`` (its first
-    section) and every checksum resealed."""
+    section, or the first ``which`` picks) and every checksum resealed."""
     h, c = seed.header, seed.header.contract
     spec = h.chunks[0]
     rect = (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop)
     raw = bytearray(zstandard.ZstdDecompressor().decompress(seed.bodies[0]))
-    change(raw, plan_chunk(h.tiers, h.layouts, c.n_kv_heads, c.head_dim, rect).sections[0])
+    sections = plan_chunk(h.tiers, h.layouts, c.n_kv_heads, c.head_dim, rect).sections
+    change(raw, next(section for section in sections if which(section)))
     body = zstandard.ZstdCompressor().compress(bytes(raw))
     header, chunks, _ = seed.frames
     return join_frames(header, [rechunk(chunks[0], body), *chunks[1:]]), body
@@ -157,6 +161,27 @@ def test_the_oracle_refuses_a_sender_edit_passed_off_as_transport_damage(seeds, 
     assert run_case(fuzz_decoder, _case(seeds[0], sealed)).result == "ingested, edited KV"
     with pytest.raises(FuzzFailure, match="wrong ingest"):
         run_case(fuzz_decoder, _case(seeds[0], Mutant(payload, "one bit of KV, as if damaged in transit")))
+
+
+def test_the_oracle_rotates_back_as_the_stream_declares(seeds, fuzz_decoder) -> None:
+    """Another rotation seed, resealed: the reader ingests other KV, which the oracle derives from the format's
+    definition; passed off as transport damage, it is a wrong ingest."""
+    seed = next(s for s in seeds if s.header.rotation is not None)
+    reseeded = rewrite_header(seed.payload, lambda doc: doc["rotation"].update(seed=7), minor=seed.header.minor)
+    sealed = Mutant(reseeded, "another rotation seed, resealed", seed.bodies)
+    assert run_case(fuzz_decoder, _case(seed, sealed)).result == "ingested, edited KV"
+    with pytest.raises(FuzzFailure, match="wrong ingest"):
+        run_case(fuzz_decoder, _case(seed, Mutant(reseeded, "another rotation seed, as if damaged in transit")))
+
+
+def test_the_oracle_unpacks_3_bit_codes_as_the_quantizer_packs_them() -> None:
+    layout = QuantLayout("token", 32, 3)
+    x = np.random.default_rng(4).standard_normal((2, 7, 64)).astype(np.float32)
+    codes, scales, zeros = quantize(x, layout)
+    q = oracle.unpack_codes(codes, layout, 64)
+    assert q.min() == 0 and q.max() == 7 and (q == np.round(q)).all()
+    rebuilt = q * per_value(scales, layout, 7) + per_value(zeros, layout, 7)
+    assert np.abs(rebuilt - x).max() <= scales.astype(np.float32).max() / 2 * (1 + 1e-5)
 
 
 def test_the_oracle_reports_a_chunk_written_despite_non_finite_values(seeds, fuzz_decoder, monkeypatch) -> None:
@@ -172,6 +197,28 @@ def test_the_oracle_reports_a_chunk_written_despite_non_finite_values(seeds, fuz
     monkeypatch.setattr(ValueBounds, "check", lambda *args: None)
     with pytest.raises(FuzzFailure, match="inf or NaN"):
         run_case(fuzz_decoder, poisoned)
+
+
+def test_the_oracle_expects_the_value_checks_refusal_of_a_rotated_section_beyond_the_limit_once_rotated_back(
+    seeds, fuzz_decoder, monkeypatch
+) -> None:
+    """A rotated section whose groups all hold zero = limit / 4 and scale 0: within the limit as sent, but each
+    block rotates back into one entry of √32 / 4 = 1.41 times it. The reader refuses it (KVValueError); with the
+    check stubbed out, the oracle reports the write from the format's definition."""
+    seed = next(s for s in seeds if s.header.rotation is not None)
+    c, rotation, limits = seed.header.contract, seed.header.rotation, fuzz_decoder.cache.value_limits
+
+    def gather(raw: bytearray, section) -> None:
+        _, scales, zeros = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
+        scales[0] = 0.0
+        zeros[0] = limits[section.layer_start, section.kv] / 4
+
+    payload, body = _with_raw(seed, gather, lambda section: rotation.rotates(section.tier))
+    gathered = _case(seed, Mutant(payload, "a rotated section gathered, resealed", (body, *seed.bodies[1:])))
+    assert run_case(fuzz_decoder, gathered).result == "KVValueError"
+    monkeypatch.setattr(ValueBounds, "check", lambda *args: None)
+    with pytest.raises(FuzzFailure, match="beyond the receiver's value limits"):
+        run_case(fuzz_decoder, gathered)
 
 
 def test_the_oracle_reports_untyped_errors_hangs_and_allocations_beyond_the_bound(

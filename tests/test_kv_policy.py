@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -70,6 +72,33 @@ def test_a_tier_worse_than_dropping_is_never_used():
     profile = TierProfile((Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT2, Tier.DROP))  # INT2 distortion 3 > DROP's 1
     tiers = allocate(np.random.default_rng(0).random(500), 0.25, COSTS, profile)
     assert not np.any(tiers == Tier.INT2)
+
+
+@pytest.mark.parametrize("int3_distortion, kept_tier, dropped", [(0.2, Tier.INT3, 0), (0.43, Tier.INT4, 100)])
+def test_int3_is_used_where_it_sits_on_the_hull_between_drop_and_int4(int3_distortion, kept_tier, dropped):
+    """At b = INT3's cost (0.25): every token at INT3 when INT3 is worth its bytes; when it loses too much (the
+    probe's 0.43 on SmolLM2: a DROP -> INT3 step buys less per byte than DROP -> INT4), INT4 and drops instead."""
+    distortion = {**TierProfile().distortion, Tier.INT3: int3_distortion}
+    profile = TierProfile((Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT3, Tier.DROP), distortion)
+    tiers = allocate(np.random.default_rng(1).random(500), 0.25, COSTS, profile)
+    assert _cost(tiers) <= 0.25 + 1e-9
+    assert int((tiers == Tier.DROP).sum()) == dropped
+    assert set(np.unique(tiers)) - {Tier.DROP} == {kept_tier}
+
+
+def test_a_profile_names_the_tiers_its_model_wants_rotated(tmp_path):
+    """The probe keeps a rotation per tier where it measured lower KL; the profile carries it to the sender."""
+    assert TierProfile().rotation() is None
+    profile = TierProfile(rotated=(Tier.INT4, Tier.INT3))
+    rotation = profile.rotation()
+    assert rotation is not None and rotation.tiers == (Tier.INT4, Tier.INT3) and rotation.rotates(Tier.INT3)
+    assert not rotation.rotates(Tier.INT2)
+    path = tmp_path / "p.json"
+    path.write_text(profile.to_json())
+    assert TierProfile.load(path) == profile
+    legacy = {"allowed": ["FP16", "INT4", "DROP"], "distortion": {"FP16": 0.0, "INT4": 0.05, "DROP": 1.0}}
+    path.write_text(json.dumps(legacy))  # a profile saved before EDKV 1.3: nothing rotated
+    assert TierProfile.load(path).rotated == ()
 
 
 def test_profile_round_trips_through_json(tmp_path):

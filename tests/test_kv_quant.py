@@ -43,7 +43,10 @@ def assert_within_bound(
 
 
 layouts = st.builds(
-    QuantLayout, st.sampled_from(["token", "channel"]), st.sampled_from([1, 4, 8, 32, 64]), st.sampled_from([2, 4, 8])
+    QuantLayout,
+    st.sampled_from(["token", "channel"]),
+    st.sampled_from([1, 4, 8, 32, 64]),
+    st.sampled_from([2, 3, 4, 8]),
 )
 
 
@@ -119,6 +122,19 @@ def test_codes_pack_lowest_bits_first() -> None:
     assert codes.tolist() == [[[0b11100100, 0b00011011]]]
 
 
+def test_3bit_codes_are_two_planes_low_bits_first() -> None:
+    """3-bit: the codes' low two bits packed as 2-bit codes (D/4 bytes), then their high bits eight per byte."""
+    ramp = np.array([[[0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0]]], np.float32)  # scale 1, zero 0
+    codes, scales, zeros = quantize(ramp, QuantLayout("token", 16, 3))
+    assert scales.item() == 1.0 and zeros.item() == 0.0
+    low = [0b11100100, 0b11100100, 0b00011011, 0b00011011]  # 0,1,2,3 | 0,1,2,3 | 3,2,1,0 | 3,2,1,0
+    high = [0b11110000, 0b00001111]  # codes 4-7 and 8-11 have the high bit
+    assert codes.tolist() == [[low + high]]
+    out = np.empty_like(ramp)
+    dequantize_into(codes, scales, zeros, QuantLayout("token", 16, 3), out)
+    np.testing.assert_array_equal(out, ramp)
+
+
 def test_channel_groups_restart_every_group_tokens_and_a_partial_group_uses_its_own_tokens() -> None:
     x = np.zeros((1, 5, 2), np.float32)
     x[0, :, 0] = [0, 1, 2, 100, 101]  # tokens 0-1, 2-3, 4 with group 2
@@ -158,7 +174,9 @@ def test_unpackable_layouts_and_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="axis"):
         QuantLayout("row", 32, 4)
     with pytest.raises(ValueError, match="bits"):
-        QuantLayout("token", 32, 3)
+        QuantLayout("token", 32, 5)
+    with pytest.raises(ValueError, match="whole bytes"):
+        quantize(np.zeros((1, 2, 12), np.float32), QuantLayout("channel", 32, 3))
     with pytest.raises(ValueError, match="group"):
         QuantLayout("token", 0, 4)
     with pytest.raises(ValueError, match="multiple"):
@@ -186,7 +204,8 @@ def test_token_nbytes_is_the_cost_model_of_the_default_layouts() -> None:
     assert token_nbytes(Tier.DROP, h, d) == 0
     assert token_nbytes(Tier.INT8, h, d) / fp16 == pytest.approx(0.53125)  # research: int8_tok b_raw 0.531
     assert token_nbytes(Tier.INT4, h, d) / fp16 == pytest.approx(0.3125)  # int4_kchan32_vtok32 b_raw 0.312
-    for tier in (Tier.INT8, Tier.INT4, Tier.INT2):
+    assert token_nbytes(Tier.INT3, h, d) / fp16 == pytest.approx(0.25)  # 3 bits + a (scale, zero) per 32
+    for tier in (Tier.INT8, Tier.INT4, Tier.INT3, Tier.INT2):
         m = 128  # a multiple of every group: amortised bytes are exact
         sections = sum(section_nbytes(layout, h, m, d) for layout in DEFAULT_LAYOUTS[tier])
         assert token_nbytes(tier, h, d) == sections / m

@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 from test_kv_format import HEADS, LAYERS, encode, read, snapshot
 from test_kv_hostile import SENTINEL, poisoned
+from test_kv_lowbit import ROTATED
+from test_kv_lowbit import encode as encode_lowbit
 
 from edgedecode.kv.policy import TierProfile
 from edgedecode.kv.quant import FP16_MAX, QuantLayout
+from edgedecode.kv.rotation import hadamard_signs, rotate
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.value_range import RANGES_DIR, KVValueRange, load_value_range
 from edgedecode.kv.wire import EDKVReader, KVMalformedError, KVValueError
@@ -20,6 +23,7 @@ from edgedecode.kv.wire.value_check import ValueBounds
 
 N = 30
 MIXED = np.array([Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT2, Tier.INT4, Tier.DROP] * 5, np.uint8)
+MIXED_LOWBIT = np.array([Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT3, Tier.INT2, Tier.DROP] * 5, np.uint8)
 
 
 def measured_limits(snap) -> np.ndarray:
@@ -149,3 +153,79 @@ def test_every_shipped_range_is_finite_positive_and_far_below_the_float16_limit(
     limits = KVValueRange.from_dict(saved).limits()
     assert saved["model"] == path.stem and saved["source"]
     assert (limits > 0).all() and (limits < FP16_MAX).all()
+
+
+# rotated sections (EDKV 1.3): the limits hold for the values the reader writes, after the inverse rotation
+
+
+def aligned(snap, scale: float, head_dim: int = 16):
+    """``snap`` with every key and value head vector ``scale · s`` (s: ROTATED's signs for it): rotated, each
+    block gathers into one entry of √B·scale, the rest 0 — legitimate KV of |x| = scale everywhere."""
+    signs = hadamard_signs(ROTATED.seed, LAYERS, HEADS, head_dim)
+    keys = np.broadcast_to(scale * signs[:, 0, :, None, :], snap.keys.shape).astype(np.float32)
+    values = np.broadcast_to(scale * signs[:, 1, :, None, :], snap.values.shape).astype(np.float32)
+    return type(snap)(snap.contract, snap.token_ids, snap.positions, keys, values, snap.producer)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("tier", [Tier.INT4, Tier.INT3])
+def test_rotated_int3_and_int4_payloads_of_real_values_pass_and_decode_as_without_the_check(tier, dtype) -> None:
+    snap = snapshot(N)  # an outlier key channel, which the rotation spreads over its block
+    payload = encode_lowbit(snap, np.full(N, tier, np.uint8), rotation=ROTATED, chunk_tokens=10, chunk_layers=2)
+    checked = read(payload, snap.contract, N, dtype=dtype, value_limits=measured_limits(snap))
+    plain = read(payload, snap.contract, N, dtype=dtype)
+    assert checked[0].finish().rotation == ROTATED
+    np.testing.assert_array_equal(checked[1], plain[1])
+
+
+@pytest.mark.parametrize("tier", [Tier.INT4, Tier.INT3])
+def test_valid_rotated_values_beyond_the_limit_only_in_the_rotated_domain_are_accepted(tier) -> None:
+    """A rotation may gather a block into one entry of √B times its values: judged in the rotated domain, this
+    payload (|x| = 1 everywhere, rotated entries of 4) would be refused under a limit of 1.5; rotated back it is
+    within it, and accepted."""
+    snap = aligned(snapshot(N), 1.0)
+    assert np.abs(rotate(snap.values, hadamard_signs(ROTATED.seed, LAYERS, HEADS, 16)[:, 1], 16)).max() > 3.9
+    payload = encode_lowbit(snap, np.full(N, tier, np.uint8), rotation=ROTATED, chunk_tokens=10)
+    limits = KVValueRange.measure([snap], "test").limits(1.5)
+    reader, target = read(payload, snap.contract, N, value_limits=limits)
+    reader.finish()
+    assert np.abs(target).max() <= 1.5
+    np.testing.assert_allclose(target[:, 1], snap.values, atol=0.3)
+
+
+@pytest.mark.parametrize("tier", [Tier.INT4, Tier.INT3])
+def test_rotated_values_beyond_the_limit_only_once_rotated_back_are_refused_before_their_chunk_is_written(
+    tier,
+) -> None:
+    """The converse: rotated entries of 1 that rotate back into one entry of 4 per block, under a limit of 2 —
+    within it in the rotated domain, beyond it in what the reader would write."""
+    spread = snapshot(N)
+    signs = hadamard_signs(ROTATED.seed, LAYERS, HEADS, 16)
+    values = np.zeros_like(spread.values)
+    values[..., 0] = 4.0 * signs[:, 1, :, None, 0]  # rotated: ±1 in every channel of the block
+    keys = np.clip(spread.keys, -1.0, 1.0)
+    snap = type(spread)(spread.contract, spread.token_ids, spread.positions, keys, values, spread.producer)
+    payload = encode_lowbit(snap, np.full(N, tier, np.uint8), rotation=ROTATED, chunk_tokens=10)
+    limits = np.full((LAYERS, 2), 2.0, np.float32)
+    target = np.full((LAYERS, 2, HEADS, N, 16), SENTINEL, np.float32)
+    reader = EDKVReader(snap.contract, max_tokens=N, target_factory=lambda h: target, value_limits=limits)
+    with pytest.raises(KVValueError, match=f"{tier.name} values values rotated back of layer 0 reach") as err:
+        reader.feed(payload)
+    assert err.value.field == "chunk 0" and (target == SENTINEL).all()  # nothing of it was written
+    read(payload, snap.contract, N, value_limits=np.full((LAYERS, 2), 4.5, np.float32))[0].finish()
+
+
+@pytest.mark.parametrize("tier", [Tier.INT4, Tier.INT3, Tier.INT2])
+def test_a_rotated_section_that_would_overflow_float16_once_rotated_back_is_refused(tier) -> None:
+    """A zero of 20000 (finite, within float16) in a rotated group of one whole block: rotated back, one entry
+    reaches ±80000, inf in float16. A float16 target refuses it (no measured range needed); a float32 one holds
+    it."""
+    snap = snapshot(N)
+    payload = encode_lowbit(snap, MIXED_LOWBIT, rotation=ROTATED, chunk_tokens=10, chunk_layers=2)
+    bad = poisoned(payload, 1, tier, 2, 20000.0)
+    reader, target = read(bad, snap.contract, N, fill=0.0)
+    reader.finish()
+    assert np.abs(target).max() > FP16_MAX and np.isfinite(target).all()
+    with pytest.raises(KVValueError, match=r"rotated back .* limit of 65504") as err:
+        read(bad, snap.contract, N, fill=0.0, dtype=np.float16)
+    assert err.value.field == "chunk 1"

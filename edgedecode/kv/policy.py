@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +27,7 @@ import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.importance import position_importance
+from edgedecode.kv.rotation import DEFAULT_ROTATION, Rotation
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.value_range import PROFILE_KEY, KVValueRange
 from edgedecode.model.registry import model_dir
@@ -55,21 +56,36 @@ class TierProfile:
     """Which tiers a model tolerates and how much of a token's contribution each one loses.
 
     ``distortion`` is relative to dropping the token (DROP = 1, FP16 = 0). The defaults come from
-    research/kv_calibration.md on SmolLM2 (KL per affected token vs that of dropped tokens);
-    ``edgedecode probe`` measures them per model and saves them beside it.
+    research/kv_calibration.md on SmolLM2 (KL per affected token vs that of dropped tokens; INT3, rotated:
+    docs/kv-quality.md); ``edgedecode probe`` measures them per model and saves them beside it.
+    ``rotated``: the tiers the probe found better rotated (EDKV 1.3, ``kv.rotation``) on this model — a
+    rotation helps SmolLM2's INT4/INT3/INT2 and hurts Gemma 3's (docs/kv-quality.md); none by default.
     """
 
     allowed: tuple[Tier, ...] = (Tier.FP16, Tier.INT8, Tier.INT4, Tier.DROP)
     distortion: Mapping[Tier, float] = field(
-        default_factory=lambda: {Tier.FP16: 0.0, Tier.INT8: 0.0002, Tier.INT4: 0.07, Tier.INT2: 3.0, Tier.DROP: 1.0}
+        default_factory=lambda: {
+            Tier.FP16: 0.0,
+            Tier.INT8: 0.0002,
+            Tier.INT4: 0.07,
+            Tier.INT3: 0.3,
+            Tier.INT2: 3.0,
+            Tier.DROP: 1.0,
+        }
     )
     source: str = "default (research/kv_calibration.md)"
+    rotated: tuple[Tier, ...] = ()
     value_range: KVValueRange | None = None  # the probe's measured KV magnitudes (None: not measured)
+
+    def rotation(self) -> Rotation | None:
+        """The rotation an EDKV 1.3 receiver's payloads get for this model: the default one, on ``rotated``."""
+        return replace(DEFAULT_ROTATION, tiers=self.rotated) if self.rotated else None
 
     def to_json(self) -> str:
         data = asdict(self)
         data["allowed"] = [t.name for t in self.allowed]
         data["distortion"] = {t.name: d for t, d in self.distortion.items()}
+        data["rotated"] = [t.name for t in self.rotated]
         data[PROFILE_KEY] = None if self.value_range is None else self.value_range.to_dict()
         return json.dumps(data, indent=2)
 
@@ -81,6 +97,7 @@ class TierProfile:
             tuple(Tier[name] for name in data["allowed"]),
             {Tier[name]: float(d) for name, d in data["distortion"].items()},
             data.get("source", ""),
+            tuple(Tier[name] for name in data.get("rotated", [])),
             None if value_range is None else KVValueRange.from_dict(value_range),
         )
 

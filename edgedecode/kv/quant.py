@@ -11,7 +11,8 @@ or ``[layers, kv_heads]``). A group of values shares one float16 (scale, zero):
 ≤ the group's min and scale the smallest float16 ≥ (max − zero)/(2^b − 1), both rounded *before*
 quantizing, so ``|x − x̂| ≤ scale/2 + 2^-22·(|x| + |zero| + scale)`` (float32 arithmetic) and the sender's x̂
 is exactly what a receiver rebuilds. Codes are packed along D, lowest bits first (4-bit: even index in the
-low nibble; 2-bit: four per byte).
+low nibble; 2-bit: four per byte; 3-bit: the codes' low two bits as 2-bit codes, D/4 bytes, then their high
+bits, eight per byte, D/8 bytes).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class QuantLayout:
     def __post_init__(self) -> None:
         if self.axis not in ("channel", "token"):
             raise ValueError(f"quant axis must be 'channel' or 'token', got {self.axis!r}")
-        if self.bits not in (2, 4, 8):
-            raise ValueError(f"quant bits must be 2, 4 or 8, got {self.bits!r}")
+        if self.bits not in (2, 3, 4, 8):
+            raise ValueError(f"quant bits must be 2, 3, 4 or 8, got {self.bits!r}")
         if not isinstance(self.group, int) or self.group < 1:
             raise ValueError(f"quant group must be a positive int, got {self.group!r}")
 
@@ -60,14 +61,17 @@ GroupRange = Callable[[np.ndarray, "QuantLayout"], tuple[np.ndarray, np.ndarray]
 DEFAULT_LAYOUTS: dict[Tier, tuple[QuantLayout, QuantLayout]] = {
     Tier.INT8: (QuantLayout("token", 64, 8), QuantLayout("token", 64, 8)),
     Tier.INT4: (QuantLayout("channel", 32, 4), QuantLayout("token", 32, 4)),
+    Tier.INT3: (QuantLayout("channel", 32, 3), QuantLayout("token", 32, 3)),
     Tier.INT2: (QuantLayout("channel", 32, 2), QuantLayout("token", 32, 2)),
 }
 
 # byte -> its codes as float32, lowest bits first: one gather unpacks a whole section.
 _UNPACK = {
     bits: ((np.arange(256)[:, None] >> (bits * np.arange(8 // bits))) & ((1 << bits) - 1)).astype(np.float32)
-    for bits in (2, 4)
+    for bits in (1, 2, 4)
 }
+# 3-bit codes, four at a time: index = the byte of their low two bits | the nibble of their high bits << 8
+_UNPACK3 = (_UNPACK[2][np.arange(4096) & 0xFF] + 4 * _UNPACK[1][np.arange(4096) >> 8, :4]).astype(np.float32)
 _FP16_TO_FP32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 _ROUND_TO_LOW_BYTE = np.float32(1 << 23)
 
@@ -156,6 +160,9 @@ def dequantize_into(
     values = _float32_buffer(out, scratch)
     if layout.bits == 8:
         np.copyto(values, codes)  # a plain cast beats a gather when a byte is one code
+    elif layout.bits == 3:
+        quads = values.reshape(*codes.shape[:-1], values.shape[-1] // 4, 4)
+        np.take(_UNPACK3, _index3(codes), axis=0, out=quads, mode="clip")
     else:
         np.take(_UNPACK[layout.bits], codes, axis=0, out=values.reshape(*codes.shape, 8 // layout.bits), mode="clip")
     _per_group(np.multiply, values, scales.astype(np.float32), layout, values)
@@ -270,10 +277,25 @@ def _per_group(ufunc: np.ufunc, values: np.ndarray, params: np.ndarray, layout: 
         ufunc(values[..., full:, :], params[..., -1:, :], out=out[..., full:, :])
 
 
+def _index3(codes: np.ndarray) -> np.ndarray:
+    """uint16 [..., D/4]: for each four 3-bit codes of packed rows ``[..., 3·D/8]``, the `_UNPACK3` row that
+    holds them (their low-bits byte, and the nibble of their high bits above it)."""
+    quarter = codes.shape[-1] * 2 // 3  # D/4 low-bit bytes, then D/8 high-bit bytes
+    high = codes[..., quarter:]
+    index = np.empty((*codes.shape[:-1], quarter), np.uint16)
+    np.left_shift(high & 0x0F, 8, out=index[..., 0::2], dtype=np.uint16)
+    np.left_shift(high >> 4, 8, out=index[..., 1::2], dtype=np.uint16)
+    index |= codes[..., :quarter]
+    return index
+
+
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
-    """uint8 codes [..., D] (any strides) -> bytes [..., D·bits/8], lowest bits first."""
+    """uint8 codes [..., D] (any strides) -> bytes [..., D·bits/8], lowest bits first (3 bits: two planes, see the
+    module)."""
     if bits == 8:
         return np.ascontiguousarray(q)
+    if bits == 3:
+        return np.concatenate([_pack(q & 3, 2), _pack(q >> 2, 1)], axis=-1)
     per = 8 // bits
     packed = q[..., 0::per].copy()
     for lane in range(1, per):

@@ -13,10 +13,11 @@ class Tier(IntEnum):
     INT4 = 2
     INT2 = 3
     DROP = 4
+    INT3 = 5  # EDKV 1.3; after DROP, so a list built in Tier order is indexed by code
 
 
-QUANTIZED_TIERS = (Tier.INT8, Tier.INT4, Tier.INT2)
-TIER_BITS = {Tier.FP16: 16, Tier.INT8: 8, Tier.INT4: 4, Tier.INT2: 2, Tier.DROP: 0}
+QUANTIZED_TIERS = (Tier.INT8, Tier.INT4, Tier.INT3, Tier.INT2)
+TIER_BITS = {Tier.FP16: 16, Tier.INT8: 8, Tier.INT4: 4, Tier.INT3: 3, Tier.INT2: 2, Tier.DROP: 0}
 
 
 def parse_tiers(names: str | list[str]) -> tuple[Tier, ...]:

@@ -6,7 +6,8 @@
 * ``KVDevice.coder``: what fills EDKV chunks (``kv/wire/coder.py``). On the CPU, ``HostCoder``: numpy's
   quantizers and onnxruntime's float16 cast (MLAS, F16C: ~17× numpy's). On CUDA, ``DeviceCoder``: the snapshot is
   uploaded once and every section is computed there by the graphs of ``kv/quant_graph.py``, a wave of chunks per
-  run; only packed codes, scales and float16 rows come back, and the host compresses them.
+  run; only packed codes, scales and float16 rows come back, and the host compresses them. The device graphs have
+  no 3-bit codes and no rotation (EDKV 1.3): a payload that may use either is coded by ``HostCoder`` instead.
 
 Both write byte for byte the reference's chunks (tests/test_kv_device.py runs ``DeviceCoder`` on the CPU EP).
 """
@@ -22,6 +23,7 @@ import onnx
 from edgedecode.kv.importance_graph import hidden_bias, importance_graph, observation_queries
 from edgedecode.kv.quant import QuantLayout, numpy_group_range, quantize, widen_fp16
 from edgedecode.kv.quant_graph import fp16_graph, quant_graph, range_graph
+from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.wire.coder import CachingCoder, fp16_error
 from edgedecode.model.onnx_builder import GraphBuilder
@@ -30,6 +32,7 @@ from edgedecode.runtime.session import create_session, import_onnxruntime
 
 SCORE_LAYERS = 8  # layers scored per run: bounds the attention weights held at once (8 × H × G·w × n floats)
 DEVICE_WAVE_CHUNKS = 8  # chunks a device run encodes at once: fewer, larger runs
+DEVICE_BITS = (2, 4, 8)  # the code widths ``quant_graph`` packs (not 3: its two bit planes are numpy's alone)
 
 
 class KVDevice:
@@ -40,6 +43,7 @@ class KVDevice:
         self.threads = threads
         self._sessions: dict[tuple, object] = {}
         self._lock = threading.Lock()
+        self._host: KVDevice | None = None if device == "cpu" else KVDevice("cpu", threads)
 
     def session(self, key: tuple, build: Callable[[], onnx.ModelProto], threads: int | None = None):
         """The session of the graph ``build`` makes, once per ``key`` (``threads``: this device's by default)."""
@@ -79,36 +83,49 @@ class KVDevice:
             scores[layers.start : layers.stop] = io.copy_outputs_to_cpu()[0]
         return scores
 
-    def coder(self, snapshot: KVSnapshot) -> CachingCoder:
-        """What fills the EDKV chunks of ``snapshot``'s payloads on this device."""
-        return HostCoder(snapshot, self) if self.device == "cpu" else DeviceCoder(snapshot, self)
+    def coder(self, snapshot: KVSnapshot, rotation: Rotation | None = None, int3: bool = False) -> CachingCoder:
+        """What fills the EDKV chunks of ``snapshot``'s payloads (``rotation``: theirs, EDKV 1.3) on this device;
+        on the host where the payloads may hold what the device graphs do not compute: a rotation, or INT3
+        sections (``int3``)."""
+        if self._host is None:
+            return HostCoder(snapshot, self, rotation)
+        if rotation is not None or int3:
+            return HostCoder(snapshot, self._host, rotation)
+        return DeviceCoder(snapshot, self)
 
 
 class HostCoder(CachingCoder):
     """The CPU's coder: numpy's quantizers (``kv/quant.py``) with each group's minimum and maximum from onnxruntime
     (a fifth of the time of numpy's reduceat over 32-value groups), and onnxruntime's cast to float16."""
 
-    def __init__(self, snapshot: KVSnapshot, device: KVDevice) -> None:
-        super().__init__(snapshot)
+    def __init__(self, snapshot: KVSnapshot, device: KVDevice, rotation: Rotation | None = None) -> None:
+        super().__init__(snapshot, rotation)
         self.device = device
 
     def quantized_tokens(
-        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray
+        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray, rotated: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self._quantized(kv, layout, l0, l1, tokens)
+        return self._quantized(kv, layout, l0, l1, tokens, rotated)
 
     def quantized_sections(
-        self, kv: int, layout: QuantLayout, l0: int, l1: int, token_lists: list[np.ndarray]
+        self,
+        kv: int,
+        layout: QuantLayout,
+        l0: int,
+        l1: int,
+        token_lists: list[np.ndarray],
+        rotated: bool = False,
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        return [self._quantized(kv, layout, l0, l1, tokens) for tokens in token_lists]
+        return [self._quantized(kv, layout, l0, l1, tokens, rotated) for tokens in token_lists]
 
     def _quantized(
-        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray
+        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray, rotated: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One section, its group ranges from onnxruntime: on a gather padded to whole channel groups with copies
         of the last token (which change no group's minimum or maximum), quantized without the padding."""
         pad = -len(tokens) % layout.group if layout.axis == "channel" else 0
-        rows = self.gathered(kv, l0, l1, np.concatenate([tokens, np.repeat(tokens[-1:], pad)]) if pad else tokens)
+        padded = np.concatenate([tokens, np.repeat(tokens[-1:], pad)]) if pad else tokens
+        rows = self.gathered(kv, l0, l1, padded, rotated)
         if rows.dtype == np.float16:
             rows = widen_fp16(rows)
         lo, hi = self._group_range(rows, layout)
@@ -133,7 +150,8 @@ class HostCoder(CachingCoder):
 
 class DeviceCoder(CachingCoder):
     """Every section computed on the device from the snapshot uploaded once; the numpy reference takes over only
-    for a section it must refuse (to raise the reference's error) or one with a group whose minimum is ±0."""
+    for a section it must refuse (to raise the reference's error), one with a group whose minimum is ±0, or one of
+    3-bit codes (which ``KVDevice.coder`` sends to ``HostCoder`` before they get here). No rotation."""
 
     wave_chunks = DEVICE_WAVE_CHUNKS
 
@@ -143,18 +161,28 @@ class DeviceCoder(CachingCoder):
         self._bound = [_on_device(part, device.device) for part in (snapshot.keys, snapshot.values)]
 
     def quantized_tokens(
-        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray
+        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray, rotated: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if layout.bits not in DEVICE_BITS:
+            return super().quantized_tokens(kv, layout, l0, l1, tokens)
         codes, scales, zeros, bad, zero_groups = self._run_quant(kv, layout, l0, l1, tokens)
         if bad or zero_groups:
             return super().quantized_tokens(kv, layout, l0, l1, tokens)
         return codes, scales, zeros
 
     def quantized_sections(
-        self, kv: int, layout: QuantLayout, l0: int, l1: int, token_lists: list[np.ndarray]
+        self,
+        kv: int,
+        layout: QuantLayout,
+        l0: int,
+        l1: int,
+        token_lists: list[np.ndarray],
+        rotated: bool = False,
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """The sections in one run: each token list padded to whole groups with its last token, which changes no
         group's minimum or maximum; the padding's codes are dropped."""
+        if layout.bits not in DEVICE_BITS:
+            return super().quantized_sections(kv, layout, l0, l1, token_lists)
         group = layout.group
         padded = [np.concatenate([t, np.repeat(t[-1:], -len(t) % group)]) for t in token_lists]
         codes, scales, zeros, bad, zero_groups = self._run_quant(kv, layout, l0, l1, np.concatenate(padded))

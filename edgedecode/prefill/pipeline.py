@@ -16,6 +16,7 @@ from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance, relative_importance
 from edgedecode.kv.policy import BudgetError, TierProfile, policy_tiers
 from edgedecode.kv.quant import token_nbytes
+from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.stage_clock import UNCLOCKED, StageClock
 from edgedecode.kv.tiers import Tier
@@ -193,13 +194,15 @@ def encode_within_budget(
     workers: int = 1,
     transfer: TransferRef | None = None,
     windowed: bool = False,
+    rotation: Rotation | None = None,
     device: KVDevice | None = None,
     clock: StageClock = UNCLOCKED,
     level: int = DEFAULT_ZSTD_LEVEL,
     fast_level: int | None = FAST_ZSTD_LEVEL,
 ) -> EncodedKV:
     """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``
-    (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference).
+    (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference;
+    ``rotation``: the tiers rotated before quantizing, for a receiver that reads EDKV 1.3).
 
     For a model with sliding-window layers the prompt's tail (``kv.window``) is never dropped; with
     ``windowed`` (the receiver reads EDKV 2.0) the windowed layers carry only that tail, and the
@@ -207,7 +210,8 @@ def encode_within_budget(
 
     Each refit encodes the payload again. ``device`` (``prefill.kv_device``) computes the chunks there
     and keeps what a refit can reuse (a token's codes, unchanged sections and chunks); without it the
-    reference coder computes every payload afresh. Either gives the same bytes. ``clock`` times the
+    reference coder computes every payload afresh. Either gives the same bytes (a CUDA device leaves a payload
+    that may hold INT3 or a rotation to the host: ``KVDevice.coder``). ``clock`` times the
     stages allocate, header, quantize, assemble, compress and frame; ``level`` is zstd's, ``fast_level`` its
     level for chunks quantized to 4 bits or fewer (``encode_payload``; the budget binds the compressed bytes, so a
     level also moves the tiers a little; docs/performance.md measures what each costs)."""
@@ -235,14 +239,15 @@ def encode_within_budget(
             )
 
     importance = relative_importance(scored.importance)
-    coder = None if device is None else device.coder(snapshot)
+    int3 = Tier.INT3 in (profile or TierProfile()).allowed
+    coder = None if device is None else device.coder(snapshot, rotation, int3)
 
     def encode(tiers: np.ndarray) -> EncodedKV:
         start = window_start(tiers != Tier.DROP, tail_tokens(contract)) if windowed else None
         scale = np.ones(n) if start is None else windowed_cost_scale(n, contract, start)
         raw = int(np.sum(np.array([costs[tier] for tier in Tier])[tiers] * scale))
         frames = payload_frames(
-            snapshot, tiers, meta, importance, transfer, workers, start, coder, clock, level, fast_level
+            snapshot, tiers, meta, importance, transfer, workers, start, coder, clock, level, fast_level, rotation
         )
         return EncodedKV(frames, tiers, fp16_bytes, raw)
 
@@ -283,12 +288,19 @@ def through_wire(
     profile: TierProfile | None = None,
     pdtrim_head_fraction: float = 0.5,
     windowed: bool = False,
+    rotation: Rotation | None = None,
 ) -> tuple[KVSnapshot, EncodedKV]:
     """What a decoder with contract ``receiver`` gets for this prefill at ``budget`` under ``policy``;
     ``windowed``: as EDKV 2.0, the windowed layers' cells before the window read as zeros (a sliding
-    layer never attends to them), as the daemon asks for it."""
+    layer never attends to them), as the daemon asks for it; ``rotation``: as EDKV 1.3, those tiers rotated."""
     encoded = encode_within_budget(
-        scored, budget, policy, profile=profile, pdtrim_head_fraction=pdtrim_head_fraction, windowed=windowed
+        scored,
+        budget,
+        policy,
+        profile=profile,
+        pdtrim_head_fraction=pdtrim_head_fraction,
+        windowed=windowed,
+        rotation=rotation,
     )
     return decode_snapshot(b"".join(encoded.frames), receiver), encoded
 
@@ -305,10 +317,12 @@ def payload_frames(
     clock: StageClock = UNCLOCKED,
     level: int = DEFAULT_ZSTD_LEVEL,
     fast_level: int | None = FAST_ZSTD_LEVEL,
+    rotation: Rotation | None = None,
 ) -> list[bytes]:
     """The frames of a served payload: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with
     each token's ``importance`` (``relative_importance``) for the receiver's memory ladder (and the
-    windowed layers from ``window_start`` on only, where given), its sections computed by ``coder``."""
+    windowed layers from ``window_start`` on only, where given; ``rotation``'s tiers rotated), its sections
+    computed by ``coder`` (made for that rotation)."""
     return list(
         encode_payload(
             snapshot,
@@ -319,6 +333,7 @@ def payload_frames(
             transfer=transfer,
             importance=importance,
             window_start=window_start,
+            rotation=rotation,
             coder=coder,
             clock=clock,
             level=level,

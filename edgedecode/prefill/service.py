@@ -22,7 +22,7 @@ from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.stage_clock import StageClock
 from edgedecode.kv.tiers import Tier, parse_tiers
 from edgedecode.kv.wire import TransferRef
-from edgedecode.kv.wire.frames import WINDOW_MAJOR
+from edgedecode.kv.wire.frames import LOWBIT_MINOR, WINDOW_MAJOR
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import LoadedModel
 from edgedecode.prefill.kv_device import KVDevice
@@ -60,6 +60,12 @@ class PrefillRequest:
     policy: str
     allowed: tuple[Tier, ...]
     edkv_major: int = 1  # the newest EDKV major the receiver reads: 2 takes windowed streams
+    edkv_minor: int = 0  # the newest minor of that major it reads: 1.3 / 2.1 take INT3 and rotated tiers
+
+    @property
+    def lowbit(self) -> bool:
+        """Whether the receiver reads EDKV 1.3 (and 2.1 where it asked for 2): the INT3 tier and ``rotation``."""
+        return self.edkv_minor >= LOWBIT_MINOR[min(self.edkv_major, WINDOW_MAJOR)]
 
     @property
     def meta(self) -> dict:
@@ -72,8 +78,8 @@ class PrefillRequest:
     ) -> PrefillRequest:
         """Validate a JSON body: exactly one of ``token_ids``, ``text`` or ``messages``; optional
         ``held_tokens`` (0), ``budget`` (1.0), ``policy`` ("ours"), ``allowed_tiers`` (all),
-        ``edkv_major`` (1) and ``model`` (must be this server's). Text spells control tokens only with
-        ``allow_special_tokens``."""
+        ``edkv_major`` (1), ``edkv_minor`` (0) and ``model`` (must be this server's). Text spells control
+        tokens only with ``allow_special_tokens``."""
         _check_known(body, {"model", "token_ids", "text", "messages", "held_tokens", *PAYLOAD_TERMS})
         if body.get("model") not in (None, model.record.name):
             raise PrefillRequestError(f"this server prefills {model.record.name!r}, not {body['model']!r}", "model")
@@ -97,12 +103,13 @@ class ResumeRequest:
     policy: str
     allowed: tuple[Tier, ...]
     edkv_major: int = 1
+    edkv_minor: int = 0
 
     @classmethod
     def parse(cls, transfer_id: str, body: dict) -> ResumeRequest:
         """Validate a JSON body: ``held_tokens`` (required), optional ``budget`` (1.0), ``policy``
-        ("ours"), ``allowed_tiers`` (all) and ``edkv_major`` (1); ``held_tokens`` is checked against
-        the prompt once the transfer is found."""
+        ("ours"), ``allowed_tiers`` (all), ``edkv_major`` (1) and ``edkv_minor`` (0); ``held_tokens`` is checked
+        against the prompt once the transfer is found."""
         _check_known(body, {"held_tokens", *PAYLOAD_TERMS})
         if "held_tokens" not in body:
             raise PrefillRequestError("held_tokens is required: the positions the receiver holds", "held_tokens")
@@ -114,10 +121,10 @@ class ResumeRequest:
     def for_prompt(self, token_ids: np.ndarray) -> PrefillRequest:
         """The equivalent request for the transfer's prompt (PrefillRequestError if held_tokens is past it)."""
         held = _held_tokens({"held_tokens": self.held_tokens}, len(token_ids))
-        return PrefillRequest(token_ids, held, self.budget, self.policy, self.allowed, self.edkv_major)
+        return PrefillRequest(token_ids, held, self.budget, self.policy, self.allowed, self.edkv_major, self.edkv_minor)
 
 
-PAYLOAD_TERMS = ("budget", "policy", "allowed_tiers", "edkv_major")
+PAYLOAD_TERMS = ("budget", "policy", "allowed_tiers", "edkv_major", "edkv_minor")
 
 
 def _check_known(body: dict, known: set[str]) -> None:
@@ -135,8 +142,8 @@ def _held_tokens(body: dict, n_tokens: int) -> int:
     return held
 
 
-def _payload_terms(body: dict) -> tuple[float, str, tuple[Tier, ...], int]:
-    """The body's budget (1.0), policy ("ours"), allowed tiers (all) and EDKV major (1), validated."""
+def _payload_terms(body: dict) -> tuple[float, str, tuple[Tier, ...], int, int]:
+    """The body's budget (1.0), policy ("ours"), allowed tiers (all), EDKV major (1) and minor (0), validated."""
     budget = body.get("budget", 1.0)
     if not isinstance(budget, (int, float)) or isinstance(budget, bool) or not 0 < budget <= 1:  # NaN too
         raise PrefillRequestError("budget must be a number in (0, 1]: wire bytes / FP16 bytes", "budget")
@@ -152,7 +159,12 @@ def _payload_terms(body: dict) -> tuple[float, str, tuple[Tier, ...], int]:
     major = body.get("edkv_major", 1)
     if not isinstance(major, int) or isinstance(major, bool) or major < 1:
         raise PrefillRequestError("edkv_major must be a positive integer: the newest EDKV major read", "edkv_major")
-    return float(budget), policy, allowed, major
+    minor = body.get("edkv_minor", 0)
+    if not isinstance(minor, int) or isinstance(minor, bool) or minor < 0:
+        raise PrefillRequestError(
+            "edkv_minor must be a non-negative integer: the newest minor of edkv_major read", "edkv_minor"
+        )
+    return float(budget), policy, allowed, major, minor
 
 
 def _prompt(body: dict, model: LoadedModel, allow_special_tokens: bool) -> np.ndarray:
@@ -314,8 +326,9 @@ class PrefillService:
         self, scored: ScoredPrefill, request: PrefillRequest, transfer: TransferRef | None, clock: StageClock
     ) -> EncodedKV:
         """The payload of ``request``'s positions of ``scored`` under its budget, policy and tiers."""
+        readable = request.allowed if request.lowbit else tuple(t for t in request.allowed if t is not Tier.INT3)
         profile = TierProfile(
-            tuple(t for t in self.profile.allowed if t in request.allowed), self.profile.distortion, self.profile.source
+            tuple(t for t in self.profile.allowed if t in readable), self.profile.distortion, self.profile.source
         )
         return encode_within_budget(
             scored.from_position(request.held_tokens),
@@ -326,6 +339,7 @@ class PrefillService:
             workers=self.encode_threads,
             transfer=transfer,
             windowed=request.edkv_major >= WINDOW_MAJOR,
+            rotation=self.profile.rotation() if request.lowbit else None,
             device=self.kv_device,
             clock=clock,
         )

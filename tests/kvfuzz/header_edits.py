@@ -16,13 +16,15 @@ from test_kv_format import join_frames
 from edgedecode.kv.quant import QuantLayout
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire.chunks import chunk_sizes
-from edgedecode.kv.wire.frames import HEADER_CRC, HEADER_PREFIX, MAJOR, MINOR
+from edgedecode.kv.wire.frames import HEADER_CRC, HEADER_PREFIX, LOWBIT_MINOR, MAJOR, MINOR
 from edgedecode.kv.wire.header import WindowCut, carried_cells, check_layouts, check_tier_map
 from kvfuzz.draw import Draw, chance, pick
 from kvfuzz.mutant import Mutant
 from kvfuzz.seeds import Seed
 
 Doc = dict[str, Any]
+# a rotation a sender may add (EDKV 1.3 reads it; 1.2 ignores it)
+ROTATION_DOC = {"kind": "hadamard", "seed": 12345, "block": 16, "tiers": ["int4", "int3", "int2"]}
 
 
 def int_value(draw: Draw, value: int) -> int:
@@ -119,7 +121,7 @@ def _tiers(doc: Doc, draw: Draw, seed: Seed) -> str:
 
 def _layouts(doc: Doc, draw: Draw, seed: Seed) -> str:
     layouts = doc["layouts"]
-    name = pick(draw, ["int8", "int4", "int2"])
+    name = pick(draw, ["int8", "int4", "int3", "int2"])
     op = pick(draw, ["axis", "group", "bits", "remove", "add"])
     if op == "remove":
         layouts.pop(name, None)
@@ -161,13 +163,20 @@ def _chunks(doc: Doc, draw: Draw, seed: Seed) -> str:
 def _field(doc: Doc, draw: Draw, seed: Seed) -> str:
     """Any other field: the contract's, n_tokens, the informational ones; or one removed or added."""
     key = pick(
-        draw, ["contract", "contract", "n_tokens", "zstd_level", "meta", "producer", "transfer", "remove", "add"]
+        draw,
+        ["contract", "contract", "n_tokens", "zstd_level", "meta", "producer", "transfer", "rotation", "remove", "add"],
     )
     if key == "remove":
         doc.pop(pick(draw, sorted(doc)))
     elif key == "add":
-        doc[pick(draw, ["future_field", "transfer"])] = pick(draw, [1, "x", {"id": "fuzz", "ttl_s": 1}, None])
-    elif key in ("contract", "producer", "meta", "transfer") and isinstance(doc.get(key), dict) and doc[key]:
+        doc[pick(draw, ["future_field", "transfer", "rotation"])] = pick(
+            draw, [1, "x", {"id": "fuzz", "ttl_s": 1}, None, ROTATION_DOC, {**ROTATION_DOC, "kind": "givens"}]
+        )
+    elif key == "rotation" and isinstance(doc.get(key), dict) and chance(draw, 30):
+        doc[key]["tiers"] = pick(draw, [["int4"], ["int8"], ["int3", "int3"], [], ["fp16"], ["INT2", "int4"]])
+    elif (
+        key in ("contract", "producer", "meta", "transfer", "rotation") and isinstance(doc.get(key), dict) and doc[key]
+    ):
         node = doc[key]
         name = pick(draw, sorted(node))
         if isinstance(node[name], dict) and node[name]:
@@ -260,7 +269,18 @@ def edit_header(seed: Seed, draw: Draw) -> Mutant:
         label += ", sizes agree"
     major, minor = seed.header.major, seed.header.minor
     if chance(draw, 10):
-        major, minor = pick(draw, [(0, 9), (2, 0), (MAJOR, 0), (MAJOR, MINOR + 1), (MAJOR, 2**16 - 1), (2**16 - 1, 0)])
+        major, minor = pick(
+            draw,
+            [
+                (0, 9),
+                (2, 0),
+                (MAJOR, 0),
+                (MAJOR, MINOR),
+                (MAJOR, LOWBIT_MINOR[MAJOR]),
+                (MAJOR, 2**16 - 1),
+                (2**16 - 1, 0),
+            ],
+        )
         label += f", version {major}.{minor}"
     body = json.dumps(doc, separators=(",", ":")).encode("utf-8", "surrogatepass")
     frame = HEADER_PREFIX.pack(b"EDKV", major, minor, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))

@@ -7,7 +7,8 @@ engine's prompt checks) or a complete ingest, and in either case:
 - every KV slot holds what the oracle expects: the rows of each chunk the reader verified, and a sentinel
   everywhere else (nothing written from a refused chunk, before the segment's first slot or past its last);
   verified rows are the clean payload's for transport damage, and for a sender's resealed edit what the stream
-  declares, decoded here value by value;
+  declares, decoded here value by value (a rotated section, EDKV 1.3, rotated back from the format's definition),
+  finite and within the receiver's value limits (``KVCache.value_limits``: the reader refuses the rest);
 - the kept prefix (``cut``) is exactly the leading tokens every layer of which those chunks hold, and the token
   ids and positions adopted are the prompt's;
 - it took at most HANG_S of CPU, allocated at most ``allocation_bound`` (as tracemalloc sees it) and left the
@@ -27,6 +28,7 @@ import zstandard
 from test_kv_format import per_value
 
 from edgedecode.kv.quant import QuantLayout
+from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, KVFormatError
 from edgedecode.kv.wire.chunks import plan_chunk, section_arrays
@@ -41,9 +43,11 @@ from kvfuzz.seeds import SENTINEL_BITS, Seed, bits
 TYPED_ERRORS = (KVFormatError, KVInjectionError)
 HANG_S = 1.0
 MARGIN_SLOTS = 8  # slots past the prompt's last that are watched for stray writes, too
+LIMIT_SLACK = 1e-5  # relative: the reader's float32 arithmetic (a rotation's GEMM) against this one's
 FIXED_BYTES = 64 << 10  # see allocation_bound
 HEADER_FACTOR = 8
 CELL_BYTES = 32
+SIGN_BYTES = 16  # per sign of a rotation (1.3): its random bytes, the bits, float64 and float32 arrays
 ZSTD_BYTES = 1 << 20
 
 
@@ -100,7 +104,7 @@ def run_case(decoder: Engine, case: Case) -> Outcome:
     tracemalloc.stop()
     if cpu_seconds > HANG_S:  # CPU time: the work the case made (the wall clock adds the neighbours' load)
         raise FuzzFailure("hang", f"{cpu_seconds:.2f} s of CPU, {seconds:.2f} s")
-    edited = _check_slots(stream, case, window)
+    edited = _check_slots(stream, case, window, decoder.cache.value_limits)
     bound = allocation_bound(mutant.payload, stream.reader)
     if peak > bound:
         raise FuzzFailure("over allocation", f"{peak} bytes traced, bound {bound}")
@@ -133,7 +137,9 @@ def allocation_bound(payload: bytes, reader: EDKVReader) -> int:
       header's coverage and size checks are vectorised over its cells (layers × n_tokens, n_tokens ≤ max_tokens);
     - once a header is accepted: its largest chunk's raw bytes (the decompression buffer) and twice the float32
       staging for its widest chunk (the staging itself, and the code unpacking's index temporaries, at most a
-      staging block's size).
+      staging block's size);
+    - once a header with a rotation (1.3) is accepted: twice that staging again (the rotated values, and the product
+      before its signs) and SIGN_BYTES per sign (layers × 2 × kv_heads × head_dim).
     """
     bound = FIXED_BYTES + len(payload)
     if len(payload) >= HEADER_PREFIX.size:
@@ -144,7 +150,10 @@ def allocation_bound(payload: bytes, reader: EDKVReader) -> int:
     if reader.header is not None:
         c, table = reader.header.contract, reader.header.chunk_table
         widest = int((table[:, 3] - table[:, 2]).max(initial=0))
-        bound += int(table[:, 4].max(initial=0)) + 2 * 4 * max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim)
+        staging = 4 * max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim)
+        bound += int(table[:, 4].max(initial=0)) + 2 * staging
+        if reader.header.rotation is not None:
+            bound += 2 * staging + SIGN_BYTES * c.n_layers * 2 * c.n_kv_heads * c.head_dim
     return bound
 
 
@@ -164,9 +173,9 @@ def _window(decoder: Engine, seed: Seed) -> np.ndarray:
     return bits(decoder.cache.host[:, :, 0, :, : len(seed.prompt_ids) + MARGIN_SLOTS])
 
 
-def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
-    """Check the watched slots, the kept prefix and the adopted tokens; returns whether the KV written is a
-    sender's edit (not the clean payload's)."""
+def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray, limits: np.ndarray) -> bool:
+    """Check the watched slots, the kept prefix and the adopted tokens (``limits``: the decoder's value limits,
+    float32 [layers, 2]); returns whether the KV written is a sender's edit (not the clean payload's)."""
     header, done = stream.reader.header, stream.reader.progress.chunks_done
     kv_dtype = case.seed.clean.dtype  # the decoder's
     expected = np.full(window.shape, SENTINEL_BITS[kv_dtype], window.dtype)
@@ -178,7 +187,7 @@ def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
         if done or stream.segments[-1].tokens:
             raise FuzzFailure("wrong ingest", f"{done} chunks, {stream.segments[-1].tokens} tokens kept, no header")
     else:
-        kv, edited = _expected_kv(case, header, done)
+        kv, edited = _expected_kv(case, header, done, limits)
         cells = _written(header, done)[:, header.kept][:, None, None, :, None]
         slots = slice(case.seed.first_slot, case.seed.first_slot + header.n_kept)
         expected[:, :, :, slots] = np.where(cells, bits(kv.astype(kv_dtype)), SENTINEL_BITS[kv_dtype])
@@ -193,7 +202,7 @@ def _check_slots(stream: StreamedKV, case: Case, window: np.ndarray) -> bool:
     return edited
 
 
-def _expected_kv(case: Case, header: EDKVHeader, done: int) -> tuple[np.ndarray, bool]:
+def _expected_kv(case: Case, header: EDKVHeader, done: int, limits: np.ndarray) -> tuple[np.ndarray, bool]:
     """The KV the verified chunks must have written, ``[layers, 2, kv_heads, n_kept, head_dim]`` (meaningful in
     their cells), and whether it is a sender's edit: other tokens or positions, or other KV in those cells, than
     the clean payload's."""
@@ -206,6 +215,15 @@ def _expected_kv(case: Case, header: EDKVHeader, done: int) -> tuple[np.ndarray,
     cells = _written(header, done)[:, header.kept][:, None, None, :, None]
     if not np.isfinite(np.where(cells, kv, 0)).all():
         raise FuzzFailure("wrong ingest", "a chunk holding inf or NaN was written")
+    peaks = np.abs(np.where(cells, kv, 0)).max(axis=(2, 3, 4), initial=0.0)  # [layers, 2]
+    over = np.argwhere(peaks > limits * (1 + LIMIT_SLACK))
+    if over.size:
+        layer, kind = over[0]
+        raise FuzzFailure(
+            "wrong ingest",
+            f"a chunk beyond the receiver's value limits was written: layer {layer} {'KV'[kind]} reach "
+            f"{peaks[layer, kind]:g}, limit {limits[layer, kind]:g}",
+        )
     same_tokens = all(
         np.array_equal(getattr(header, name), getattr(seed.header, name)) for name in ("token_ids", "positions", "kept")
     )
@@ -254,6 +272,7 @@ def _same_kv_layout(header: EDKVHeader, clean: EDKVHeader) -> bool:
     return (
         header.contract == clean.contract
         and header.layouts == clean.layouts
+        and header.rotation == clean.rotation
         and all(
             np.array_equal(getattr(header, name), getattr(clean, name))
             for name in ("token_ids", "positions", "tiers", "chunk_table")
@@ -268,6 +287,8 @@ def reference_kv(header: EDKVHeader, bodies: Sequence[bytes]) -> np.ndarray:
     head_dim]`` (zeros in the cells no body holds)."""
     c = header.contract
     kv = np.zeros((c.n_layers, 2, c.n_kv_heads, header.n_tokens, c.head_dim), np.float32)
+    rotation = header.rotation
+    signs = None if rotation is None else rotation_signs(rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)
     for spec, body in zip(header.chunks, bodies):
         raw = bytearray()  # a chunk of no bytes (every token dropped) may come with no zstd frame: the reader takes it
         if spec.raw_nbytes:
@@ -282,13 +303,46 @@ def reference_kv(header: EDKVHeader, bodies: Sequence[bytes]) -> np.ndarray:
                 m = len(section.tokens)
                 q = unpack_codes(codes, section.layout, c.head_dim)
                 values = q * per_value(scales, section.layout, m) + per_value(zeros, section.layout, m)
+                if rotation is not None and section.tier in rotation.tiers:
+                    assert signs is not None
+                    values = rotated_back(values, signs[section.layer_start : section.layer_stop, section.kv], rotation)
             kv[section.layer_start : section.layer_stop, section.kv][:, :, section.tokens] = values
     return kv[:, :, :, header.kept]
 
 
 def unpack_codes(codes: np.ndarray, layout: QuantLayout, head_dim: int) -> np.ndarray:
-    """Packed codes ``[..., m, D·bits/8]`` as float32 ``[..., m, D]`` (lowest bits first)."""
-    lanes = 8 // layout.bits
-    shifts = (layout.bits * np.arange(lanes)).astype(np.uint8)
-    q = (codes[..., None] >> shifts) & ((1 << layout.bits) - 1)
+    """Packed codes ``[..., m, D·bits/8]`` as float32 ``[..., m, D]`` (lowest bits first; 3 bits: D/4 bytes of
+    their low two bits, then D/8 bytes of their high bits)."""
+    if layout.bits == 3:
+        low, high = codes[..., : head_dim // 4], codes[..., head_dim // 4 :]
+        return _unpack(low, 2, head_dim) + 4 * _unpack(high, 1, head_dim)
+    return _unpack(codes, layout.bits, head_dim)
+
+
+def _unpack(codes: np.ndarray, bits: int, head_dim: int) -> np.ndarray:
+    lanes = 8 // bits
+    shifts = (bits * np.arange(lanes)).astype(np.uint8)
+    q = (codes[..., None] >> shifts) & ((1 << bits) - 1)
     return q.reshape(*codes.shape[:-1], head_dim).astype(np.float32)
+
+
+def rotation_signs(seed: int, n_layers: int, n_heads: int, head_dim: int) -> np.ndarray:
+    """σ of docs/kv-format.md §4a, float32 [layers, 2, heads, D] of ±1: bit i (lowest first) of the uint8 stream
+    of ``Generator(PCG64(seed))``, 1 meaning −1, in C order."""
+    count = n_layers * 2 * n_heads * head_dim
+    stream = np.random.Generator(np.random.PCG64(seed)).integers(0, 256, -(-count // 8), np.uint8)
+    flags = [(int(stream[i // 8]) >> (i % 8)) & 1 for i in range(count)]
+    return np.where(np.array(flags, bool), np.float32(-1), np.float32(1)).reshape(n_layers, 2, n_heads, head_dim)
+
+
+def rotated_back(values: np.ndarray, signs: np.ndarray, rotation: Rotation) -> np.ndarray:
+    """``(r̂ · H) ⊙ σ`` of float32 ``values [layers, H, m, D]`` with ``signs [layers, H, D]``: H the Sylvester
+    Walsh–Hadamard matrix of order B over √B on each run of B channels. One float32 matrix product over all the
+    rows at once (the reader's runs in batches: a row's product does not depend on the rows beside it)."""
+    block = rotation.block
+    sylvester = np.ones((1, 1))
+    while len(sylvester) < block:
+        sylvester = np.kron([[1, 1], [1, -1]], sylvester)
+    h = (sylvester / np.sqrt(block)).astype(np.float32)
+    product = np.matmul(np.ascontiguousarray(values, np.float32).reshape(-1, block), h).reshape(values.shape)
+    return product * signs[:, :, None, :]

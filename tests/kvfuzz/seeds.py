@@ -16,6 +16,8 @@ import numpy as np
 from test_kv_format import split_frames, with_header
 
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
+from edgedecode.kv.policy import TierProfile
+from edgedecode.kv.rotation import DEFAULT_ROTATION
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, TransferRef, encode_payload
 from edgedecode.kv.wire.frames import CHUNK_PREFIX, HEADER_CRC, HEADER_PREFIX
@@ -93,9 +95,10 @@ class Alternate:
 
 
 def build_seeds(tokenizer: Tokenizer, prefill: Engine, decoder: Engine) -> list[Seed]:
-    """Seed payloads covering the FP16, INT8, INT4, INT2 and DROP tiers, EDKV 1.2 with a transfer and importance,
-    1.1 with a transfer only and 1.0 with neither, one and several chunks (and layer groups), a segment after
-    computed positions, and no kept token.
+    """Seed payloads covering the FP16, INT8, INT4, INT3, INT2 and DROP tiers, EDKV 1.2 with a transfer and
+    importance, 1.1 with a transfer only, 1.0 with neither, and 1.3 with INT3 and rotated tiers (as served to a 1.3
+    receiver, and by layer with small chunks), one and several chunks (and layer groups), a segment after computed
+    positions, and no kept token.
 
     ``prefill``: a prefill graph engine (emit_queries) of the model ``tokenizer`` belongs to; ``decoder``: the
     CPU decode engine the cases run on, with CONTEXT slots.
@@ -106,6 +109,14 @@ def build_seeds(tokenizer: Tokenizer, prefill: Engine, decoder: Engine) -> list[
     def served(prompt: np.ndarray, budget: float, head: int = 0) -> bytes:
         scored = prefill_and_score(prefill, prompt).from_position(head)
         return b"".join(encode_within_budget(scored, budget, transfer=transfer).frames)
+
+    def served_1_3(prompt: np.ndarray, budget: float) -> bytes:
+        """As the prefill server serves a 1.3 receiver under a profile with INT3 and the rotation."""
+        scored = prefill_and_score(prefill, prompt)
+        every = (Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT3, Tier.INT2, Tier.DROP)
+        profile = TierProfile(every, dict(zip(every, (0.0, 0.0002, 0.07, 0.12, 0.5, 1.0))))
+        encoded = encode_within_budget(scored, budget, profile=profile, transfer=transfer, rotation=DEFAULT_ROTATION)
+        return b"".join(encoded.frames)
 
     fine = prefill_and_score(prefill, prompts[2][:32])  # per-layer tiers with INT2, 16-token chunks, layer groups
     short = prefill_and_score(prefill, prompts[0][:16]).snapshot
@@ -134,6 +145,22 @@ def build_seeds(tokenizer: Tokenizer, prefill: Engine, decoder: Engine) -> list[
             ),
             3,
         ),
+        (
+            "32t tiers by layer with INT3, INT4/INT3/INT2 rotated, 16-token chunks, 1.3",
+            prompts[2][:32],
+            0,
+            b"".join(
+                encode_payload(
+                    fine.snapshot,
+                    np.where(tiers == Tier.INT8, Tier.INT3, tiers).astype(np.uint8),
+                    chunk_tokens=16,
+                    meta=payload_meta("fuzz", 0.3),
+                    rotation=DEFAULT_ROTATION,
+                )
+            ),
+            3,
+        ),
+        ("40t INT8+INT4+INT3+DROP rotated, 1.3 as served", prompts[0][:40], 0, served_1_3(prompts[0][:40], 0.2), 3),
         ("48t from position 16 (a later segment)", prompts[3][:48], 16, served(prompts[3][:48], 0.3, head=16), 3),
         (
             "16t all dropped",

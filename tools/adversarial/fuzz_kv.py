@@ -146,6 +146,7 @@ class Report:
     def __init__(self) -> None:
         self.results: collections.Counter[tuple[str, str]] = collections.Counter()
         self.mutations: collections.Counter[str] = collections.Counter()
+        self.seeds: collections.Counter[tuple[str, bool]] = collections.Counter()  # (seed, ingested)
         self.failures: collections.Counter[str] = collections.Counter()
         self.shown: list[str] = []
         self.partial = 0  # refused cases that kept a verified prefix
@@ -161,6 +162,7 @@ class Report:
         kind = KINDS[2] if mutant.payload == case.seed.payload else KINDS[1] if mutant.sealed else KINDS[0]
         self.results[outcome.result, kind] += 1
         self.mutations[mutant.label.split(":")[0].split(",")[0]] += 1
+        self.seeds[case.seed.name, outcome.result.startswith("ingested")] += 1
         self.partial += outcome.result.startswith("KV") and outcome.verified_tokens > 0
         self.slowest = max(self.slowest, (outcome.seconds, index))
         self.busiest = max(self.busiest, (outcome.cpu_seconds, index))
@@ -207,6 +209,9 @@ class Report:
         print("\n| mutation | cases |\n|---|---:|")
         for label, count in sorted(self.mutations.items()):
             print(f"| {label} | {count} |")
+        print("\n| seed | ingested | refused |\n|---|---:|---:|")
+        for name in dict.fromkeys(name for name, _ in self.seeds):
+            print(f"| {name} | {self.seeds[name, True]} | {self.seeds[name, False]} |")
         print(
             f"\nlongest case: {self.slowest[0] * 1e3:.1f} ms wall (case {self.slowest[1]}); most CPU: "
             f"{self.busiest[0] * 1e3:.1f} ms (case {self.busiest[1]})"

@@ -4,9 +4,10 @@
 Throughput is in GB/s of FP16-equivalent bytes (n_tokens × layers × 2 × kv_heads × head_dim × 2), for a
 SmolLM2-135M-shaped KV (30 layers, 3 KV heads, head_dim 64) of synthetic data: standard normal, with 4 of
 the 64 key channels of every head scaled ×10 (the per-channel key outliers real models have). Tier mixes: all
-FP16, all INT8, all INT4, and a mix (5 % FP16: the first 4 tokens and the most recent ones; then, at random
-positions, 20 % INT8, 65 % INT4, 10 % DROP). The reader checks every value against the data's own range × 8, as a
-daemon checks against its model's (``kv.value_range``). b_raw / b_zstd: chunk bytes before zstd / whole payload, over
+FP16, all INT8, all INT4, all INT3, all INT2, each of the last three also rotated (EDKV 1.3 Hadamard rotation,
+`-rot`), and a mix (5 % FP16: the first 4 tokens and the most recent ones; then, at random positions, 20 % INT8,
+65 % INT4, 10 % DROP). The reader checks every value against the data's own range × 8, as a daemon checks against
+its model's (``kv.value_range``). b_raw / b_zstd: chunk bytes before zstd / whole payload, over
 FP16 bytes. Medians over --runs; the process is pinned to one CPU. On a shared machine, --cpu-time measures
 the process's CPU time instead of wall time, which other load inflates far less.
 
@@ -29,6 +30,7 @@ import time
 import numpy as np
 import zstandard
 
+from edgedecode.kv.rotation import DEFAULT_ROTATION, Rotation
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.value_range import KVValueRange
@@ -52,7 +54,8 @@ def synthetic_snapshot(n: int, rng: np.random.Generator) -> KVSnapshot:
     return KVSnapshot(contract, np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64), keys, values, producer)
 
 
-def tier_mixes(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def tier_mixes(n: int, rng: np.random.Generator) -> dict[str, tuple[np.ndarray, Rotation | None]]:
+    """name -> (tier map [n], rotation or None)."""
     mixed = np.full(n, Tier.FP16, np.uint8)
     recent = round(0.05 * n) - SINK_TOKENS
     middle = np.arange(SINK_TOKENS, n - recent)
@@ -62,12 +65,12 @@ def tier_mixes(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
         count = round(share * n)
         mixed[shuffled[start : start + count]] = tier
         start += count
-    return {
-        "fp16": np.full(n, Tier.FP16, np.uint8),
-        "int8": np.full(n, Tier.INT8, np.uint8),
-        "int4": np.full(n, Tier.INT4, np.uint8),
-        "mix": mixed,
-    }
+    uniform = {name: np.full(n, Tier[name.upper()], np.uint8) for name in ("fp16", "int8", "int4", "int3", "int2")}
+    mixes: dict[str, tuple[np.ndarray, Rotation | None]] = {name: (tiers, None) for name, tiers in uniform.items()}
+    for name in ("int4", "int3", "int2"):
+        mixes[f"{name}-rot"] = (uniform[name], DEFAULT_ROTATION)
+    mixes["mix"] = (mixed, None)
+    return mixes
 
 
 def median_seconds(fn, runs: int, clock) -> float:
@@ -79,14 +82,18 @@ def median_seconds(fn, runs: int, clock) -> float:
     return statistics.median(times)
 
 
-def bench_mix(snapshot: KVSnapshot, tiers: np.ndarray, args: argparse.Namespace) -> dict[str, float]:
+def bench_mix(
+    snapshot: KVSnapshot, tiers: np.ndarray, rotation: Rotation | None, args: argparse.Namespace
+) -> dict[str, float]:
     n = snapshot.n_tokens
     fp16_bytes = n * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
     payload = b""
 
     def encode() -> None:
         nonlocal payload
-        payload = b"".join(encode_payload(snapshot, tiers, level=args.level, chunk_tokens=args.chunk_tokens))
+        payload = b"".join(
+            encode_payload(snapshot, tiers, level=args.level, chunk_tokens=args.chunk_tokens, rotation=rotation)
+        )
 
     clock = time.process_time if args.cpu_time else time.perf_counter
     encode_s = median_seconds(encode, args.runs, clock)
@@ -132,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     cpu = pin_one_core()
     rng = np.random.default_rng(0)
     snapshot = synthetic_snapshot(args.tokens, rng)
-    results = {name: bench_mix(snapshot, tiers, args) for name, tiers in tier_mixes(args.tokens, rng).items()}
+    mixes = tier_mixes(args.tokens, rng)
+    results = {name: bench_mix(snapshot, tiers, rotation, args) for name, (tiers, rotation) in mixes.items()}
     setup = {
         "shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "tokens": args.tokens},
         "data": f"synthetic: standard normal, {OUTLIER_CHANNELS} key channels per head ×{OUTLIER_SCALE:g}",
@@ -154,10 +162,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{setup['data']}; zstd level {args.level}; median of {args.runs} runs ({setup['clock']}) on CPU {cpu}"
     )
     print(f"mix: {setup['mix']}; GB/s of FP16-equivalent bytes")
-    print(f"{'tiers':<6} {'b_raw':>6} {'b_zstd':>7} {'encode GB/s':>12} {'decode GB/s':>12} {'decode ms':>10}")
+    print(f"{'tiers':<8} {'b_raw':>6} {'b_zstd':>7} {'encode GB/s':>12} {'decode GB/s':>12} {'decode ms':>10}")
     for name, r in results.items():
         print(
-            f"{name:<6} {r['b_raw']:>6.3f} {r['b_zstd']:>7.3f} {r['encode_gbps']:>12.2f} {r['decode_gbps']:>12.2f} "
+            f"{name:<8} {r['b_raw']:>6.3f} {r['b_zstd']:>7.3f} {r['encode_gbps']:>12.2f} {r['decode_gbps']:>12.2f} "
             f"{r['decode_ms']:>10.1f}"
         )
 

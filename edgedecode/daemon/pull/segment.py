@@ -33,7 +33,7 @@ import numpy as np
 from edgedecode.errors import EdgeDecodeError
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import KVFormatError, KVTooLargeError, KVTruncatedError
-from edgedecode.kv.wire.frames import READABLE_MAJORS
+from edgedecode.kv.wire.frames import LOWBIT_MINOR, READABLE_MAJORS
 from edgedecode.runtime.handoff import StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError
 
@@ -133,8 +133,10 @@ def resume_segment(transfer_id: str, covered: int, budget: float, policy: str) -
 
 def _terms(budget: float, policy: str) -> dict:
     """What every segment request asks of the payload: its budget and policy, and EDKV up to the newest
-    major this daemon reads (2: windowed layers send only the tail they attend to)."""
-    return {"budget": budget, "policy": policy, "edkv_major": max(READABLE_MAJORS)}
+    major this daemon reads (2: windowed layers send only the tail they attend to) and the newest minor of it (2.1,
+    as 1.3: INT3 and rotated tiers, which the reader undoes at ingest)."""
+    major = max(READABLE_MAJORS)
+    return {"budget": budget, "policy": policy, "edkv_major": major, "edkv_minor": LOWBIT_MINOR[major]}
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""EDKV 1.x and 2.0, the KV-cache wire format (docs/kv-format.md): per-token tiers, zstd chunks, checksums."""
+"""EDKV 1.x and 2.x, the KV-cache wire format (docs/kv-format.md): per-token tiers, zstd chunks, checksums."""
 
 from edgedecode.kv.wire.errors import (
     KVChecksumError,
@@ -7,6 +7,7 @@ from edgedecode.kv.wire.errors import (
     KVMalformedError,
     KVTooLargeError,
     KVTruncatedError,
+    KVUnsupportedError,
     KVValueError,
     KVVersionError,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "KVMalformedError",
     "KVTooLargeError",
     "KVTruncatedError",
+    "KVUnsupportedError",
     "KVValueError",
     "KVVersionError",
     "ReadProgress",

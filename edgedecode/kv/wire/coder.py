@@ -14,6 +14,9 @@ payload of the same snapshot can reuse, and leaves the arithmetic to three metho
 
 What a payload did not use is forgotten when the next one starts (``begin_payload``): at most two payloads' worth.
 Waves of distinct chunks may be prepared and filled on different threads at once: they touch distinct cells.
+
+A coder is made for one rotation (EDKV 1.3, ``kv/rotation.py``; None: none): the sections of its tiers are
+rotated before they are quantized, and everything kept is kept for that rotation.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.kv.quant import QuantLayout, quantize
+from edgedecode.kv.rotation import Rotation, hadamard_signs, rotate
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.wire.chunks import ChunkPlan, Section, section_arrays
 
@@ -38,9 +42,16 @@ class SectionCoder:
     wave_chunks = 1  # chunks a writer hands to ``prepare`` at once
     fill_stage = "quantize"  # what ``fill`` does, as a stage of ``kv.stage_clock``
 
-    def __init__(self, snapshot: KVSnapshot) -> None:
+    def __init__(self, snapshot: KVSnapshot, rotation: Rotation | None = None) -> None:
         self.snapshot = snapshot
         self.contract = snapshot.contract
+        self.rotation = rotation
+        if rotation is not None:
+            rotation.check_head_dim(snapshot.contract.head_dim)
+
+    def rotates(self, section: Section) -> bool:
+        """Whether ``section``'s rows are rotated before they are quantized."""
+        return self.rotation is not None and self.rotation.rotates(section.tier)
 
     def begin_payload(self) -> None:
         """A payload of this snapshot starts (what the one before it did not use may be forgotten)."""
@@ -58,6 +69,8 @@ class SectionCoder:
         for section in plan.sections:
             arrays = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
             rows = self._rows(section)
+            if self.rotates(section):
+                rows = self.rotated(rows, section.kv, section.layer_start, section.layer_stop)
             if section.layout is None:
                 with np.errstate(over="ignore"):  # refused just below, with the layers named
                     arrays[0][...] = rows
@@ -74,6 +87,19 @@ class SectionCoder:
 
     def keep(self, key: Hashable, body: tuple[bytes, int]) -> None:
         """Remember a compressed chunk and its CRC-32 for a later payload of this snapshot."""
+
+    def rotated(self, rows: np.ndarray, kv: int, l0: int, l1: int) -> np.ndarray:
+        """K (kv 0) or V ``rows [l1 - l0, H, m, D]`` of layers [l0, l1), rotated (float32).
+
+        Raises:
+            ValueError: a value not finite (the rotation would spread it over its whole block).
+        """
+        assert self.rotation is not None
+        if not np.isfinite(rows).all():
+            raise ValueError("cannot quantize non-finite KV values (inf or NaN)")
+        c = self.contract
+        signs = hadamard_signs(self.rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)[l0:l1, kv]
+        return rotate(rows.astype(np.float32, copy=False), signs, self.rotation.block)
 
     def _rows(self, section: Section) -> np.ndarray:
         source = (self.snapshot.keys, self.snapshot.values)[section.kv]
@@ -117,9 +143,9 @@ class CachingCoder(SectionCoder):
 
     fill_stage = "assemble"
 
-    def __init__(self, snapshot: KVSnapshot) -> None:
-        super().__init__(snapshot)
-        self._tokens: dict[tuple[int, QuantLayout], _TokenCodes] = {}
+    def __init__(self, snapshot: KVSnapshot, rotation: Rotation | None = None) -> None:
+        super().__init__(snapshot, rotation)
+        self._tokens: dict[tuple[int, QuantLayout, bool], _TokenCodes] = {}
         self._sections = _Kept()  # FP16 rows and channel-axis (codes, scales, zeros) by section key
         self._chunks = _Kept()
         self._lock = threading.Lock()
@@ -136,27 +162,28 @@ class CachingCoder(SectionCoder):
 
     def prepare(self, plans: Sequence[ChunkPlan]) -> None:
         """Compute every section of ``plans`` not already known: per (K or V, tier, layer run), the tokens a
-        token-axis layout has not seen, and the FP16 and channel-axis sections not kept, each group in one call."""
+        token-axis layout has not seen, and the FP16 and channel-axis sections not kept, each group in one call
+        (rotated sections apart from the others)."""
         tokens: dict[tuple, list[np.ndarray]] = {}
         sections: dict[tuple, list[Section]] = {}
         for plan in plans:
             for s in plan.sections:
-                run = (s.kv, s.layout, s.layer_start, s.layer_stop)
+                run = (s.kv, s.layout, s.layer_start, s.layer_stop, self.rotates(s))
                 if s.layout is not None and s.layout.axis == "token":
-                    cache = self._token_codes(s.kv, s.layout)
+                    cache = self._token_codes(s.kv, s.layout, self.rotates(s))
                     missing = s.tokens[~cache.done[s.layer_start : s.layer_stop, s.tokens].all(axis=0)]
                     if len(missing):
                         tokens.setdefault(run, []).append(missing)
-                elif self._sections.get(_key(s)) is None:
+                elif self._sections.get(self._key(s)) is None:
                     sections.setdefault(run, []).append(s)
-        for (kv, layout, l0, l1), parts in tokens.items():
-            self._compute_tokens(kv, layout, l0, l1, np.concatenate(parts))
-        for (kv, layout, l0, l1), group in sections.items():
+        for (kv, layout, l0, l1, rotated), parts in tokens.items():
+            self._compute_tokens(kv, layout, l0, l1, np.concatenate(parts), rotated)
+        for (kv, layout, l0, l1, rotated), group in sections.items():
             lists = [s.tokens for s in group]
             computed = self.fp16_sections(kv, l0, l1, lists) if layout is None else (
-                self.quantized_sections(kv, layout, l0, l1, lists))  # fmt: skip
+                self.quantized_sections(kv, layout, l0, l1, lists, rotated))  # fmt: skip
             for s, value in zip(group, computed):
-                self._sections.put(_key(s), value)
+                self._sections.put(self._key(s), value)
 
     def fill(self, raw: bytearray, plan: ChunkPlan) -> None:
         """Copy the chunk's sections (computed by ``prepare``, which it calls for anything missing) into ``raw``."""
@@ -165,27 +192,34 @@ class CachingCoder(SectionCoder):
         for s in plan.sections:
             arrays = section_arrays(raw, s, c.n_kv_heads, c.head_dim)
             if s.layout is not None and s.layout.axis == "token":
-                cache = self._tokens[s.kv, s.layout]
+                cache = self._tokens[s.kv, s.layout, self.rotates(s)]
                 for array, part in zip(arrays, (cache.codes, cache.scales, cache.zeros)):
                     np.take(part[s.layer_start : s.layer_stop], s.tokens, axis=2, out=array, mode="clip")
                 continue
-            value = self._sections.get(_key(s))
+            value = self._sections.get(self._key(s))
             for array, part in zip(arrays, (value,) if s.layout is None else value):
                 array[...] = part
 
     # -- the arithmetic: numpy here, onnxruntime on the KV's device in prefill/kv_device.py
 
     def quantized_tokens(
-        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray
+        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray, rotated: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(codes, scales, zeros) [l1 - l0, H, m, ...] of K (kv 0) or V at ``tokens`` under a token-axis layout."""
-        return quantize(self.gathered(kv, l0, l1, tokens), layout)
+        """(codes, scales, zeros) [l1 - l0, H, m, ...] of K (kv 0) or V at ``tokens`` under a token-axis layout
+        (``rotated``: by the coder's rotation first)."""
+        return quantize(self.gathered(kv, l0, l1, tokens, rotated), layout)
 
     def quantized_sections(
-        self, kv: int, layout: QuantLayout, l0: int, l1: int, token_lists: list[np.ndarray]
+        self,
+        kv: int,
+        layout: QuantLayout,
+        l0: int,
+        l1: int,
+        token_lists: list[np.ndarray],
+        rotated: bool = False,
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Each token list of layers [l0, l1) quantized as one section: (codes, scales, zeros) per list."""
-        return [quantize(self.gathered(kv, l0, l1, tokens), layout) for tokens in token_lists]
+        return [quantize(self.gathered(kv, l0, l1, tokens, rotated), layout) for tokens in token_lists]
 
     def fp16_sections(self, kv: int, l0: int, l1: int, token_lists: list[np.ndarray]) -> list[np.ndarray]:
         """Each token list of layers [l0, l1) as float16 rows [l1 - l0, H, m, D].
@@ -202,28 +236,36 @@ class CachingCoder(SectionCoder):
         """``rows`` (finite in float16) as float16, rounded to nearest even."""
         return rows.astype(np.float16, copy=False)
 
-    def gathered(self, kv: int, l0: int, l1: int, tokens: np.ndarray) -> np.ndarray:
-        """K (kv 0) or V of layers [l0, l1) at ``tokens``: a C-contiguous copy [l1 - l0, H, m, D]."""
-        return np.take(self._source(kv)[l0:l1], tokens, axis=2)
+    def gathered(self, kv: int, l0: int, l1: int, tokens: np.ndarray, rotated: bool = False) -> np.ndarray:
+        """K (kv 0) or V of layers [l0, l1) at ``tokens``: a C-contiguous copy [l1 - l0, H, m, D] (``rotated``: by
+        the coder's rotation, float32)."""
+        rows = np.take(self._source(kv)[l0:l1], tokens, axis=2)
+        return self.rotated(rows, kv, l0, l1) if rotated else rows
 
     def _source(self, kv: int) -> np.ndarray:
         return (self.snapshot.keys, self.snapshot.values)[kv]
 
-    def _token_codes(self, kv: int, layout: QuantLayout) -> _TokenCodes:
-        found = self._tokens.get((kv, layout))
+    def _token_codes(self, kv: int, layout: QuantLayout, rotated: bool) -> _TokenCodes:
+        key = (kv, layout, rotated)
+        found = self._tokens.get(key)
         if found is None:
             with self._lock:
-                found = self._tokens.get((kv, layout))
+                found = self._tokens.get(key)
                 if found is None:
-                    found = self._tokens[kv, layout] = _new_token_codes(self.contract, self.snapshot.n_tokens, layout)
+                    found = self._tokens[key] = _new_token_codes(self.contract, self.snapshot.n_tokens, layout)
         return found
 
-    def _compute_tokens(self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray) -> None:
-        cache = self._tokens[kv, layout]
-        for part, computed in zip((cache.codes, cache.scales, cache.zeros), self.quantized_tokens(kv, layout, l0, l1,
-                                                                                                 tokens)):  # fmt: skip
-            part[l0:l1, :, tokens] = computed
+    def _compute_tokens(
+        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray, rotated: bool
+    ) -> None:
+        cache = self._tokens[kv, layout, rotated]
+        computed = self.quantized_tokens(kv, layout, l0, l1, tokens, rotated)
+        for part, values in zip((cache.codes, cache.scales, cache.zeros), computed):
+            part[l0:l1, :, tokens] = values
         cache.done[l0:l1, tokens] = True
+
+    def _key(self, s: Section) -> tuple:
+        return s.kv, s.layout, s.layer_start, s.layer_stop, self.rotates(s), s.tokens.tobytes()
 
 
 def _new_token_codes(contract, n: int, layout: QuantLayout) -> _TokenCodes:
@@ -242,10 +284,6 @@ def fp16_finite(rows: np.ndarray) -> bool:
     if rows.dtype == np.float16:
         return not ((rows.view(np.uint16) & _FP16_EXPONENT) == _FP16_EXPONENT).any()
     return bool(rows.min() > -FP16_OVERFLOW and rows.max() < FP16_OVERFLOW)  # a NaN fails both
-
-
-def _key(s: Section) -> tuple:
-    return s.kv, s.layout, s.layer_start, s.layer_stop, s.tokens.tobytes()
 
 
 def _fp16_error(section: Section) -> ValueError:

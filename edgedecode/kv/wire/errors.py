@@ -25,6 +25,11 @@ class KVContractError(KVFormatError):
         super().__init__(", ".join(self.fields), "KV contract mismatch: " + "; ".join(mismatches))
 
 
+class KVUnsupportedError(KVFormatError):
+    """A well-formed stream using a feature of the format this reader does not implement (an unknown
+    ``rotation.kind``): a newer sender, not a corrupt one."""
+
+
 class KVChecksumError(KVFormatError):
     """A CRC-32 (header, chunk) or the trailer's SHA-256 does not match the bytes received."""
 

@@ -10,6 +10,9 @@ MINOR = 2  # 1.1: the optional header field `transfer`, and cut streams keep the
 # stream with a window is written as 2.0 (and only to a receiver that asked for it); every other stream stays 1.2.
 WINDOW_MAJOR = 2
 WINDOW_MINOR = 0
+# 1.3 and 2.1: the INT3 tier code and the header field `rotation`. Written only for a stream that uses one of them
+# (every other stream stays 1.2 or 2.0, byte for byte), and served only to a receiver that asks (docs/serving.md).
+LOWBIT_MINOR = {MAJOR: 3, WINDOW_MAJOR: 1}
 READABLE_MAJORS = (MAJOR, WINDOW_MAJOR)
 
 HEADER_MAGIC = b"EDKV"
@@ -29,7 +32,7 @@ MIN_ZSTD_WINDOW = 1 << 10  # zstd's smallest window (ZSTD_WINDOWLOG_ABSOLUTEMIN)
 # a hostile header must cost the receiver time in proportion to its context, not to what the header claims.
 MIN_CHUNK_TOKENS = 64  # a writer with chunk_tokens >= this (any chunk_layers) always stays within the limits
 CHUNK_COUNT_FLOOR = 256  # any chunking of up to this many chunks is accepted, however fine
-SECTIONS_PER_CHUNK = 8  # 2 (K, V) × 4 non-DROP tiers: a chunk whose layers all share one tier row
+SECTIONS_PER_CHUNK = 10  # 2 (K, V) × 5 non-DROP tiers: a chunk whose layers all share one tier row
 MAX_NAME_CHARS = 1024  # each string of the contract and the producer
 MAX_META_VALUES = 256  # JSON values inside `meta` (containers, keys and scalars)
 MAX_META_DEPTH = 8  # nesting of `meta` below its own object

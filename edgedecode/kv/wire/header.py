@@ -14,11 +14,13 @@ from typing import Any
 import numpy as np
 
 from edgedecode.kv.quant import QuantLayout
+from edgedecode.kv.rotation import MAX_BLOCK, MAX_SEED, ROTATION_KINDS, Rotation
 from edgedecode.kv.snapshot import KVProducer, increasing_positions
 from edgedecode.kv.tiers import QUANTIZED_TIERS, TIER_BITS, Tier
 from edgedecode.kv.wire.chunks import chunk_sizes
-from edgedecode.kv.wire.errors import KVMalformedError, KVTooLargeError
+from edgedecode.kv.wire.errors import KVMalformedError, KVTooLargeError, KVUnsupportedError
 from edgedecode.kv.wire.frames import (
+    LOWBIT_MINOR,
     MAJOR,
     MAX_META_CHARS,
     MAX_META_DEPTH,
@@ -107,9 +109,11 @@ class EDKVHeader:
     importance: np.ndarray | None = None  # 1.2: float16 [n], each token's relative importance; NaN: none known
     window: WindowCut | None = None  # 2.0: the windowed layers carry tokens from window.start on only
     major: int = MAJOR  # of the stream it came from; the writer writes WINDOW_MAJOR where there is a window
+    rotation: Rotation | None = None  # 1.3 / 2.1: the tiers whose K and V were rotated before quantization
 
     def __post_init__(self) -> None:
         self._check_arrays()
+        self._check_lowbit()
         self._check_window()
         self._check_chunks()
         self._check_sizes()
@@ -179,12 +183,16 @@ class EDKVHeader:
             doc["importance"] = _b64(self.importance.astype("<f2"))
         if self.window is not None:
             doc["window"] = {"layers": list(self.window.layers), "start": self.window.start}
+        if self.rotation is not None:
+            r = self.rotation
+            tiers = [t.name.lower() for t in r.tiers]
+            doc["rotation"] = {"kind": r.kind, "seed": r.seed, "block": r.block, "tiers": tiers}
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
     def from_doc(cls, doc: dict[str, Any], minor: int, major: int = MAJOR) -> EDKVHeader:
         """Parse a header JSON object; unknown fields are ignored (a later minor version may add them), and so
-        is ``window`` in a 1.x stream, whose chunks carry every cell."""
+        are ``window`` in a 1.x stream, whose chunks carry every cell, and ``rotation`` before 1.3 / 2.1."""
         contract = contract_from_doc(doc)
         n = doc_field(doc, "n_tokens", int)
         if n < 0:
@@ -222,6 +230,9 @@ class EDKVHeader:
             if major >= WINDOW_MAJOR and "window" in doc
             else None,
             major=major,
+            rotation=_rotation(doc_field(doc, "rotation", dict))
+            if minor >= LOWBIT_MINOR.get(major, minor + 1) and "rotation" in doc
+            else None,
         )
 
     def _check_arrays(self) -> None:
@@ -234,6 +245,18 @@ class EDKVHeader:
         check_layouts(self.tiers, self.layouts, self.contract.head_dim)
         if self.importance is not None:
             check_importance(self.importance, n)
+
+    def _check_lowbit(self) -> None:
+        """INT3 and ``rotation`` come with 1.3 / 2.1; a rotation's blocks must tile head_dim."""
+        if self.minor < LOWBIT_MINOR.get(self.major, self.minor + 1) and (self.tiers == Tier.INT3).any():
+            raise KVMalformedError(
+                "tiers", f"tier code {int(Tier.INT3)} (INT3) in an EDKV {self.major}.{self.minor} stream"
+            )
+        if self.rotation is not None:
+            try:
+                self.rotation.check_head_dim(self.contract.head_dim)
+            except ValueError as e:
+                raise KVMalformedError("rotation", str(e)) from None
 
     def _check_window(self) -> None:
         """A window names windowed layers of the contract and leaves them at least the last ``sliding_window - 1``
@@ -531,12 +554,42 @@ def _layouts(doc: dict[str, Any]) -> dict[Tier, tuple[QuantLayout, QuantLayout]]
         tier = Tier.__members__.get(name.upper())
         if tier not in QUANTIZED_TIERS:
             raise KVMalformedError("layouts", f"{name!r} is not a quantized tier")
+        if tier in layouts:
+            raise KVMalformedError("layouts", f"{name!r} names tier {tier.name} a second time")
         pair = doc_field(doc, name, dict, "layouts.")
         keys, values = (
             _layout(doc_field(pair, part, dict, f"layouts.{name}."), f"layouts.{name}.{part}") for part in KV_PARTS
         )
         layouts[tier] = (keys, values)
     return layouts
+
+
+def _rotation(doc: dict[str, Any]) -> Rotation:
+    """{"kind": "hadamard", "seed": int, "block": int, "tiers": ["int4", ...]} -> Rotation; an unknown kind is
+    unsupported."""
+    kind = _name(doc, "kind", "rotation.")
+    if kind not in ROTATION_KINDS:
+        raise KVUnsupportedError(
+            "rotation.kind", f"{kind!r:.80} is not a rotation this reader knows ({ROTATION_KINDS})"
+        )
+    seed = doc_field(doc, "seed", int, "rotation.")
+    if not 0 <= seed <= MAX_SEED:
+        raise KVMalformedError("rotation.seed", f"must be in [0, {MAX_SEED}]")
+    block = doc_field(doc, "block", int, "rotation.")
+    if not (2 <= block <= MAX_BLOCK and not block & (block - 1)):
+        raise KVMalformedError("rotation.block", f"must be a power of two in [2, {MAX_BLOCK}]")
+    names = doc_field(doc, "tiers", list, "rotation.")
+    tiers = [Tier.__members__.get(name.upper()) if isinstance(name, str) else None for name in names[:8]]
+    if (
+        not names
+        or len(names) > len(QUANTIZED_TIERS)
+        or len(set(tiers)) < len(tiers)
+        or not set(tiers) <= set(QUANTIZED_TIERS)
+    ):
+        raise KVMalformedError(
+            "rotation.tiers", f"must name distinct quantized tiers, at least one, got {_describe(names)}"
+        )
+    return Rotation(kind, seed, tuple(t for t in tiers if t is not None), block)
 
 
 def _layout(doc: dict[str, Any], where: str) -> QuantLayout:

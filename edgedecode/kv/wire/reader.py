@@ -13,6 +13,7 @@ import numpy as np
 import zstandard
 
 from edgedecode.kv.quant import dequantize_into, widen_fp16_into
+from edgedecode.kv.rotation import hadamard_signs, unrotate_into
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.wire.chunks import (
     Section,
@@ -51,7 +52,7 @@ from edgedecode.kv.wire.header import (
     doc_field,
     load_doc,
 )
-from edgedecode.kv.wire.value_check import ValueBounds
+from edgedecode.kv.wire.value_check import Unrotation, ValueBounds
 from edgedecode.model.spec import KVContract
 
 DECODE_SNAPSHOT_MAX_TOKENS = 1 << 20
@@ -81,7 +82,7 @@ class ReadProgress:
 
 
 class EDKVReader:
-    """Incremental EDKV parser (1.x, and 2.0 with its window); feed it any slices of the stream, then call `finish`.
+    """Incremental EDKV parser (1.x, and 2.x with its window); feed it any slices of the stream, then call `finish`.
 
     Args:
         expected: the receiver's KVContract; any mismatching field is a KVContractError.
@@ -136,6 +137,9 @@ class EDKVReader:
         self._header: EDKVHeader | None = None
         self._target: np.ndarray | None = None
         self._scratch = np.empty(0, np.float32)
+        self._rotated = np.empty((2, 0), np.float32)  # a rotated section's x̂ and its product with H, staged
+        self._signs = np.empty((0, 2, 0, 0), np.float32)  # [layers, K/V, heads, D] of a rotated stream
+        self._unrotation: Unrotation | None = None  # how the value check rotates a section back, likewise
         self._raw = bytearray()
         self._layers_done = np.zeros(0, np.int64)
 
@@ -274,6 +278,10 @@ class EDKVReader:
         self._bounds = self._bounds.for_target(self._target.dtype)
         widest = int((table[:, 3] - table[:, 2]).max(initial=0))
         self._scratch = np.empty(max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim), np.float32)
+        if header.rotation is not None:
+            self._rotated = np.empty((2, len(self._scratch)), np.float32)
+            self._signs = hadamard_signs(header.rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)
+            self._unrotation = Unrotation(header.rotation.block, self._signs, self._rotated)
         self._raw = bytearray(int(table[:, 4].max(initial=0)))
         self._dctx = zstandard.ZstdDecompressor(max_window_size=max_zstd_window(len(self._raw)))
         self._header = header
@@ -321,8 +329,10 @@ class EDKVReader:
         )
         if plan.raw_nbytes != spec.raw_nbytes:  # the header's check makes this unreachable
             raise KVMalformedError(f"chunk {spec.index}", f"{spec.raw_nbytes} raw bytes, the plan {plan.raw_nbytes}")
+        rotation = header.rotation
         for section in plan.sections:  # every value of the chunk, before anything from it is written
-            self._bounds.check(spec, section, raw, c.n_kv_heads, c.head_dim)
+            rotated = rotation is not None and rotation.rotates(section.tier)
+            self._bounds.check(spec, section, raw, c.n_kv_heads, c.head_dim, self._unrotation if rotated else None)
         for section in plan.sections:
             self._write(section, section_arrays(raw, section, c.n_kv_heads, c.head_dim))
         self._chunks_done += 1
@@ -371,8 +381,9 @@ class EDKVReader:
         for start in range(0, len(dest), step):
             block = slice(start, start + step)
             parts = [a[block] for a in arrays]
+            layers = slice(section.layer_start + start, section.layer_start + start + len(dest[block]))
             if contiguous:
-                self._decode(section, parts, dest[block, :, first : last + 1])
+                self._decode(section, parts, dest[block, :, first : last + 1], layers)
                 continue
             shape = (len(dest[block]), dest.shape[1], len(slots), dest.shape[3])
             staged = (
@@ -380,13 +391,21 @@ class EDKVReader:
                 if dest.dtype == np.float32
                 else np.empty(shape, dest.dtype)
             )
-            self._decode(section, parts, staged)
+            self._decode(section, parts, staged, layers)
             rows = np.dtype((np.void, dest.shape[3] * dest.itemsize))  # a head_dim row as one item: cheaper scatter
             dest[block].view(rows)[..., 0][:, :, slots] = staged.view(rows)[..., 0]
 
-    def _decode(self, section: Section, arrays: list[np.ndarray], out: np.ndarray) -> None:
+    def _decode(self, section: Section, arrays: list[np.ndarray], out: np.ndarray, layers: slice) -> None:
+        """Write `section`'s values for `layers` into `out`: widened, or dequantised (then rotated back, for a tier
+        the header's rotation lists)."""
+        rotation = self._parsed.rotation
         if section.layout is None:
             widen_fp16_into(arrays[0], out, self._scratch)
+        elif rotation is not None and rotation.rotates(section.tier):
+            codes, scales, zeros = arrays
+            rotated = self._rotated[0, : out.size].reshape(out.shape)
+            dequantize_into(codes, scales, zeros, section.layout, rotated)
+            unrotate_into(rotated, self._signs[layers, section.kv], rotation.block, out, self._rotated[1])
         else:
             codes, scales, zeros = arrays
             dequantize_into(codes, scales, zeros, section.layout, out, self._scratch)

@@ -10,23 +10,48 @@ What a section can write is bounded before anything is written:
   a group's extremes are its ``zero`` (q = 0) and ``zero + (2^b − 1)·scale``, computed with the same float32
   rounding: the largest |x̂| any codes can give, whatever the codes are. Scales and zeros are checked finite by
   their bits first.
+- Rotated sections (EDKV 1.3): x̂ is in the rotated domain; the reader writes ``(x̂ · H) ⊙ s`` (``kv.rotation``),
+  each entry a ±1/√B sum of B of x̂'s, so up to √B times x̂'s largest; and a valid payload's x̂ may itself be √B
+  times the largest value it rotates back to (a rotation keeps a block's L2 norm, and may gather it into one
+  entry). x̂'s reach (zeros and top codes) therefore proves a layer within its limit only when √B times it is;
+  real KV, whose outliers the rotation spreads, nearly always is. Any other layer is rotated back here, with the
+  reader's own arithmetic, into the reader's staging (nothing of the chunk is written yet), and its largest |x|
+  checked: valid data is never refused for where the rotation put its values, and what is written is what was
+  checked.
 
 A float16 destination caps every limit at 65504, the largest float16: a finite payload can then never write
-±inf into it (docs/kv-format.md §5).
+±inf into it (docs/kv-format.md §5), rotated or not.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from edgedecode.kv.quant import FP16_MAX
-from edgedecode.kv.wire.chunks import Section, section_float16
+from edgedecode.kv.quant import FP16_MAX, dequantize_into
+from edgedecode.kv.rotation import unrotate_into
+from edgedecode.kv.wire.chunks import Section, section_arrays, section_float16
 from edgedecode.kv.wire.errors import KVValueError
 from edgedecode.kv.wire.header import ChunkSpec
 
 _SIGN = 0x8000
 _FINITE_BITS = 0x7BFF  # the largest finite float16's bits (65504)
 _KINDS = ("keys", "values")
+# float32 GEMM rounding over a block of B ≤ 1024 terms stays far below this relative margin: √B·reach·(1 + it)
+# within the limit proves the rotated-back values within it
+_GEMM_MARGIN = 2.0**-12
+
+
+@dataclass(frozen=True)
+class Unrotation:
+    """What rotating a section's values back takes, as the reader does it: the rotation's ``block``, its ``signs``
+    (float32 ``[layers, 2, heads, D]``, ``rotation.hadamard_signs``) and float32 ``staging [2, n]`` with n at least
+    one layer of the widest section's values (the reader's own: the check runs before any write)."""
+
+    block: int
+    signs: np.ndarray
+    staging: np.ndarray
 
 
 class ValueBounds:
@@ -53,8 +78,17 @@ class ValueBounds:
             else self
         )
 
-    def check(self, spec: ChunkSpec, section: Section, raw: memoryview, n_heads: int, head_dim: int) -> None:
-        """KVValueError unless everything `section` of the raw chunk can write is finite and within the limits."""
+    def check(
+        self,
+        spec: ChunkSpec,
+        section: Section,
+        raw: memoryview,
+        n_heads: int,
+        head_dim: int,
+        unrotation: Unrotation | None = None,
+    ) -> None:
+        """KVValueError unless everything `section` of the raw chunk can write is finite and within the limits;
+        ``unrotation``: how its values are rotated back, for a section of a rotated tier (EDKV 1.3)."""
         halves = section_float16(raw, section, n_heads, head_dim).view(np.uint16)
         layers = slice(section.layer_start, section.layer_stop)
         flat = halves.reshape(len(halves), -1)
@@ -66,14 +100,51 @@ class ValueBounds:
         params = flat.shape[1] // 2
         scales, zeros = flat[:, :params], flat[:, params:]
         self._within(spec, section, _magnitude_bits(scales), np.full(len(flat), _FINITE_BITS), "scales")
-        self._within(spec, section, _magnitude_bits(zeros), self.bits[layers, section.kv], "zeros")  # x̂ at q = 0
+        zero_bits = _magnitude_bits(zeros)  # x̂ at q = 0
+        if unrotation is None:
+            self._within(spec, section, zero_bits, self.bits[layers, section.kv], "zeros")
+        else:  # judged with the top once rotated back, below
+            self._within(spec, section, zero_bits, np.full(len(flat), _FINITE_BITS), "zeros")
         # x̂ at the largest code, rounded as dequantize_into rounds it: float32 q·scale, then + zero
         top = np.multiply(scales.view(np.float16), np.float32((1 << section.layout.bits) - 1), dtype=np.float32)
         np.add(top, zeros.view(np.float16), out=top, dtype=np.float32)
         reach = np.maximum(top.max(axis=1), -top.min(axis=1))
-        over = np.flatnonzero(reach > self.limits[layers, section.kv])
+        limits = self.limits[layers, section.kv]
+        if unrotation is not None:
+            np.maximum(reach, zero_bits.astype(np.uint16).view(np.float16), out=reach)
+            unsure = np.flatnonzero(reach * np.float32(np.sqrt(unrotation.block) * (1 + _GEMM_MARGIN)) > limits)
+            if unsure.size:
+                self._check_rotated_back(spec, section, raw, (n_heads, head_dim), unsure, unrotation)
+            return
+        over = np.flatnonzero(reach > limits)
         if over.size:
             self._refuse(spec, section, int(over[0]), float(reach[over[0]]), "dequantized values")
+
+    def _check_rotated_back(
+        self,
+        spec: ChunkSpec,
+        section: Section,
+        raw: memoryview,
+        shape: tuple[int, int],
+        rows: np.ndarray,
+        unrotation: Unrotation,
+    ) -> None:
+        """Rotate the section's layers ``rows`` back (dequantized, times H, signs applied: the reader's own
+        arithmetic) one layer at a time into the staging, and refuse the first whose largest |x| is beyond its
+        limit (or not finite)."""
+        assert section.layout is not None
+        codes, scales, zeros = section_arrays(raw, section, *shape)
+        n_heads, head_dim = shape
+        values = n_heads * len(section.tokens) * head_dim
+        rotated, product = (unrotation.staging[i, :values].reshape(n_heads, -1, head_dim) for i in (0, 1))
+        for row in rows.tolist():
+            layer = section.layer_start + row
+            dequantize_into(codes[row], scales[row], zeros[row], section.layout, rotated)
+            signs = unrotation.signs[layer : layer + 1, section.kv]
+            unrotate_into(rotated[None], signs, unrotation.block, product[None], product)
+            worst = max(float(product.max()), -float(product.min()))
+            if not worst <= self.limits[layer, section.kv]:  # NaN too
+                self._refuse(spec, section, row, worst, "values rotated back")
 
     def _within(self, spec: ChunkSpec, section: Section, magnitude: np.ndarray, bits: np.ndarray, what: str) -> None:
         over = np.flatnonzero(magnitude > bits)

@@ -16,6 +16,7 @@ import numpy as np
 import zstandard
 
 from edgedecode.kv.quant import DEFAULT_LAYOUTS, QuantLayout
+from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.stage_clock import UNCLOCKED, StageClock
 from edgedecode.kv.tiers import QUANTIZED_TIERS, Tier
@@ -28,6 +29,7 @@ from edgedecode.kv.wire.frames import (
     HEADER_CRC,
     HEADER_MAGIC,
     HEADER_PREFIX,
+    LOWBIT_MINOR,
     MAJOR,
     MINOR,
     TRAILER,
@@ -68,11 +70,13 @@ def encode_payload(
     transfer: TransferRef | None = None,
     importance: np.ndarray | None = None,
     window_start: int | None = None,
+    rotation: Rotation | None = None,
     coder: SectionCoder | None = None,
     clock: StageClock = UNCLOCKED,
     fast_level: int | None = None,
 ) -> Iterator[bytes]:
-    """Encode `snapshot` as an EDKV stream: 1.2, or 2.0 where `window_start` cuts the windowed layers.
+    """Encode `snapshot` as an EDKV stream: 1.2, or 2.0 where `window_start` cuts the windowed layers; 1.3 (2.1)
+    where INT3 or a rotation is used, which only a reader of 1.3 (2.1) reads right.
 
     Args:
         snapshot: the KV to send; keys/values ``[layers, kv_heads, n, head_dim]`` (float16 or float32).
@@ -91,8 +95,11 @@ def encode_payload(
             written as float16 (EDKV 1.2 header field): what a receiver ranks tokens by when it must drop some later.
         window_start: the contract's windowed (sliding-window) layers carry the tokens from this index on only
             (EDKV 2.0 ``window``; ``kv.window`` says which tokens a receiver needs); None: every cell is sent.
+        rotation: rotate the K and V of these tiers before quantizing (EDKV 1.3 ``rotation``, ``kv.rotation``);
+            written only when the tier map uses one of them. A head_dim its blocks do not tile is a ValueError.
         coder: what computes the sections (``wire.coder``): the reference ``SectionCoder`` by default; a
-            ``CachingCoder`` of this snapshot, reused across payloads, computes each chunk's bytes once.
+            ``CachingCoder`` of this snapshot, reused across payloads, computes each chunk's bytes once. It must
+            have been made for ``rotation``.
         clock: records CPU and wall time of the stages header (once a payload), quantize, assemble, compress and
             frame (``kv.stage_clock``).
         fast_level: zstd level of the chunks that hold no 8-bit codes (FP16 and sections of 4 bits or fewer),
@@ -106,7 +113,9 @@ def encode_payload(
     """
     window = None if window_start is None else WindowCut(snapshot.contract.sliding_layers, window_start)
     with clock.stage("header"):
-        header, plans = _build_header(snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window)
+        header, plans = _build_header(
+            snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window, rotation
+        )
         if transfer is not None or importance is not None:
             given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
             header = dataclasses.replace(header, transfer=transfer, importance=given)
@@ -118,17 +127,20 @@ def encode_payload(
         raise ValueError(f"workers must be >= 1, got {workers}")
     if coder is not None and coder.snapshot is not snapshot:
         raise ValueError("the coder was made for another snapshot")
-    version = (WINDOW_MAJOR, WINDOW_MINOR) if window is not None else (MAJOR, MINOR)
+    if coder is not None and coder.rotation != rotation:
+        raise ValueError(f"the coder was made for rotation {coder.rotation}, not {rotation}")
     cells = carried_cells(header.tiers, window)
     levels = [level if fast_level is None else chunk_level(plan, level, fast_level) for plan in plans]
-    # a chunk's bytes follow from its rectangle's tier rows, the layouts and the level (and the snapshot: the coder's)
+    # a chunk's bytes follow from its rectangle's tier rows, the layouts, the rotation and the level (and the
+    # snapshot: the coder's)
     layouts_given = tuple(layouts.items())
     keys = [
-        (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop, chunk, layouts_given,
+        (spec.layer_start, spec.layer_stop, spec.token_start, spec.token_stop, chunk, layouts_given, rotation,
          cells[spec.layer_start : spec.layer_stop, spec.token_start : spec.token_stop].tobytes())
         for spec, chunk in zip(header.chunks, levels)
     ]  # fmt: skip
-    return _frames(body, plans, keys, levels, workers, version, coder or SectionCoder(snapshot), clock)
+    version = (header.major, header.minor)
+    return _frames(body, plans, keys, levels, workers, version, coder or SectionCoder(snapshot, rotation), clock)
 
 
 def chunk_level(plan: ChunkPlan, level: int, fast_level: int) -> int:
@@ -145,6 +157,7 @@ def _build_header(
     level: int,
     meta: dict[str, Any] | None,
     window: WindowCut | None,
+    rotation: Rotation | None,
 ) -> tuple[EDKVHeader, list[ChunkPlan]]:
     c, n = snapshot.contract, snapshot.n_tokens
     shape = (c.n_layers, c.n_kv_heads, n, c.head_dim)
@@ -167,6 +180,14 @@ def _build_header(
     if meta is not None:
         check_meta(meta)
     used = {tier: layouts[tier] for tier in QUANTIZED_TIERS if (tiers == tier).any()}
+    if rotation is not None and not set(rotation.tiers) & set(used):
+        rotation = None  # nothing it would rotate: the stream stays readable by older readers
+    if rotation is not None:
+        rotation.check_head_dim(c.head_dim)
+    major = MAJOR if window is None else WINDOW_MAJOR
+    minor = MINOR if window is None else WINDOW_MINOR
+    if rotation is not None or Tier.INT3 in used:
+        minor = LOWBIT_MINOR[major]
     count = -(-c.n_layers // chunk_layers) * -(-n // chunk_tokens)
     if count > max_chunks(n, c.n_layers):
         raise ValueError(
@@ -195,8 +216,9 @@ def _build_header(
         zstd_level=level,
         meta={} if meta is None else meta,
         window=window,
-        major=MAJOR if window is None else WINDOW_MAJOR,
-        minor=MINOR if window is None else WINDOW_MINOR,
+        major=major,
+        minor=minor,
+        rotation=rotation,
     )
     return header, plans
 
