@@ -127,6 +127,42 @@ def test_a_client_that_leaves_mid_payload_leaves_the_prefill_server_serving(pref
     assert finding.ok, finding.detail
 
 
+def test_a_client_that_leaves_while_its_prefill_runs_is_a_quiet_499_and_the_server_serves_on(prefill_server):
+    """The client hangs up while the server computes its payload (before the answer's headers): the
+    server notes it in one line, logs no traceback, and answers the next request."""
+    prefill = Target("prefill", prefill_server.url, PREFILL_TOKEN)
+    depth = "edgedecode_prefill_queue_depth{}"
+    log_before = prefill_server.log.stat().st_size
+
+    async def work(http):
+        host, port = prefill.url.removeprefix("http://").split(":")
+        body = json.dumps({"token_ids": list(range(1000, 2500)), "budget": 0.3})  # a prefill of a second or more
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            (
+                f"POST /v1/prefill HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {PREFILL_TOKEN}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
+        await writer.drain()
+        async with asyncio.timeout(BOUND_S):
+            while not metric_samples(prefill.url, PREFILL_TOKEN)[depth]:
+                await asyncio.sleep(0.01)
+        writer.transport.abort()  # gone while its prefill runs: nothing of the answer was sent yet
+        async with asyncio.timeout(BOUND_S):
+            while metric_samples(prefill.url, PREFILL_TOKEN)[depth]:
+                await asyncio.sleep(0.05)
+        return await hostile_clients.healthy(http, prefill, BOUND_S)
+
+    served, _ = _run(work)
+    assert served
+    with open(prefill_server.log, "rb") as log:
+        log.seek(log_before)
+        written = log.read().decode(errors="replace")
+    assert "client gone before the end of its payload" in written, written[-2000:]
+    assert "Traceback" not in written and "Error handling request" not in written, written[-2000:]
+
+
 def test_floods_past_the_queues_get_429s_and_both_servers_serve_on(hostile_daemon, prefill_server):
     daemon, prefill = _targets(hostile_daemon, prefill_server)
     flood_daemon = 1 + hostile_daemon.config.daemon.max_queue + 3  # a slot, the queue, and 3 more

@@ -153,13 +153,13 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
             }
         )
         response.enable_chunked_encoding()
-        await response.prepare(request)
         try:
+            await response.prepare(request)  # a client that left while its prefill ran is gone here
             for frame in encoded.frames:
                 await write_within(response, frame, settings.client_timeout_s)
                 metrics.sent_bytes.inc(len(frame))
         except ConnectionResetError as exc:
-            logger.info("client gone mid-payload: %s", exc)
+            logger.info("client gone before the end of its payload: %s", exc)
             request[OUTCOME] = "499"
             if request.transport is not None:
                 request.transport.abort()
