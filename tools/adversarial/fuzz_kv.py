@@ -30,6 +30,7 @@ import collections
 import faulthandler
 import os
 import resource
+import signal
 import tempfile
 import time
 from typing import Any
@@ -52,7 +53,11 @@ from kvfuzz.oracle import FuzzFailure, Outcome, reference_kv, run_case
 from kvfuzz.seeds import CONTEXT, Seed, bits, build_seeds
 from kvfuzz.segmented import build_segmented_seeds
 
-WATCHDOG_S = 60  # a case still running after this long is a hang the in-process timer cannot report: dump and exit
+# A case still running after this long is a hang the in-process timer cannot report: a SIGALRM dumps every thread's
+# stack and ends the process. A timer signal, not faulthandler.dump_traceback_later: that starts a thread per call,
+# and a thread starting and ending beside each case's tracemalloc.start()/stop() is the race in CPython 3.11's
+# tracemalloc (python/cpython#128679) that likely killed a windowed run after 60,000 cases (docs/reliability.md).
+WATCHDOG_S = 60
 SHOWN_FAILURES = 20
 
 
@@ -71,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_json_file(parser)
     args = parser.parse_args(argv)
     head = cli.record(__file__, argv, time.time())  # the commit as the run starts: the checkout may move on
+    faulthandler.register(signal.SIGALRM, chain=True)  # dump, then SIGALRM's default action: terminate
     with tempfile.TemporaryDirectory(prefix="fuzz-home-") as home:
         decoder, seeds = family_seeds(args.family, Path(home))
         for seed in seeds:
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_seconds is not None and time.perf_counter() - started > args.max_seconds:
                 print(f"stopped after {args.max_seconds:.0f} s (--max-seconds): {index} of {args.cases} cases run")
                 break
-            faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+            signal.setitimer(signal.ITIMER_REAL, WATCHDOG_S)  # re-armed: the case's own minute
             case = make_case(seeds, RandomDraw(args.seed, index))
             if args.case is not None:
                 print(f"case {index}: seed {case.seed.name!r}, {case.mutant.label}, {len(case.cuts) - 1} feeds")
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             report.rss_rise = max(report.rss_rise, (rise_kib << 10, index))
             if args.case is None and (index + 1) % 10_000 == 0:
                 print(f"  {index + 1} cases, {time.perf_counter() - started:.0f} s", flush=True)
-        faulthandler.cancel_dump_traceback_later()
+        signal.setitimer(signal.ITIMER_REAL, 0)
     seconds = time.perf_counter() - started
     run = cli.command(__file__, argv)
     report.print(run, seconds)
