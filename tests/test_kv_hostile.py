@@ -85,6 +85,9 @@ def test_a_deeply_nested_header_is_malformed_not_a_recursion_error() -> None:
     nested = with_header_text(payload, lambda doc: doc.update(future="DEEP"), "DEEP", "[" * depth + "]" * depth)
     err = expect_refusal(nested, KVMalformedError, "header")
     assert "nested" in str(err)
+    depth = 32  # (the header's object around it) one level beyond the limit, which json parses on any Python
+    nested = with_header_text(payload, lambda doc: doc.update(future="DEEP"), "DEEP", "[" * depth + "]" * depth)
+    assert "nested deeper than 32 levels" in str(expect_refusal(nested, KVMalformedError, "header"))
     depth = 20_000  # more arrays than a header for this context can hold: refused before parsing
     nested = with_header_text(payload, lambda doc: doc.update(future="DEEP"), "DEEP", "[" * depth + "]" * depth)
     err = expect_refusal(nested, KVTooLargeError, "header")

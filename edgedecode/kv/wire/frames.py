@@ -36,6 +36,9 @@ SECTIONS_PER_CHUNK = 10  # 2 (K, V) × 5 non-DROP tiers: a chunk whose layers al
 MAX_NAME_CHARS = 1024  # each string of the contract and the producer
 MAX_META_VALUES = 256  # JSON values inside `meta` (containers, keys and scalars)
 MAX_META_DEPTH = 8  # nesting of `meta` below its own object
+# nesting of arrays and objects anywhere in a header: a legal one nests 1 + MAX_META_DEPTH levels (its object, then
+# meta's, whose own limit is reported as such); deeper is malformed, on every Python (json's own limit varies)
+MAX_HEADER_DEPTH = 32
 MAX_META_CHARS = 4096  # characters of all keys and strings inside `meta`
 HEADER_BASE_BYTES = 128 << 10  # contract, producer, layouts, meta, zstd_level, room for new fields; even \u-escaped
 CHUNK_ROW_BYTES = 64  # one chunk-table row, spaced or indented JSON included ("[0,30,0,256,1474560]," is 21)

@@ -22,6 +22,7 @@ from edgedecode.kv.wire.errors import KVMalformedError, KVTooLargeError, KVUnsup
 from edgedecode.kv.wire.frames import (
     LOWBIT_MINOR,
     MAJOR,
+    MAX_HEADER_DEPTH,
     MAX_META_CHARS,
     MAX_META_DEPTH,
     MAX_META_VALUES,
@@ -399,8 +400,9 @@ def load_doc(body: bytes | memoryview, max_containers: int | None = None) -> dic
     """The header JSON object; anything else is a KVMalformedError.
 
     With `max_containers`, a body with more '[' and '{' bytes than that is a KVTooLargeError before it is parsed.
-    Besides syntax, json refuses nesting deeper than the interpreter's recursion limit (RecursionError) and
-    integers beyond Python's int-string limit (ValueError): both are malformed headers, too.
+    Besides syntax, arrays and objects nested deeper than MAX_HEADER_DEPTH levels (whatever the interpreter's
+    recursion limit lets json parse: 3.11 stops near 1,000, 3.12 goes deeper) and integers beyond Python's
+    int-string limit (ValueError) are malformed headers, too.
     """
     body = bytes(body)
     if max_containers is not None:
@@ -412,12 +414,31 @@ def load_doc(body: bytes | memoryview, max_containers: int | None = None) -> dic
     try:
         doc = json.loads(body.decode("utf-8"))
     except RecursionError:
-        raise KVMalformedError("header", "header JSON is nested too deeply") from None
+        raise _too_deep() from None
     except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, an integer of too many digits
         raise KVMalformedError("header", f"header is not UTF-8 JSON within limits: {e!s:.200}") from None
     if not isinstance(doc, dict):
         raise KVMalformedError("header", f"header JSON must be an object, got {type(doc).__name__}")
+    _check_depth(doc)
     return doc
+
+
+def _check_depth(doc: dict[str, Any]) -> None:
+    """Raise KVMalformedError if arrays and objects in `doc` nest deeper than MAX_HEADER_DEPTH levels (iterative:
+    the parsed document may be far deeper than the interpreter's recursion limit)."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        items = value.values() if isinstance(value, dict) else value
+        for item in items:
+            if isinstance(item, (dict, list)):
+                if depth >= MAX_HEADER_DEPTH:
+                    raise _too_deep()
+                stack.append((item, depth + 1))
+
+
+def _too_deep() -> KVMalformedError:
+    return KVMalformedError("header", f"header JSON is nested deeper than {MAX_HEADER_DEPTH} levels")
 
 
 def contract_from_doc(doc: dict[str, Any]) -> KVContract:
