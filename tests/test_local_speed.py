@@ -156,9 +156,11 @@ def test_calibrate_keeps_to_the_engine_s_context():
 
 def test_calibrate_real_model_predicts_a_real_prefill(decoder):
     """Calibration on the INT4 decode graph (2 threads) leaves the engine reset, its predictions positive and
-    monotone, and within a factor of 2 of a real 300-token prefill measured right after (its own duration is
-    reported, not asserted: it depends on the machine's load)."""
-    model = LocalPrefillModel().calibrate(decoder)
+    monotone, and within a factor of 2 of a real 300-token prefill measured right after. Both count the process's
+    CPU time (the injected clock), which neighbours on a loaded machine inflate far less than the wall clock: on
+    the GPU host's 16 cores beside five other test workers, a wall-clock calibration predicted half the
+    prefill measured a moment later."""
+    model = LocalPrefillModel().calibrate(decoder, clock=time.process_time)
     assert decoder.length == 0 and model.calibration_seconds > 0
     predicted = [model.predict_seconds(n) for n in (1, 16, 100, 300, 512, 1000, 2000)]
     assert all(p > 0 for p in predicted)
@@ -166,9 +168,9 @@ def test_calibrate_real_model_predicts_a_real_prefill(decoder):
     prompt = np.resize(np.arange(500, 800, dtype=np.int64), 300)
     times = []
     for _ in range(3):
-        tic = time.perf_counter()
+        tic = time.process_time()
         decoder.prefill(prompt)
-        times.append(time.perf_counter() - tic)
+        times.append(time.process_time() - tic)
     decoder.reset()
     actual = float(np.median(times))
     assert 0.5 * actual <= model.predict_seconds(300) <= 2.0 * actual
