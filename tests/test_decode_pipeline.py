@@ -9,6 +9,7 @@ import dataclasses
 import socket
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,6 +34,7 @@ from edgedecode.runtime.engine import GenerationStats
 from edgedecode.runtime.handoff import KVSource, SegmentReader, StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError
 from edgedecode.runtime.sampler import SamplingParams
+from edgedecode.testing.clock import FakeClock
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 64
 CONTRACT = KVContract("llama", LAYERS, HEADS, HEAD_DIM, 10000.0, DECODER_KV_LAYOUT, "tok")
@@ -295,11 +297,13 @@ def closed_port_url() -> str:
 # --- the pipeline ------------------------------------------------------------------------------------
 
 
-def make_service(url: str | None, engines: list[FakeEngine] | None = None, **daemon) -> DecodeService:
+def make_service(
+    url: str | None, engines: list[FakeEngine] | None = None, clock: Callable[[], float] = time.monotonic, **daemon
+) -> DecodeService:
     settings = {"slots": 1, "memory_reserve_mb": 0, "fetch_timeout_s": 0.4, "breaker_failures": 3} | daemon
     config = load_config(None, env={}, overrides={"daemon": settings})
     engines = engines or [FakeEngine()]
-    return DecodeService(MODEL, engines, config, DaemonMetrics(), lambda: url, "")  # type: ignore[arg-type]
+    return DecodeService(MODEL, engines, config, DaemonMetrics(), lambda: url, "", clock=clock)  # type: ignore[arg-type]
 
 
 def request(prompt: np.ndarray = PROMPT, session: str | None = None) -> CompletionRequest:
@@ -547,14 +551,16 @@ def test_a_link_too_slow_for_any_budget_goes_local_without_a_pull(prefill):
 
 
 def test_a_link_that_keeps_every_turn_local_is_pulled_from_again_once_its_measure_is_old(prefill):
-    reprobe_s = 0.2
-    service = make_service(prefill.url, min_wire_bytes=0, ttft_target_ms=200.0, link_reprobe_s=reprobe_s)
+    """The planner's clock is injected: "measured too long ago" is the test's to say, not the box's speed."""
+    reprobe_s = 60.0
+    clock = FakeClock()
+    service = make_service(prefill.url, clock=clock, min_wire_bytes=0, ttft_target_ms=200.0, link_reprobe_s=reprobe_s)
     service.planner.local_speed = LocalPrefillModel([(16, 0.01), (128, 0.02)])
     teach_link(service, prefill.url, 1000.0)  # 1 kB/s: every turn is planned here
 
     async def scenario() -> list[TurnReport]:
         first = await run_turn(service)  # the link was measured just now: no re-probe
-        await asyncio.sleep(reprobe_s * 1.5)
+        clock.now += reprobe_s * 1.5
         probe = await run_turn(service)  # measured too long ago: this turn pulls
         after = await run_turn(service)  # re-probed just now (and still slow on average): here again
         return [first.report, probe.report, after.report]
@@ -563,7 +569,7 @@ def test_a_link_that_keeps_every_turn_local_is_pulled_from_again_once_its_measur
     assert [r.decision for r in (first, probe, after)] == ["local", "remote", "local"]
     assert probe.kv_source == "prefill_server" and len(prefill.bodies) == 1
     assert service.metrics.registry.get_sample_value("edgedecode_link_reprobes_total") == 1
-    assert service.planner.links.get(prefill.url).since_observed() < reprobe_s  # the probe's pull taught the link
+    assert service.planner.links.get(prefill.url).since_observed() == 0  # the probe's pull taught the link
 
 
 def test_an_unknown_link_asks_for_the_configured_budget_and_learns_from_the_pull(prefill):

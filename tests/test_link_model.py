@@ -25,16 +25,9 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVReader, encode_payload
 from edgedecode.model.spec import DECODER_KV_LAYOUT, KVContract
 from edgedecode.runtime.handoff import StreamedKV
+from edgedecode.testing.clock import FakeClock
 
 MB = 1_000_000
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def pull(goodput: float, rtt: float, server: float | None = 0.0, transfer_bytes: int = MB) -> PullResult:

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
@@ -51,7 +52,7 @@ class DecodeService:
     slot, all of the same ``max_context``; ``daemon.run.build_engines`` makes the real ones, on one
     onnxruntime session), pulling from the prefill server at ``prefill_url()`` (None while it is
     down) with ``prefill_token``. ``start`` it on the serving event loop before the first turn, and
-    ``close`` it after the last.
+    ``close`` it after the last. ``clock`` ages what the planner learned (``KVPlanner``).
 
     Raises:
         KVMemoryError: the slots' KV buffers, allocated whole up front (CUDA), exceed daemon.kv_memory_mb.
@@ -65,6 +66,8 @@ class DecodeService:
         metrics: DaemonMetrics,
         prefill_url: Callable[[], str | None],
         prefill_token: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not engines:
             raise ValueError("the decode service needs at least one engine")
@@ -77,7 +80,7 @@ class DecodeService:
         self.worker = DecodeWorker()
         spec = model.spec
         calibration = calibrations.for_model(model.record.name)
-        self.planner = KVPlanner(d, spec.kv_bytes_per_token_fp16, spec.kv_contract, metrics, calibration)
+        self.planner = KVPlanner(d, spec.kv_bytes_per_token_fp16, spec.kv_contract, metrics, calibration, clock)
         self.remote = PrefillRemote(prefill_url, prefill_token, d, self.planner, metrics)
         self.memory = MemoryLedger(
             ConversationStore(d.max_sessions, metrics.conversations),

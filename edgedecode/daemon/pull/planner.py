@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,10 @@ class KVPlanner:
     ``daemon.budget`` is 0 (not pinned) plans every turn with the default objective (``NEAR_FASTEST``);
     a pinned budget is asked for as it is. ``daemon.min_budget`` 0 and an unpinned budget take the
     calibration's (``ModelCalibration.min_budget``, ``default_budget``).
+
+    ``clock`` (seconds, monotonic) ages what it learned: the link estimates, re-probes, unanswered pulls
+    and the measured slowdowns (tests inject one, so that "measured too long ago" does not depend on
+    how fast the box runs the turns between).
     """
 
     def __init__(
@@ -60,13 +65,15 @@ class KVPlanner:
         contract: KVContract,
         metrics: DaemonMetrics,
         calibration: ModelCalibration,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
+        self.clock = clock
         self.fp16_bytes_per_token = fp16_bytes_per_token
         self.contract = contract
         self.metrics = metrics
         store = LinkStore(Path(settings.state_dir)) if settings.state_dir else None
-        self.links = LinkModels(metrics.registry, stale_margin=settings.link_stale_margin, store=store)
+        self.links = LinkModels(metrics.registry, stale_margin=settings.link_stale_margin, store=store, clock=clock)
         pinned = settings.local_prefill_tokens_per_s
         self.local_speed = LocalPrefillModel([(n, n / pinned) for n in CALIBRATION_LENGTHS] if pinned else ())
         self.calibration = calibration
@@ -79,7 +86,7 @@ class KVPlanner:
         self.split_slowdown = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
         # how much longer a whole pull takes than the link model predicted (1 until measured)
         self.remote_correction = DecayingMean(alpha=0.3, half_life_s=3600.0, min_weight=0.1)
-        self.reprobes = Reprobes(settings.link_reprobe_s)
+        self.reprobes = Reprobes(settings.link_reprobe_s, clock)
         self.prefixes = ServerPrefixes()  # what each prefill server's prefix cache holds, as its answers said
         self._unanswered: dict[str, float] = {}  # endpoint -> when a pull from it last got no answer in time
 
@@ -174,7 +181,7 @@ class KVPlanner:
         the turns after it compute here until a re-probe is due (``daemon.link_reprobe_s``) rather than
         wait on the endpoint again. (An endpoint that fails is the breaker's; a short pull that came
         whole but taught no goodput is probed again.)"""
-        self._unanswered[url.rstrip("/")] = time.monotonic()
+        self._unanswered[url.rstrip("/")] = self.clock()
 
     def _silent(self, url: str) -> bool:
         """Whether plans to ``url`` should not wait on it: the default objective, a link not learned,
@@ -182,21 +189,21 @@ class KVPlanner:
         since = self._unanswered.get(url.rstrip("/"))
         if since is None or self.near_fastest is None or self.links.get(url).estimate().goodput_bps is not None:
             return False
-        return not self.settings.link_reprobe_s or time.monotonic() - since < self.settings.link_reprobe_s
+        return not self.settings.link_reprobe_s or self.clock() - since < self.settings.link_reprobe_s
 
     def learn_split(self, seconds: float, predicted_s: float) -> None:
         """A split's complete pull took ``seconds`` where the link model predicted ``predicted_s`` alone."""
-        self.split_slowdown.add(seconds / predicted_s, time.monotonic())
+        self.split_slowdown.add(seconds / predicted_s, self.clock())
 
     def learn_pull(self, seconds: float, predicted_s: float) -> None:
         """A whole pull (one segment, not a split's) took ``seconds`` where the link model predicted
         ``predicted_s``: the ratio teaches the correction every remote prediction is multiplied by."""
-        self.remote_correction.add(seconds / predicted_s, time.monotonic())
+        self.remote_correction.add(seconds / predicted_s, self.clock())
 
     def corrections(self) -> tuple[float, float]:
         """(the remote correction, the split slowdown) as plans use them now: learned, bounded; the
         split's configured prior while none was measured."""
-        now = time.monotonic()
+        now = self.clock()
         low, high = REMOTE_CORRECTION_BOUNDS
         remote = min(max(self.remote_correction.value(now) or 1.0, low), high)
         split = max(self.split_slowdown.value(now) or self.settings.split_slowdown, 1.0)
