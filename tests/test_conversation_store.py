@@ -83,7 +83,7 @@ def test_put_then_take_round_trips_at_int8_within_the_quantizer_bound():
     store = ConversationStore(4)
     ledger = budgeted(store, BIG)
     snap = snapshot(300, first_position=7)
-    assert store.put("a", snap) == []
+    assert store.add(store.compress("a", snap)) == []
     assert "a" in store and len(store) == 1 and ledger.nbytes == ledger.compressed_nbytes > 0
 
     entry = store.take("a")
@@ -104,8 +104,8 @@ def test_take_of_a_conversation_the_store_does_not_hold_is_none():
 
 def test_put_again_replaces_the_conversations_kv():
     store = ConversationStore(4)
-    store.put("a", snapshot(100))
-    store.put("a", snapshot(40, seed=1))
+    store.add(store.compress("a", snapshot(100)))
+    store.add(store.compress("a", snapshot(40, seed=1)))
     entry = store.take("a")
     assert entry is not None and entry.n_tokens == 40 and len(store) == 0 and store.nbytes == 0
 
@@ -113,13 +113,13 @@ def test_put_again_replaces_the_conversations_kv():
 def test_put_with_a_misshapen_tier_map_or_importance_is_refused():
     store = ConversationStore(1)
     with pytest.raises(ValueError, match=r"one code per token \[10\]"):
-        store.put("a", snapshot(10), tiers=np.full((LAYERS, 10), Tier.INT8, np.uint8))
+        store.add(store.compress("a", snapshot(10), tiers=np.full((LAYERS, 10), Tier.INT8, np.uint8)))
     with pytest.raises(ValueError, match=r"importance must be float \[10\], >= 0 or NaN"):
-        store.put("a", snapshot(10), importance=np.ones(9))
+        store.add(store.compress("a", snapshot(10), importance=np.ones(9)))
     with pytest.raises(ValueError, match=r"importance must be float \[10\], >= 0 or NaN"):
-        store.put("a", snapshot(10), importance=np.full(10, -1.0))
+        store.add(store.compress("a", snapshot(10), importance=np.full(10, -1.0)))
     with pytest.raises(ValueError, match="holds no tokens"):
-        store.put("a", snapshot(0))
+        store.add(store.compress("a", snapshot(0)))
     assert len(store) == 0
 
 
@@ -129,12 +129,12 @@ def test_put_with_a_misshapen_tier_map_or_importance_is_refused():
 def test_put_beyond_max_sessions_evicts_the_least_recently_put_and_counts_it():
     registry = CollectorRegistry()
     store = ConversationStore(2, ConversationMetrics(registry))
-    store.put("a", snapshot(20))
-    store.put("b", snapshot(20))
-    steps = store.put("c", snapshot(20))
+    store.add(store.compress("a", snapshot(20)))
+    store.add(store.compress("b", snapshot(20)))
+    steps = store.add(store.compress("c", snapshot(20)))
     assert [(s.action, s.session_id, s.reason) for s in steps] == [("evict", "a", "max_sessions")]
-    store.put("b", snapshot(30))  # b is now the most recent
-    assert [s.session_id for s in store.put("d", snapshot(20))] == ["c"]
+    store.add(store.compress("b", snapshot(30)))  # b is now the most recent
+    assert [s.session_id for s in store.add(store.compress("d", snapshot(20)))] == ["c"]
     assert "b" in store and "d" in store and len(store) == 2
     assert sample(registry, "edgedecode_session_evictions_total", reason="max_sessions") == 2
     assert sample(registry, "edgedecode_session_evictions_total", reason="memory") == 0
@@ -144,8 +144,8 @@ def test_the_ladder_re_tiers_the_least_recently_put_first_and_only_as_far_as_nee
     registry = CollectorRegistry()
     store = ConversationStore(4, ConversationMetrics(registry))
     ledger = budgeted(store, BIG)
-    store.put("a", snapshot(300))
-    store.put("b", snapshot(300, seed=1))
+    store.add(store.compress("a", snapshot(300)))
+    store.add(store.compress("b", snapshot(300, seed=1)))
     before = store.nbytes
 
     steps = ledger.make_room(BIG - before + 1)
@@ -168,7 +168,7 @@ def test_the_drop_rung_keeps_the_pins_and_the_most_important_tokens_and_every_po
     importance = np.random.default_rng(5).random(400).astype(np.float32)
     store = ConversationStore(4)
     ledger = budgeted(store, BIG)
-    store.put("a", snapshot(400, first_position=3), importance)
+    store.add(store.compress("a", snapshot(400, first_position=3), importance))
     retiered = store.nbytes - ledger.make_room(BIG - store.nbytes + 1)[0].freed_nbytes
 
     steps = ledger.make_room(BIG - retiered * 3 // 4)
@@ -187,7 +187,7 @@ def test_the_drop_rung_keeps_the_pins_and_the_most_important_tokens_and_every_po
 def test_without_importance_the_oldest_tokens_after_the_sinks_are_dropped_first():
     store = ConversationStore(4)
     ledger = budgeted(store, BIG)
-    store.put("a", snapshot(400))
+    store.add(store.compress("a", snapshot(400)))
     retiered = store.nbytes - ledger.make_room(BIG - store.nbytes + 1)[0].freed_nbytes
     ledger.make_room(BIG - retiered * 3 // 4)
     dropped = np.flatnonzero(stored(store, "a").tiers == Tier.DROP)
@@ -199,8 +199,8 @@ def test_rungs_go_in_order_over_all_conversations_and_eviction_takes_the_least_r
     registry = CollectorRegistry()
     store = ConversationStore(4, ConversationMetrics(registry), min_kept_fraction=0.5)
     ledger = budgeted(store, BIG)
-    store.put("a", snapshot(300))
-    store.put("b", snapshot(300, seed=1))
+    store.add(store.compress("a", snapshot(300)))
+    store.add(store.compress("b", snapshot(300, seed=1)))
 
     steps = ledger.make_room(BIG - store.nbytes // 4)
 
@@ -262,8 +262,8 @@ def test_a_re_tier_whose_conversation_was_taken_while_it_encoded_changes_nothing
 
     registry = CollectorRegistry()
     store = ConversationStore(4, ConversationMetrics(registry))
-    store.put("a", snapshot(300))
-    store.put("b", snapshot(300, seed=1))
+    store.add(store.compress("a", snapshot(300)))
+    store.add(store.compress("b", snapshot(300, seed=1)))
     encode = store_module.retiered
 
     def taken_meanwhile(entry, *, workers):
@@ -342,7 +342,7 @@ def test_the_store_never_holds_more_than_its_budget_or_max_sessions_and_reports_
 def test_metrics_are_declared_with_every_state_on_the_daemon_registry():
     metrics = DaemonMetrics()
     store = ConversationStore(2, metrics.conversations)
-    store.put("a", snapshot(10))
+    store.add(store.compress("a", snapshot(10)))
     for state in ("active", "resident"):
         assert sample(metrics.registry, "edgedecode_sessions", state=state) == 0
         assert sample(metrics.registry, "edgedecode_kv_memory_bytes", state=state) == 0
@@ -390,7 +390,7 @@ def test_a_conversation_kept_at_int8_continues_as_with_its_uncompressed_kv(decod
     margin read from the step that chose the token, tests/greedy_helpers.py)."""
     kv, prompt = second_turn
     store = ConversationStore(1)
-    store.put("s", kv)
+    store.add(store.compress("s", kv))
     entry = store.take("s")
     assert entry is not None
 
@@ -415,7 +415,7 @@ def test_a_trimmed_conversation_rehydrates_with_its_true_positions(decoder, seco
     kv, prompt = second_turn
     store = ConversationStore(1)
     ledger = budgeted(store, BIG)
-    store.put("s", kv)
+    store.add(store.compress("s", kv))
     assert [s.action for s in ledger.make_room(BIG - store.nbytes // 2)] == ["retier", "drop"]
     entry = store.take("s")
     assert entry is not None and 0 < entry.n_kept < entry.n_tokens == kv.n_tokens

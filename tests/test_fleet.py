@@ -247,12 +247,7 @@ def test_losing_the_replica_whose_payload_the_daemon_is_receiving_still_answers_
         # the serving replica is the one whose server counted the prompt; by the time half its
         # payload has crossed the link (a second or more), it has handed all of it to Serve
         deadline = time.monotonic() + ANSWER_WAIT_S
-        serving: dict = {}
-        while not serving and time.monotonic() < deadline:
-            serving = _changed(before, _replica_tokens(fleet))
-            time.sleep(0.05)
-        assert len(serving) == 1, f"no single replica was seen serving the request: {serving}"
-        (victim,) = serving
+        victim = _serving_replica(fleet, before, deadline)
         while _replica_metric(fleet, victim, "edgedecode_prefill_queue_depth{}") and time.monotonic() < deadline:
             time.sleep(0.02)  # its server is done writing the payload (to the replica's relay)
         payload = _replica_metric(fleet, victim, SENT_BYTES) - sent_before[victim]
@@ -299,12 +294,7 @@ def test_a_replica_killed_with_its_stream_cut_short_leaves_the_verified_prefix_a
     try:
         request.start()
         deadline = time.monotonic() + ANSWER_WAIT_S
-        serving: dict = {}
-        while not serving and time.monotonic() < deadline:
-            serving = _changed(before, _replica_tokens(fleet))
-            time.sleep(0.05)
-        assert len(serving) == 1, f"no single replica was seen serving the request: {serving}"
-        (victim,) = serving
+        victim = _serving_replica(fleet, before, deadline)
         while link.bytes_down - down_before < stall and time.monotonic() < deadline:
             time.sleep(0.02)
         fault_file.unlink()  # the requests that follow (the daemon's resume among them) are not stalled
@@ -377,6 +367,18 @@ def test_a_redeploy_drains_each_replica_after_its_request_in_flight(fleet, fleet
     assert {replica for ended, (_, replica, _, _) in results if ended > redeployed} == set(old)
     _wait_replaced(fleet, old[0])
     assert not set(old) & set(replica_names())
+
+
+def _serving_replica(fleet: str, before: dict, deadline: float) -> str:
+    """The one replica whose prompt-token counts moved since ``before`` (the one serving the request just
+    sent), waited for until ``deadline`` (monotonic seconds)."""
+    serving: dict = {}
+    while not serving and time.monotonic() < deadline:
+        serving = _changed(before, _replica_tokens(fleet))
+        time.sleep(0.05)
+    assert len(serving) == 1, f"no single replica was seen serving the request: {serving}"
+    (victim,) = serving
+    return victim
 
 
 def _prefill_into(fleet: str, token_ids: list[int], results: list) -> None:

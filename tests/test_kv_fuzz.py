@@ -21,10 +21,10 @@ from test_kv_format import join_frames, per_value, rechunk, rewrite_header, spli
 
 from edgedecode.kv.quant import QuantLayout, quantize
 from edgedecode.kv.tiers import Tier
-from edgedecode.kv.wire import EDKVReader
 from edgedecode.kv.wire import reader as reader_module
 from edgedecode.kv.wire.chunks import plan_chunk, section_arrays, section_float16
 from edgedecode.kv.wire.frames import CHUNK_PREFIX, LOWBIT_MINOR, MAJOR, MINOR
+from edgedecode.kv.wire.target import TargetWriter
 from edgedecode.kv.wire.value_check import ValueBounds
 
 FUZZ_CASES = 2500
@@ -232,7 +232,7 @@ def test_the_oracle_reports_untyped_errors_hangs_and_allocations_beyond_the_boun
     monkeypatch.setattr(oracle, "HANG_S", 0.0)
     with pytest.raises(FuzzFailure, match="hang"):
         run_case(fuzz_decoder, clean)
-    monkeypatch.setattr(EDKVReader, "_write", lambda *args: [][0])
+    monkeypatch.setattr(TargetWriter, "write", lambda *args: [][0])
     with pytest.raises(FuzzFailure, match="crash: IndexError"):
         run_case(fuzz_decoder, clean)
 

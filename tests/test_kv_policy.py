@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from edgedecode.kv.policy import (
 )
 from edgedecode.kv.quant import token_nbytes
 from edgedecode.kv.tiers import Tier
+from edgedecode.kv.value_range import KVValueRange
 
 COSTS = {tier: 30 * token_nbytes(tier, 3, 64) for tier in Tier}
 
@@ -107,6 +109,24 @@ def test_profile_round_trips_through_json(tmp_path):
     path.write_text(profile.to_json())
     assert TierProfile.load(path) == profile
     assert TierProfile.load(tmp_path / "missing.json") == TierProfile()
+
+
+def test_limiting_a_profile_to_a_receivers_tiers_keeps_every_other_field():
+    """The prefill server and the quality study narrow a profile to what a receiver reads: a field left
+    behind (the rotation, the measured value range) would silently fall back to its default."""
+    full = TierProfile(
+        (Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT3, Tier.DROP),
+        {**TierProfile().distortion, Tier.INT3: 0.25},
+        "probe",
+        (Tier.INT4, Tier.INT3),
+        KVValueRange(((1.0, 2.0), (3.0, 4.5)), "probe"),
+    )
+    default = TierProfile()
+    assert all(getattr(full, f.name) != getattr(default, f.name) for f in fields(TierProfile))  # a drop would show
+    limited = full.limited_to(set(Tier) - {Tier.INT3})
+    assert limited.allowed == (Tier.FP16, Tier.INT8, Tier.INT4, Tier.DROP)
+    for name in (f.name for f in fields(TierProfile) if f.name != "allowed"):
+        assert getattr(limited, name) == getattr(full, name), name
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.3, 0.2, 0.1])

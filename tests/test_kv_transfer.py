@@ -264,7 +264,7 @@ def test_a_conversation_kept_compressed_is_restored_and_answers_as_if_it_had_sta
     stayed = list(exact_decoder.generate(follow_up, GREEDY_8, keep=stayed_keep))
 
     store = ConversationStore(4)
-    store.put("a", snapshot, tiers=np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8))
+    store.add(store.compress("a", snapshot, tiers=np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8)))
     entry = store.take("a")
     assert entry is not None and len(entry.payload) < 0.3 * (snapshot.keys.nbytes + snapshot.values.nbytes)  # INT8
     exact_decoder.prefill(long_prompt[:30])  # the slot served another conversation meanwhile

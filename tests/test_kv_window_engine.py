@@ -132,14 +132,14 @@ def test_the_store_keeps_a_windowed_conversations_tail_and_never_claims_cells_it
     model, scored = gemma
     contract, n = model.spec.kv_contract, len(PROMPT)
     store = ConversationStore(max_sessions=4)
-    store.put("a", scored.snapshot, window_from=150)
+    store.add(store.compress("a", scored.snapshot, window_from=150))
     entry = store.peek("a")
     assert entry is not None and entry.window_from == 150
     reader = EDKVReader(contract, max_tokens=CONTEXT, target_factory=lambda h: np.zeros((6, 2, 1, n, 128), np.float32))
     reader.feed(entry.payload)
     assert reader.finish().window.start == 150  # later than the tail's start, n - 69
     restored, whole = decoder(model), decoder(model)
-    store.put("whole", scored.snapshot)  # windowed from the tail's start (131) on
+    store.add(store.compress("whole", scored.snapshot))  # windowed from the tail's start (131) on
     logits = []
     for engine, session in ((restored, "a"), (whole, "whole")):
         keep = engine.restore(PROMPT, store.peek(session).payload)
@@ -151,7 +151,7 @@ def test_the_store_keeps_a_windowed_conversations_tail_and_never_claims_cells_it
     edited[100] = (edited[100] + 1) % 95  # before the window: the restored prefix holds no windowed KV to go on
     assert whole.restore(edited, store.peek("whole").payload) == 0 and whole.windowed_from == whole.next_position
     retiered = np.where(store_pins(scored.snapshot.positions), Tier.INT8, Tier.INT4).astype(np.uint8)
-    store.put("b", scored.snapshot, tiers=retiered)  # what the ladder's first rung leaves
+    store.add(store.compress("b", scored.snapshot, tiers=retiered))  # what the ladder's first rung leaves
     entry = store.peek("b")
     assert entry is not None
     # below that: the drop rung (tokens before the tail carry one layer of six, so it frees little)

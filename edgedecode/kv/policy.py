@@ -17,7 +17,7 @@ a budget too small for all of them drops the window's oldest first, never the pr
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
@@ -80,6 +80,10 @@ class TierProfile:
     def rotation(self) -> Rotation | None:
         """The rotation an EDKV 1.3 receiver's payloads get for this model: the default one, on ``rotated``."""
         return replace(DEFAULT_ROTATION, tiers=self.rotated) if self.rotated else None
+
+    def limited_to(self, readable: Collection[Tier]) -> TierProfile:
+        """This profile with only the allowed tiers a receiver can read (``readable``); every other field kept."""
+        return replace(self, allowed=tuple(t for t in self.allowed if t in readable))
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -327,14 +327,11 @@ class PrefillService:
     ) -> EncodedKV:
         """The payload of ``request``'s positions of ``scored`` under its budget, policy and tiers."""
         readable = request.allowed if request.lowbit else tuple(t for t in request.allowed if t is not Tier.INT3)
-        profile = TierProfile(
-            tuple(t for t in self.profile.allowed if t in readable), self.profile.distortion, self.profile.source
-        )
         return encode_within_budget(
             scored.from_position(request.held_tokens),
             request.budget,
             request.policy,
-            profile=profile,
+            profile=self.profile.limited_to(readable),
             meta=request.meta,
             workers=self.encode_threads,
             transfer=transfer,

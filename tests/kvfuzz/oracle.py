@@ -33,7 +33,7 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import EDKVHeader, EDKVReader, KVFormatError
 from edgedecode.kv.wire.chunks import plan_chunk, section_arrays
 from edgedecode.kv.wire.frames import HEADER_CRC, HEADER_PREFIX
-from edgedecode.kv.wire.reader import BLOCK_VALUES
+from edgedecode.kv.wire.target import BLOCK_VALUES
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.handoff import StreamedKV
 from edgedecode.runtime.kvcache import KVInjectionError

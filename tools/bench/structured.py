@@ -128,6 +128,30 @@ PROMPTS = [
 WHAT = {"person": "a person", "order": "a shop order", "review": "a product review", "event": "an event"}
 
 
+def question(i: int) -> tuple[str, str]:
+    """The schema's name and the question of the sweep's ``i``-th answer: SCHEMAS in turn, then the next of PROMPTS."""
+    names = sorted(SCHEMAS)
+    name = names[i % len(names)]
+    return name, PROMPTS[(i // len(names)) % len(PROMPTS)].format(what=WHAT[name])
+
+
+def schema_error(text: str, name: str) -> str | None:
+    """Why ``text`` is no answer under SCHEMAS[name] (not JSON, or not valid: jsonschema's words), or None."""
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), SCHEMAS[name])
+    except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+        return str(exc)
+    return None
+
+
+def print_failures(failures: list[dict[str, Any]], label: str, width: int) -> None:
+    """One line a failed answer: ``label`` formatted with its fields, then its error's first ``width`` characters."""
+    for failure in failures:
+        print(f"    {label.format(**failure)}: {failure['error'][:width]!r}")
+
+
 def clocks() -> np.ndarray:
     """Wall time, this process's CPU time (every thread's: onnxruntime's too) and this thread's, in seconds."""
     return np.array([time.perf_counter(), time.process_time(), time.thread_time()])
@@ -200,17 +224,13 @@ def cost(engine: Engine, compiler: GrammarCompiler, prompt: list[int], runs: int
 
 def sweep(engine: Engine, compiler: GrammarCompiler, model: Any, answers: int, max_tokens: int) -> dict[str, Any]:
     """``answers`` sampled answers over PROMPTS x SCHEMAS: how each ended, and whether it parsed and validated."""
-    import jsonschema
-
     ended: Counter[str] = Counter()
     failures: list[dict[str, Any]] = []  # answers that ended by themselves and do not validate: none may
     cut = 0
     examples: list[dict[str, Any]] = []  # answers max_tokens cut
-    names = sorted(SCHEMAS)
     for i in range(answers):
-        name = names[i % len(names)]
-        question = PROMPTS[(i // len(names)) % len(PROMPTS)].format(what=WHAT[name])
-        prompt = model.tokenizer.encode_chat([{"role": "user", "content": question}])
+        name, asked = question(i)
+        prompt = model.tokenizer.encode_chat([{"role": "user", "content": asked}])
         grammar = compiler.compile(json_schema_grammar(SCHEMAS[name]))
         params = SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i)
         text = model.tokenizer.decode(list(engine.generate(prompt, params, constraint=grammar.start())))
@@ -219,12 +239,9 @@ def sweep(engine: Engine, compiler: GrammarCompiler, model: Any, answers: int, m
             cut += 1
             examples.append({"schema": name, "text": text})
             continue
-        try:
-            jsonschema.validate(json.loads(text), SCHEMAS[name])
-        except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-            failures.append(
-                {"schema": name, "finish_reason": engine.stats.finish_reason, "text": text, "error": str(exc)}
-            )
+        error = schema_error(text, name)
+        if error is not None:
+            failures.append({"schema": name, "finish_reason": engine.stats.finish_reason, "text": text, "error": error})
     return {
         "answers": answers,
         "finish_reasons": dict(ended),
@@ -275,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  sweep: {s['answers']} answers: {s['valid']} valid, {s['cut_by_max_tokens']} cut by max_tokens, ", end=""
         )
         print(f"{s['invalid']} invalid (ended {s['finish_reasons']})")
-        for failure in s["failures"]:
-            print(f"    {failure['schema']} ({failure['finish_reason']}): {failure['error'][:80]!r}")
+        print_failures(s["failures"], "{schema} ({finish_reason})", 80)
     if args.json is not None:
         cli.write_json(report, args.json)
     return 0

@@ -19,13 +19,12 @@ from pathlib import Path
 if not __package__:  # run as a file: import tools.* (and edgedecode) from the repo root, as `python -m` would
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
-import json
 import tempfile
 import time
 from collections import Counter
 from typing import Any
 
-from tools.bench.structured import PROMPTS, SCHEMAS, WHAT
+from tools.bench.structured import SCHEMAS, print_failures, question, schema_error
 from tools.common import cli
 from tools.common.servers import running, toml_config
 
@@ -61,15 +60,10 @@ def ask(
 
 def verdict(text: str, finish: str, name: str) -> str:
     """``valid``, ``cut`` (max_tokens ended it) or ``invalid: <why>``."""
-    import jsonschema
-
     if finish == "length":
         return "cut"
-    try:
-        jsonschema.validate(json.loads(text), SCHEMAS[name])
-    except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
-        return f"invalid: {str(exc)[:200]}"
-    return "valid"
+    error = schema_error(text, name)
+    return "valid" if error is None else f"invalid: {error[:200]}"
 
 
 def sweep(url: str, answers: int, max_tokens: int) -> dict[str, Any]:
@@ -82,13 +76,11 @@ def sweep(url: str, answers: int, max_tokens: int) -> dict[str, Any]:
     verdicts: dict[str, Counter[str]] = {"whole": Counter(), "streamed": Counter()}
     failures: list[dict[str, Any]] = []
     differ = 0
-    names = sorted(SCHEMAS)
     for i in range(answers):
-        name = names[i % len(names)]
-        question = PROMPTS[(i // len(names)) % len(PROMPTS)].format(what=WHAT[name])
+        name, asked = question(i)
         texts = {}
         for form in ("whole", "streamed"):
-            text, finish, source = ask(client, model, question, name, i, max_tokens, form == "streamed")
+            text, finish, source = ask(client, model, asked, name, i, max_tokens, form == "streamed")
             if form == "whole":
                 sources[str(source)] += 1
             said = verdict(text, finish, name)
@@ -134,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     for form in ("whole", "streamed"):
         print(f"  {form:>8}: {report[form]}")
     print(f"  whole and streamed differ: {report['whole_and_streamed_differ']}; KV sources: {report['kv_sources']}")
-    for failure in report["failures"]:
-        print(f"    answer {failure['answer']} {failure['form']} {failure['schema']}: {failure['error'][:100]!r}")
+    print_failures(report["failures"], "answer {answer} {form} {schema}", 100)
     if args.json is not None:
         cli.write_json(report, args.json)
     return 0

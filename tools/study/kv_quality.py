@@ -455,9 +455,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict:
     scorer = Engine(model, GraphOptions(accuracy_level=0), max_context=longest, threads=args.threads)
     profile = TierProfile.load(args.profile or profile_path(model))
     if args.edkv == "1.2":  # today's receivers: no INT3
-        profile = TierProfile(
-            tuple(t for t in profile.allowed if t is not Tier.INT3), profile.distortion, profile.source
-        )
+        profile = profile.limited_to(set(Tier) - {Tier.INT3})
 
     configs = variants(policies, budgets, fractions)
     perplexity = summarise_perplexity(perplexity_study(args, model, prefiller, scorer, configs, profile))

@@ -100,17 +100,6 @@ class ConversationStore:
         """The conversation compressed (``memory.conversation.compress``), not kept: ``add`` keeps it."""
         return compress(session_id, snapshot, importance, tiers, window_from, workers=self.workers)
 
-    def put(
-        self,
-        session_id: str,
-        snapshot: KVSnapshot,
-        importance: np.ndarray | None = None,
-        tiers: Tier | np.ndarray = DEFAULT_TIER,
-        window_from: int = 0,
-    ) -> list[LadderStep]:
-        """Keep ``snapshot`` compressed as the conversation's KV (``compress``, then ``add``)."""
-        return self.add(self.compress(session_id, snapshot, importance, tiers, window_from))
-
     def add(self, entry: StoredConversation, max_sessions: int | None = None) -> list[LadderStep]:
         """Keep ``entry`` as its conversation's KV (replacing what the store held for it), the most
         recently put, with at most ``max_sessions`` conversations in all (default and upper bound:

@@ -1,4 +1,5 @@
-"""EDKV streaming reader: verifies each chunk, then dequantises it straight into the receiver's KV buffer."""
+"""EDKV streaming reader: parses and verifies the stream frame by frame (header, chunks, trailer); each verified
+chunk is dequantised straight into the receiver's KV buffer (``wire.target``)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,8 @@ from typing import ClassVar
 import numpy as np
 import zstandard
 
-from edgedecode.kv.quant import dequantize_into, widen_fp16_into
-from edgedecode.kv.rotation import hadamard_signs, unrotate_into
 from edgedecode.kv.snapshot import KVSnapshot
-from edgedecode.kv.wire.chunks import (
-    Section,
-    plan_chunk,
-    section_arrays,
-)
+from edgedecode.kv.wire.chunks import plan_chunk, section_arrays
 from edgedecode.kv.wire.errors import (
     KVChecksumError,
     KVContractError,
@@ -52,11 +47,11 @@ from edgedecode.kv.wire.header import (
     doc_field,
     load_doc,
 )
-from edgedecode.kv.wire.value_check import Unrotation, ValueBounds
+from edgedecode.kv.wire.target import TargetWriter
+from edgedecode.kv.wire.value_check import ValueBounds
 from edgedecode.model.spec import KVContract
 
 DECODE_SNAPSHOT_MAX_TOKENS = 1 << 20
-BLOCK_VALUES = 1 << 18  # values decoded per step: 1 MiB of float32 staging, about a core's L2
 
 TargetFactory = Callable[[EDKVHeader], np.ndarray]
 ChunkCallback = Callable[[ChunkSpec, slice], None]
@@ -135,11 +130,7 @@ class EDKVReader:
         self._chunks_done = 0
         self._tokens_ingested = 0
         self._header: EDKVHeader | None = None
-        self._target: np.ndarray | None = None
-        self._scratch = np.empty(0, np.float32)
-        self._rotated = np.empty((2, 0), np.float32)  # a rotated section's x̂ and its product with H, staged
-        self._signs = np.empty((0, 2, 0, 0), np.float32)  # [layers, K/V, heads, D] of a rotated stream
-        self._unrotation: Unrotation | None = None  # how the value check rotates a section back, likewise
+        self._writer: TargetWriter | None = None
         self._raw = bytearray()
         self._layers_done = np.zeros(0, np.int64)
 
@@ -155,10 +146,10 @@ class EDKVReader:
         return self._header
 
     @property
-    def _dest(self) -> np.ndarray:
-        """The target_factory's array, set together with the header."""
-        assert self._target is not None, "past the header stage"
-        return self._target
+    def _target(self) -> TargetWriter:
+        """What writes into the target_factory's array, set together with the header."""
+        assert self._writer is not None, "past the header stage"
+        return self._writer
 
     @property
     def progress(self) -> ReadProgress:
@@ -268,20 +259,14 @@ class EDKVReader:
         if n > self.max_tokens:
             raise KVTooLargeError("n_tokens", f"{n} tokens, the receiver's context holds {self.max_tokens}")
         header = EDKVHeader.from_doc(doc, self._minor, self._major)  # counts, coverage, raw_nbytes
-        c, table = header.contract, header.chunk_table
+        table = header.chunk_table
         over = np.flatnonzero(table[:, 4] > self.max_chunk_bytes)
         if over.size:
             raise KVTooLargeError(
                 f"chunk {int(over[0])}", f"{int(table[over[0], 4])} raw bytes, limit {self.max_chunk_bytes}"
             )
-        self._target = _checked_target(self._target_factory(header), header)
-        self._bounds = self._bounds.for_target(self._target.dtype)
-        widest = int((table[:, 3] - table[:, 2]).max(initial=0))
-        self._scratch = np.empty(max(BLOCK_VALUES, widest * c.n_kv_heads * c.head_dim), np.float32)
-        if header.rotation is not None:
-            self._rotated = np.empty((2, len(self._scratch)), np.float32)
-            self._signs = hadamard_signs(header.rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)
-            self._unrotation = Unrotation(header.rotation.block, self._signs, self._rotated)
+        self._writer = TargetWriter(self._target_factory(header), header)
+        self._bounds = self._bounds.for_target(self._writer.target.dtype)
         self._raw = bytearray(int(table[:, 4].max(initial=0)))
         self._dctx = zstandard.ZstdDecompressor(max_window_size=max_zstd_window(len(self._raw)))
         self._header = header
@@ -329,12 +314,12 @@ class EDKVReader:
         )
         if plan.raw_nbytes != spec.raw_nbytes:  # the header's check makes this unreachable
             raise KVMalformedError(f"chunk {spec.index}", f"{spec.raw_nbytes} raw bytes, the plan {plan.raw_nbytes}")
-        rotation = header.rotation
+        rotation, target = header.rotation, self._target
         for section in plan.sections:  # every value of the chunk, before anything from it is written
             rotated = rotation is not None and rotation.rotates(section.tier)
-            self._bounds.check(spec, section, raw, c.n_kv_heads, c.head_dim, self._unrotation if rotated else None)
+            self._bounds.check(spec, section, raw, c.n_kv_heads, c.head_dim, target.unrotation if rotated else None)
         for section in plan.sections:
-            self._write(section, section_arrays(raw, section, c.n_kv_heads, c.head_dim))
+            target.write(section, section_arrays(raw, section, c.n_kv_heads, c.head_dim))
         self._chunks_done += 1
         done = self._layers_done[spec.token_start : spec.token_stop]
         done += spec.layer_stop - spec.layer_start
@@ -366,49 +351,6 @@ class EDKVReader:
                 f"chunk {spec.index}", f"{'more than ' if extra else ''}{got} raw bytes, expected {spec.raw_nbytes}"
             )
         return raw
-
-    def _write(self, section: Section, arrays: list[np.ndarray]) -> None:
-        """Decode one section into its compacted slots: slices when they are contiguous, else one scatter.
-
-        Runs of layers go in blocks of about BLOCK_VALUES values, so the float32 staging stays in cache.
-        """
-        dest = self._dest[section.layer_start : section.layer_stop, section.kv]  # [layers, H, slots, D]
-        slots = self._parsed.slots_before[section.tokens]
-        first, last = int(slots[0]), int(slots[-1])
-        contiguous = last - first + 1 == len(slots)
-        per_layer = dest.shape[1] * len(slots) * dest.shape[3]
-        step = max(1, BLOCK_VALUES // per_layer)
-        for start in range(0, len(dest), step):
-            block = slice(start, start + step)
-            parts = [a[block] for a in arrays]
-            layers = slice(section.layer_start + start, section.layer_start + start + len(dest[block]))
-            if contiguous:
-                self._decode(section, parts, dest[block, :, first : last + 1], layers)
-                continue
-            shape = (len(dest[block]), dest.shape[1], len(slots), dest.shape[3])
-            staged = (
-                self._scratch[: int(np.prod(shape))].reshape(shape)
-                if dest.dtype == np.float32
-                else np.empty(shape, dest.dtype)
-            )
-            self._decode(section, parts, staged, layers)
-            rows = np.dtype((np.void, dest.shape[3] * dest.itemsize))  # a head_dim row as one item: cheaper scatter
-            dest[block].view(rows)[..., 0][:, :, slots] = staged.view(rows)[..., 0]
-
-    def _decode(self, section: Section, arrays: list[np.ndarray], out: np.ndarray, layers: slice) -> None:
-        """Write `section`'s values for `layers` into `out`: widened, or dequantised (then rotated back, for a tier
-        the header's rotation lists)."""
-        rotation = self._parsed.rotation
-        if section.layout is None:
-            widen_fp16_into(arrays[0], out, self._scratch)
-        elif rotation is not None and rotation.rotates(section.tier):
-            codes, scales, zeros = arrays
-            rotated = self._rotated[0, : out.size].reshape(out.shape)
-            dequantize_into(codes, scales, zeros, section.layout, rotated)
-            unrotate_into(rotated, self._signs[layers, section.kv], rotation.block, out, self._rotated[1])
-        else:
-            codes, scales, zeros = arrays
-            dequantize_into(codes, scales, zeros, section.layout, out, self._scratch)
 
     def _trailer(self, item: memoryview) -> None:
         _, count, digest = TRAILER.unpack(item)
@@ -463,22 +405,3 @@ def decode_snapshot(
         buffers[0][:, 1],
         header.producer,
     )
-
-
-def _checked_target(target: np.ndarray, header: EDKVHeader) -> np.ndarray:
-    c = header.contract
-    if (
-        not isinstance(target, np.ndarray)
-        or target.dtype not in (np.float32, np.float16)
-        or target.ndim != 5
-        or target.shape[:3] != (c.n_layers, 2, c.n_kv_heads)
-        or target.shape[4] != c.head_dim
-        or target.shape[3] < header.n_kept
-        or (target.size and target.strides[4] != target.itemsize)
-    ):
-        got = f"{target.dtype} {list(target.shape)}" if isinstance(target, np.ndarray) else type(target).__name__
-        raise ValueError(
-            f"target_factory must return a float32/float16 array [{c.n_layers}, 2, {c.n_kv_heads}, "
-            f">= {header.n_kept}, {c.head_dim}] with contiguous head_dim rows, got {got}"
-        )
-    return target
