@@ -268,16 +268,20 @@ def test_a_cuda_prefill_node_codes_payloads_with_int3_or_a_rotation_on_the_host(
     anywhere: nothing here touches CUDA (a device coder would, and fail without it)."""
     from edgedecode.kv.policy import TierProfile
     from edgedecode.kv.rotation import DEFAULT_ROTATION
-    from edgedecode.prefill.kv_device import HostCoder, KVDevice
+    from edgedecode.kernels.kv_sections import section_kernel
+    from edgedecode.prefill.kv_device import DeviceCoder, HostCoder, KVDevice
     from edgedecode.prefill.pipeline import ScoredPrefill, encode_within_budget
 
     cuda = KVDevice("cuda", 1)
     snap = snapshot(512, head_dim=64)
     for rotation, int3 in ((DEFAULT_ROTATION, False), (None, True), (DEFAULT_ROTATION, True)):
         coder = cuda.coder(snap, rotation, int3)
-        assert isinstance(coder, HostCoder) and coder.device.device == "cpu" and coder.rotation == rotation
+        assert not isinstance(coder, DeviceCoder) and coder.rotation == rotation
+        # the host's coder: the kernels library's section kernel, or without it HostCoder on CPU sessions
+        assert coder.kernel is section_kernel() if section_kernel() else coder.device.device == "cpu"
     cpu = KVDevice("cpu", 1)
-    assert cpu.coder(snap, DEFAULT_ROTATION).device is cpu
+    on_cpu = cpu.coder(snap, DEFAULT_ROTATION)
+    assert on_cpu.kernel is section_kernel() if section_kernel() else isinstance(on_cpu, HostCoder)
     scored = ScoredPrefill(snap, np.random.default_rng(2).random(512).astype(np.float32))
     every = (Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT3, Tier.INT2, Tier.DROP)
     profile = TierProfile(every, dict(zip(every, (0.0, 0.0002, 0.07, 0.12, 0.5, 1.0))))  # INT3 worth its bytes
