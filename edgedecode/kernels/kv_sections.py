@@ -1,5 +1,6 @@
 """EDKV sections computed by the kernels library on the CPU: the quantizers of ``kv/quant.py`` and the float16 cast
-of FP16 sections, byte for byte, in one pass over a section's float32 rows (``csrc/kv_quant.c``).
+of FP16 sections, byte for byte, in one pass over a section's float32 rows (``csrc/kv_quant.c``); and the chunks'
+CRC-32 by carry-less multiplication (``csrc/crc32.c``, ~4× zlib's).
 
 :func:`section_kernel` gives the function a ``kv.wire.coder.SectionCoder`` takes as its ``kernel``: it reads the
 section's token rows where they lie in the snapshot (no gather copy) and writes codes, scales and zeros (or float16
@@ -7,13 +8,15 @@ rows) straight into the chunk's views. It declines (returns False, having writte
 numpy reference must decide: a value not finite or beyond float16, a group whose minimum is ±0 (the sign of the
 zero follows numpy's reduction order), a shape or a CPU the C code does not cover, or rows that are not float32.
 The coder then computes that section with the reference. No library (no compiler at install,
-``EDGEDECODE_KERNELS=off``): :func:`section_kernel` is None and the coder uses numpy.
+``EDGEDECODE_KERNELS=off``): :func:`section_kernel` is None and the coder uses numpy, and :func:`crc32_function` is
+zlib's.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -35,16 +38,26 @@ def _bind(library: ctypes.CDLL) -> None:
     library.edgedecode_kv_quantize.restype = ctypes.c_int
     library.edgedecode_kv_to_fp16.argtypes = [*rows, _PTR, _I64]
     library.edgedecode_kv_to_fp16.restype = ctypes.c_int
+    library.edgedecode_crc32.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]
+    library.edgedecode_crc32.restype = ctypes.c_int
 
 
 @functools.cache
-def section_kernel() -> SectionKernel | None:
-    """The library's section kernel, or None where the library is not usable (``kernels.load().reason``)."""
+def _library() -> ctypes.CDLL | None:
     kernels = load()
     if not kernels.available or kernels.path is None:
         return None
     library = open_library(kernels.path)
     _bind(library)
+    return library
+
+
+@functools.cache
+def section_kernel() -> SectionKernel | None:
+    """The library's section kernel, or None where the library is not usable (``kernels.load().reason``)."""
+    library = _library()
+    if library is None:
+        return None
     quantize, to_fp16 = library.edgedecode_kv_quantize, library.edgedecode_kv_to_fp16
 
     def kernel(rows: np.ndarray, tokens: np.ndarray, layout: QuantLayout | None, arrays: list[np.ndarray]) -> bool:
@@ -69,3 +82,20 @@ def section_kernel() -> SectionKernel | None:
         return status == _OK
 
     return kernel
+
+
+@functools.cache
+def crc32_function() -> Callable[[bytes], int]:
+    """zlib's ``crc32(data)``, computed by the library where it folds with PCLMULQDQ (else by zlib)."""
+    library = _library()
+    if library is None:
+        return zlib.crc32
+    fold = library.edgedecode_crc32
+
+    def crc32(data: bytes) -> int:
+        value = ctypes.c_uint32(0)
+        if fold(data, len(data), ctypes.byref(value)) == _OK:
+            return value.value
+        return zlib.crc32(data)
+
+    return crc32

@@ -27,7 +27,7 @@ from edgedecode.kv.quant import QuantLayout, numpy_group_range, quantize, widen_
 from edgedecode.kv.quant_graph import fp16_graph, quant_graph, range_graph
 from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.snapshot import KVSnapshot
-from edgedecode.kernels.kv_sections import section_kernel
+from edgedecode.kernels.kv_sections import crc32_function, section_kernel
 from edgedecode.kv.wire.coder import CachingCoder, KeepingCoder, SectionCoder, fp16_error
 from edgedecode.model.onnx_builder import GraphBuilder
 from edgedecode.model.spec import ModelSpec
@@ -97,12 +97,12 @@ class KVDevice:
         return DeviceCoder(snapshot, self)
 
     def host_coder(self, snapshot: KVSnapshot, rotation: Rotation | None = None) -> SectionCoder:
-        """The CPU's coder: the kernels library's section kernel, chunks kept across payloads; without the
-        library, ``HostCoder`` on this (CPU) device's sessions."""
+        """The CPU's coder: the kernels library's section kernel and CRC-32, chunks kept across payloads; without
+        the library, ``HostCoder`` on this (CPU) device's sessions."""
         kernel = section_kernel()
         if kernel is None:
             return HostCoder(snapshot, self, rotation)
-        return KeepingCoder(snapshot, rotation, kernel)
+        return KeepingCoder(snapshot, rotation, kernel, crc32_function())
 
 
 class HostCoder(CachingCoder):

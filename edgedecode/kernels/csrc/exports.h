@@ -60,5 +60,8 @@ EXPORT int edgedecode_kv_quantize(const float *src, int64_t layers, int64_t head
 EXPORT int edgedecode_kv_to_fp16(const float *src, int64_t layers, int64_t heads, int64_t m, int64_t d,
                                  int64_t layer_stride, int64_t head_stride, int64_t token_stride,
                                  const int64_t *tokens, uint8_t *out, int64_t out_layer_stride);
+/* zlib's crc32(*crc, buf, len) into *crc with PCLMULQDQ (crc32.c); KVQ_UNSUPPORTED (nothing written) below 64 bytes
+ * or on a CPU without it. */
+EXPORT int edgedecode_crc32(const uint8_t *buf, size_t len, uint32_t *crc);
 
 #endif

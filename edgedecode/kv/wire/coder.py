@@ -25,6 +25,7 @@ rotated before they are quantized, and everything kept is kept for that rotation
 from __future__ import annotations
 
 import threading
+import zlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -50,12 +51,17 @@ class SectionCoder:
     fill_stage = "quantize"  # what ``fill`` does, as a stage of ``kv.stage_clock``
 
     def __init__(
-        self, snapshot: KVSnapshot, rotation: Rotation | None = None, kernel: SectionKernel | None = None
+        self,
+        snapshot: KVSnapshot,
+        rotation: Rotation | None = None,
+        kernel: SectionKernel | None = None,
+        crc32: Callable[[bytes], int] = zlib.crc32,
     ) -> None:
         self.snapshot = snapshot
         self.contract = snapshot.contract
         self.rotation = rotation
         self.kernel = kernel
+        self.crc32 = crc32  # of each compressed chunk, for its frame (zlib's function, or the same values faster)
         if rotation is not None:
             rotation.check_head_dim(snapshot.contract.head_dim)
 
@@ -69,7 +75,7 @@ class SectionCoder:
     def prepare(self, plans: Sequence[ChunkPlan]) -> None:
         """Compute what ``plans``' chunks need, ahead of ``fill`` (the reference computes it in ``fill``)."""
 
-    def fill(self, raw: bytearray, plan: ChunkPlan) -> None:
+    def fill(self, raw: bytearray | memoryview, plan: ChunkPlan) -> None:
         """Write the chunk's bytes before zstd into ``raw`` (``plan.raw_nbytes``).
 
         Raises:
@@ -159,9 +165,13 @@ class KeepingCoder(SectionCoder):
     for the next payload of the snapshot, which reuses it where the chunk's tier rows did not change."""
 
     def __init__(
-        self, snapshot: KVSnapshot, rotation: Rotation | None = None, kernel: SectionKernel | None = None
+        self,
+        snapshot: KVSnapshot,
+        rotation: Rotation | None = None,
+        kernel: SectionKernel | None = None,
+        crc32: Callable[[bytes], int] = zlib.crc32,
     ) -> None:
-        super().__init__(snapshot, rotation, kernel)
+        super().__init__(snapshot, rotation, kernel, crc32)
         self._chunks = _Kept()
 
     def begin_payload(self) -> None:
@@ -214,7 +224,7 @@ class CachingCoder(KeepingCoder):
             for s, value in zip(group, computed):
                 self._sections.put(self._key(s), value)
 
-    def fill(self, raw: bytearray, plan: ChunkPlan) -> None:
+    def fill(self, raw: bytearray | memoryview, plan: ChunkPlan) -> None:
         """Copy the chunk's sections (computed by ``prepare``, which it calls for anything missing) into ``raw``."""
         self.prepare([plan])
         c = self.contract
