@@ -241,7 +241,11 @@ def test_the_caching_coders_write_the_references_int3_and_rotated_bytes(workers:
     layouts = layouts_with_int3(64)
     device = KVDevice("cpu", 1)
     for rotation in (None, ROTATED):
-        coders = {"caching": CachingCoder(snap, rotation), "host": HostCoder(snap, device, rotation)}
+        coders = {
+            "caching": CachingCoder(snap, rotation),
+            "host": HostCoder(snap, device, rotation),
+            "cpu": device.coder(snap, rotation),  # the section kernel where the kernels library is built
+        }
         if rotation is None:
             coders["device"] = DeviceCoder(snap, device)
         for name, tiers in _mixed_maps(300, snap.contract.n_layers).items():
@@ -266,9 +270,9 @@ def test_a_coder_made_for_another_rotation_is_refused() -> None:
 def test_a_cuda_prefill_node_codes_payloads_with_int3_or_a_rotation_on_the_host() -> None:
     """The device graphs have neither: such a plan goes to the host coder, whose bytes are the reference's. Runs
     anywhere: nothing here touches CUDA (a device coder would, and fail without it)."""
+    from edgedecode.kernels.kv_sections import section_kernel
     from edgedecode.kv.policy import TierProfile
     from edgedecode.kv.rotation import DEFAULT_ROTATION
-    from edgedecode.kernels.kv_sections import section_kernel
     from edgedecode.prefill.kv_device import DeviceCoder, HostCoder, KVDevice
     from edgedecode.prefill.pipeline import ScoredPrefill, encode_within_budget
 

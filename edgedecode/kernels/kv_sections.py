@@ -18,6 +18,7 @@ import ctypes
 import functools
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,17 @@ _PTR = ctypes.c_void_p
 
 
 def _bind(library: ctypes.CDLL) -> None:
-    rows = [_PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _PTR]  # src, layers, heads, m, d, strides, tokens
+    rows: list[Any] = [
+        _PTR,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _I64,
+        _PTR,
+    ]  # src, layers, heads, m, d, strides, tokens
     library.edgedecode_kv_quantize.argtypes = [*rows, ctypes.c_int, ctypes.c_int, ctypes.c_int, _PTR, _PTR, _PTR,
                                                _I64, _I64]  # fmt: skip
     library.edgedecode_kv_quantize.restype = ctypes.c_int
@@ -64,6 +75,8 @@ def section_kernel() -> SectionKernel | None:
         """Write the section of ``rows [layers, H, n, D]`` (float32, channels contiguous) at ``tokens`` (indices on
         axis 2) into ``arrays`` (``kv.wire.chunks.section_arrays``); False where it leaves it to the reference."""
         if rows.dtype != np.float32 or rows.strides[-1] != 4 or any(s < 0 or s % 4 for s in rows.strides):
+            return False
+        if not all(_layers_apart(array) for array in arrays):
             return False
         tokens = np.ascontiguousarray(tokens, np.int64)
         layers, heads, _, d = rows.shape
@@ -99,3 +112,9 @@ def crc32_function() -> Callable[[bytes], int]:
         return zlib.crc32(data)
 
     return crc32
+
+
+def _layers_apart(array: np.ndarray) -> bool:
+    """Whether ``array [layers, ...]`` is C-contiguous within each layer (its layers any whole stride apart)."""
+    inner = array[0] if len(array) else array
+    return inner.flags.c_contiguous and array.strides[0] >= 0

@@ -4,14 +4,16 @@
   engine's device. On the CPU it replaces numpy's batched matmul, whose BLAS threads spin against onnxruntime's on
   a shared box (4k tokens: 0.13 s of CPU against 0.8–1.4 s, `tools/bench/prefill_stages.py`).
 * ``KVDevice.coder``: what fills EDKV chunks (``kv/wire/coder.py``). On the CPU, a ``KeepingCoder`` with the
-  kernels library's section kernel (``kernels/kv_sections.py``: each section in one pass of C over its rows, straight
-  into the chunk; compressed chunks kept across the fit's refits), or where the library is not built, ``HostCoder``:
-  numpy's quantizers and onnxruntime's float16 cast (MLAS, F16C: ~17× numpy's). On CUDA, ``DeviceCoder``: the snapshot is
-  uploaded once and every section is computed there by the graphs of ``kv/quant_graph.py``, a wave of chunks per
-  run; only packed codes, scales and float16 rows come back, and the host compresses them. The device graphs have
-  no 3-bit codes and no rotation (EDKV 1.3): a payload that may use either is coded on the host instead.
+  kernels library's section kernel (``kernels/kv_sections.py``: each section in one pass of C over its rows,
+  straight into the chunk; compressed chunks kept across the fit's refits), or where the library is not built,
+  ``HostCoder``: numpy's quantizers and onnxruntime's float16 cast (MLAS, F16C: ~17× numpy's). On CUDA,
+  ``DeviceCoder``: the snapshot is uploaded once and every section is computed there by the graphs of
+  ``kv/quant_graph.py``, a wave of chunks per run; only packed codes, scales and float16 rows come back, and the host
+  compresses them. The device graphs have no 3-bit codes and no rotation (EDKV 1.3): a payload that may use either
+  is coded on the host instead.
 
-Both write byte for byte the reference's chunks (tests/test_kv_device.py runs ``DeviceCoder`` on the CPU EP).
+All write byte for byte the reference's chunks (tests/test_kv_device.py runs ``DeviceCoder`` on the CPU EP;
+tests/test_kv_sections.py the section kernel).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 
+from edgedecode.kernels.kv_sections import crc32_function, section_kernel
 from edgedecode.kv.importance_graph import hidden_bias, importance_graph, observation_queries
 from edgedecode.kv.quant import QuantLayout, numpy_group_range, quantize, widen_fp16
 from edgedecode.kv.quant_graph import fp16_graph, quant_graph, range_graph
 from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.snapshot import KVSnapshot
-from edgedecode.kernels.kv_sections import crc32_function, section_kernel
 from edgedecode.kv.wire.coder import CachingCoder, KeepingCoder, SectionCoder, fp16_error
 from edgedecode.model.onnx_builder import GraphBuilder
 from edgedecode.model.spec import ModelSpec

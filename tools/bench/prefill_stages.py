@@ -11,8 +11,8 @@ prefill server's graph, on --device; prefix cache off), then:
 * for each budget, ``encode_within_budget`` as the server runs it (policy "ours", the model's tier profile, the
   refits included) with each path: the reference coder (every refit computed afresh: what the server did before)
   and the device path's coder (``KVDevice.coder``: on CUDA sections on the device, kept across refits; on the CPU
-  the kernels library's one-pass section kernel, compressed chunks kept across refits). Both encode the same scored prefill (the
-  reference's importance), and the tool checks that their payloads are byte for byte equal.
+  the kernels library's one-pass section kernel, compressed chunks kept across refits). Both encode the same
+  scored prefill (the reference's importance), and the tool checks that their payloads are byte for byte equal.
 * send: the payload's frames written to a local socket that a thread drains (the kernel copy; no link);
 * server: what a request costs the server, in wall time: the prefill stages, the path's scoring and its parallel
   fit; against the bare prefill (the prompt run through the same engine, nothing else).

@@ -89,8 +89,8 @@ class SectionCoder:
             if self.rotates(section):
                 rows = self.rotated(source[:, :, section.tokens], section.kv, section.layer_start, section.layer_stop)
             if self.kernel is not None:
-                where = (source, section.tokens) if rows is None else (rows, np.arange(len(section.tokens)))
-                if self.kernel(*where, section.layout, arrays):
+                at, tokens = (source, section.tokens) if rows is None else (rows, np.arange(len(section.tokens)))
+                if self.kernel(at, tokens, section.layout, arrays):
                     continue
             if rows is None:
                 rows = source[:, :, section.tokens]
