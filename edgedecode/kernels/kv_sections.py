@@ -33,17 +33,7 @@ _PTR = ctypes.c_void_p
 
 
 def _bind(library: ctypes.CDLL) -> None:
-    rows: list[Any] = [
-        _PTR,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _I64,
-        _PTR,
-    ]  # src, layers, heads, m, d, strides, tokens
+    rows: list[Any] = [_PTR, *[_I64] * 7, _PTR]  # src; layers, heads, m, d and its three strides; tokens
     library.edgedecode_kv_quantize.argtypes = [*rows, ctypes.c_int, ctypes.c_int, ctypes.c_int, _PTR, _PTR, _PTR,
                                                _I64, _I64]  # fmt: skip
     library.edgedecode_kv_quantize.restype = ctypes.c_int
