@@ -6,6 +6,7 @@ whose minimum is ±0, values the reference refuses) is the reference's to comput
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -185,6 +186,14 @@ def test_the_crc32_is_zlibs():
     for n in (*range(0, 200), 1023, 4096, 65537, 3_000_001):
         data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
         assert crc32(data) == zlib.crc32(data), n
+
+
+def test_a_float16_snapshot_is_coded_as_before():
+    """The kernel reads float32 rows: a float16 snapshot (a float16 prefill's export) keeps ``HostCoder``."""
+    snap = snapshot(64, head_dim=64)
+    half = dataclasses.replace(snap, keys=snap.keys.astype(np.float16), values=snap.values.astype(np.float16))
+    assert isinstance(KVDevice("cpu", 1).coder(half), HostCoder)
+    assert KVDevice("cpu", 1).coder(snap).kernel is section_kernel()
 
 
 def test_without_the_library_the_cpu_codes_with_numpy_and_zlib(monkeypatch):

@@ -100,9 +100,10 @@ class KVDevice:
 
     def host_coder(self, snapshot: KVSnapshot, rotation: Rotation | None = None) -> SectionCoder:
         """The CPU's coder: the kernels library's section kernel and CRC-32, chunks kept across payloads; without
-        the library, ``HostCoder`` on this (CPU) device's sessions."""
+        the library, or for a float16 snapshot (the kernel reads float32 rows), ``HostCoder`` on this (CPU) device's
+        sessions."""
         kernel = section_kernel()
-        if kernel is None:
+        if kernel is None or snapshot.keys.dtype != np.float32 or snapshot.values.dtype != np.float32:
             return HostCoder(snapshot, self, rotation)
         return KeepingCoder(snapshot, rotation, kernel, crc32_function())
 
