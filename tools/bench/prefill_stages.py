@@ -43,6 +43,7 @@ from pathlib import Path
 if not __package__:  # run as a file: import tools.* (and edgedecode) from the repo root, as `python -m` would
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
+import hashlib
 import logging
 import os
 import socket
@@ -208,6 +209,7 @@ def measure_cell(scored: ScoredPrefill, budget: float, path: str, args, devices,
         "parallel_gbps_wall": fp16 / wall / 1e9,
         "send": send(encoded.frames),
         "payload": b"".join(encoded.frames),
+        "payload_sha256": hashlib.sha256(b"".join(encoded.frames)).hexdigest(),  # to compare runs of two checkouts
         "tier_map": encoded.tiers,
     }
 
