@@ -183,6 +183,7 @@ def _coders(snapshot: KVSnapshot, device: KVDevice) -> dict[str, SectionCoder]:
         "caching": CachingCoder(snapshot),
         "host": HostCoder(snapshot, device),
         "device": DeviceCoder(snapshot, device),
+        "cpu": device.coder(snapshot),  # the CPU node's: the kernels library's section kernel where it is built
     }
 
 

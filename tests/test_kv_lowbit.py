@@ -241,7 +241,11 @@ def test_the_caching_coders_write_the_references_int3_and_rotated_bytes(workers:
     layouts = layouts_with_int3(64)
     device = KVDevice("cpu", 1)
     for rotation in (None, ROTATED):
-        coders = {"caching": CachingCoder(snap, rotation), "host": HostCoder(snap, device, rotation)}
+        coders = {
+            "caching": CachingCoder(snap, rotation),
+            "host": HostCoder(snap, device, rotation),
+            "cpu": device.coder(snap, rotation),  # the section kernel where the kernels library is built
+        }
         if rotation is None:
             coders["device"] = DeviceCoder(snap, device)
         for name, tiers in _mixed_maps(300, snap.contract.n_layers).items():
@@ -266,18 +270,22 @@ def test_a_coder_made_for_another_rotation_is_refused() -> None:
 def test_a_cuda_prefill_node_codes_payloads_with_int3_or_a_rotation_on_the_host() -> None:
     """The device graphs have neither: such a plan goes to the host coder, whose bytes are the reference's. Runs
     anywhere: nothing here touches CUDA (a device coder would, and fail without it)."""
+    from edgedecode.kernels.kv_sections import section_kernel
     from edgedecode.kv.policy import TierProfile
     from edgedecode.kv.rotation import DEFAULT_ROTATION
-    from edgedecode.prefill.kv_device import HostCoder, KVDevice
+    from edgedecode.prefill.kv_device import DeviceCoder, HostCoder, KVDevice
     from edgedecode.prefill.pipeline import ScoredPrefill, encode_within_budget
 
     cuda = KVDevice("cuda", 1)
     snap = snapshot(512, head_dim=64)
     for rotation, int3 in ((DEFAULT_ROTATION, False), (None, True), (DEFAULT_ROTATION, True)):
         coder = cuda.coder(snap, rotation, int3)
-        assert isinstance(coder, HostCoder) and coder.device.device == "cpu" and coder.rotation == rotation
+        assert not isinstance(coder, DeviceCoder) and coder.rotation == rotation
+        # the host's coder: the kernels library's section kernel, or without it HostCoder on CPU sessions
+        assert coder.kernel is section_kernel() if section_kernel() else coder.device.device == "cpu"
     cpu = KVDevice("cpu", 1)
-    assert cpu.coder(snap, DEFAULT_ROTATION).device is cpu
+    on_cpu = cpu.coder(snap, DEFAULT_ROTATION)
+    assert on_cpu.kernel is section_kernel() if section_kernel() else isinstance(on_cpu, HostCoder)
     scored = ScoredPrefill(snap, np.random.default_rng(2).random(512).astype(np.float32))
     every = (Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT3, Tier.INT2, Tier.DROP)
     profile = TierProfile(every, dict(zip(every, (0.0, 0.0002, 0.07, 0.12, 0.5, 1.0))))  # INT3 worth its bytes

@@ -23,7 +23,7 @@ from pathlib import Path
 KERNEL_DOMAIN = "com.edgedecode"
 LIBRARY_NAME = "libedgedecode_kernels.so"
 # The exports' version this module speaks (csrc/exports.h EDGEDECODE_KERNELS_ABI); another means a stale build.
-ABI_VERSION = 1
+ABI_VERSION = 2
 # GGML type ids the CPU ops read: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
 CPU_TYPES = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 _HERE = Path(__file__).resolve().parent

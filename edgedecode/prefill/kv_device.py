@@ -3,13 +3,17 @@
 * ``KVDevice.importance``: the observation window's attention per token (``kv/importance_graph.py``), on the
   engine's device. On the CPU it replaces numpy's batched matmul, whose BLAS threads spin against onnxruntime's on
   a shared box (4k tokens: 0.13 s of CPU against 0.8–1.4 s, `tools/bench/prefill_stages.py`).
-* ``KVDevice.coder``: what fills EDKV chunks (``kv/wire/coder.py``). On the CPU, ``HostCoder``: numpy's
-  quantizers and onnxruntime's float16 cast (MLAS, F16C: ~17× numpy's). On CUDA, ``DeviceCoder``: the snapshot is
-  uploaded once and every section is computed there by the graphs of ``kv/quant_graph.py``, a wave of chunks per
-  run; only packed codes, scales and float16 rows come back, and the host compresses them. The device graphs have
-  no 3-bit codes and no rotation (EDKV 1.3): a payload that may use either is coded by ``HostCoder`` instead.
+* ``KVDevice.coder``: what fills EDKV chunks (``kv/wire/coder.py``). On the CPU, a ``KeepingCoder`` with the
+  kernels library's section kernel (``kernels/kv_sections.py``: each section in one pass of C over its rows,
+  straight into the chunk; compressed chunks kept across the fit's refits), or where the library is not built,
+  ``HostCoder``: numpy's quantizers and onnxruntime's float16 cast (MLAS, F16C: ~17× numpy's). On CUDA,
+  ``DeviceCoder``: the snapshot is uploaded once and every section is computed there by the graphs of
+  ``kv/quant_graph.py``, a wave of chunks per run; only packed codes, scales and float16 rows come back, and the host
+  compresses them. The device graphs have no 3-bit codes and no rotation (EDKV 1.3): a payload that may use either
+  is coded on the host instead.
 
-Both write byte for byte the reference's chunks (tests/test_kv_device.py runs ``DeviceCoder`` on the CPU EP).
+All write byte for byte the reference's chunks (tests/test_kv_device.py runs ``DeviceCoder`` on the CPU EP;
+tests/test_kv_sections.py the section kernel).
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from collections.abc import Callable
 import numpy as np
 import onnx
 
+from edgedecode.kernels.kv_sections import crc32_function, section_kernel
 from edgedecode.kv.importance_graph import hidden_bias, importance_graph, observation_queries
 from edgedecode.kv.quant import QuantLayout, numpy_group_range, quantize, widen_fp16
 from edgedecode.kv.quant_graph import fp16_graph, quant_graph, range_graph
 from edgedecode.kv.rotation import Rotation
 from edgedecode.kv.snapshot import KVSnapshot
-from edgedecode.kv.wire.coder import CachingCoder, fp16_error
+from edgedecode.kv.wire.coder import CachingCoder, KeepingCoder, SectionCoder, fp16_error
 from edgedecode.model.onnx_builder import GraphBuilder
 from edgedecode.model.spec import ModelSpec
 from edgedecode.runtime.session import create_session, import_onnxruntime
@@ -83,15 +88,24 @@ class KVDevice:
             scores[layers.start : layers.stop] = io.copy_outputs_to_cpu()[0]
         return scores
 
-    def coder(self, snapshot: KVSnapshot, rotation: Rotation | None = None, int3: bool = False) -> CachingCoder:
+    def coder(self, snapshot: KVSnapshot, rotation: Rotation | None = None, int3: bool = False) -> SectionCoder:
         """What fills the EDKV chunks of ``snapshot``'s payloads (``rotation``: theirs, EDKV 1.3) on this device;
         on the host where the payloads may hold what the device graphs do not compute: a rotation, or INT3
         sections (``int3``)."""
         if self._host is None:
-            return HostCoder(snapshot, self, rotation)
+            return self.host_coder(snapshot, rotation)
         if rotation is not None or int3:
-            return HostCoder(snapshot, self._host, rotation)
+            return self._host.host_coder(snapshot, rotation)
         return DeviceCoder(snapshot, self)
+
+    def host_coder(self, snapshot: KVSnapshot, rotation: Rotation | None = None) -> SectionCoder:
+        """The CPU's coder: the kernels library's section kernel and CRC-32, chunks kept across payloads; without
+        the library, or for a float16 snapshot (the kernel reads float32 rows), ``HostCoder`` on this (CPU) device's
+        sessions."""
+        kernel = section_kernel()
+        if kernel is None or snapshot.keys.dtype != np.float32 or snapshot.values.dtype != np.float32:
+            return HostCoder(snapshot, self, rotation)
+        return KeepingCoder(snapshot, rotation, kernel, crc32_function())
 
 
 class HostCoder(CachingCoder):
@@ -102,24 +116,8 @@ class HostCoder(CachingCoder):
         super().__init__(snapshot, rotation)
         self.device = device
 
-    def quantized_tokens(
+    def quantized(
         self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray, rotated: bool = False
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self._quantized(kv, layout, l0, l1, tokens, rotated)
-
-    def quantized_sections(
-        self,
-        kv: int,
-        layout: QuantLayout,
-        l0: int,
-        l1: int,
-        token_lists: list[np.ndarray],
-        rotated: bool = False,
-    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        return [self._quantized(kv, layout, l0, l1, tokens, rotated) for tokens in token_lists]
-
-    def _quantized(
-        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray, rotated: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One section, its group ranges from onnxruntime: on a gather padded to whole channel groups with copies
         of the last token (which change no group's minimum or maximum), quantized without the padding."""

@@ -10,8 +10,9 @@ prefill server's graph, on --device; prefix cache off), then:
   ``prefill.kv_device``) score the same queries; their largest relative difference is reported;
 * for each budget, ``encode_within_budget`` as the server runs it (policy "ours", the model's tier profile, the
   refits included) with each path: the reference coder (every refit computed afresh: what the server did before)
-  and the device coder (sections on --device, kept across refits). Both encode the same scored prefill (the
-  reference's importance), and the tool checks that their payloads are byte for byte equal.
+  and the device path's coder (``KVDevice.coder``: on CUDA sections on the device, kept across refits; on the CPU
+  the kernels library's one-pass section kernel, compressed chunks kept across refits). Both encode the same
+  scored prefill (the reference's importance), and the tool checks that their payloads are byte for byte equal.
 * send: the payload's frames written to a local socket that a thread drains (the kernel copy; no link);
 * server: what a request costs the server, in wall time: the prefill stages, the path's scoring and its parallel
   fit; against the bare prefill (the prompt run through the same engine, nothing else).
@@ -19,8 +20,10 @@ prefill server's graph, on --device; prefix cache off), then:
 Each encode runs twice per --runs: **serial** (one writer thread, onnxruntime on one thread) for each stage's CPU
 time, taken with ``time.thread_time`` in the thread that runs it (other processes on a shared machine inflate it far
 less than wall time), and **parallel** (--workers threads) for wall time and the process's CPU time. GB/s are of
-FP16-equivalent KV (n × layers × 2 × kv_heads × head_dim × 2 bytes): per stage over its serial CPU time, and
-end to end over the parallel wall time. One warm-up encode per path and prompt is not counted (session builds).
+FP16-equivalent KV (n × layers × 2 × kv_heads × head_dim × 2 bytes): per stage over its serial CPU time, a core's
+over the serial run's whole process CPU time (what no stage clocks included: buffers, the fit's own Python), with
+the figure that implies for two cores (twice it: the writer spreads the chunks over its threads), and end to end
+over the parallel wall time. One warm-up encode per path and prompt is not counted (session builds).
 A cell that fails is recorded with its error and the run goes on; --json is rewritten after every prompt.
 
     python tools/bench/prefill_stages.py [--model NAME | --gguf PATH] [--tokens 1024 4096 8191]
@@ -40,6 +43,7 @@ from pathlib import Path
 if not __package__:  # run as a file: import tools.* (and edgedecode) from the repo root, as `python -m` would
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
+import hashlib
 import logging
 import os
 import socket
@@ -179,13 +183,14 @@ def measure_cell(scored: ScoredPrefill, budget: float, path: str, args, devices,
     encode(scored, budget, serial_device, 1, profile, levels)  # warm-up: sessions
     runs = []
     for _ in range(args.runs):
-        encoded, clock, serial_wall, _ = encode(scored, budget, serial_device, 1, profile, levels)
+        encoded, clock, serial_wall, serial_cpu = encode(scored, budget, serial_device, 1, profile, levels)
         _, _, wall, cpu = encode(scored, budget, devices[path], args.workers, profile, levels)
-        runs.append((encoded, clock.as_dict(), serial_wall, wall, cpu))
-    encoded, stages, _, _, _ = runs[-1]
+        runs.append((encoded, clock.as_dict(), serial_wall, wall, cpu, serial_cpu))
+    encoded, stages, _, _, _, _ = runs[-1]
     stage_cpu = {name: statistics.median(r[1].get(name, {"cpu_s": 0.0})["cpu_s"] for r in runs) for name in stages}
     encode_cpu = sum(stage_cpu.get(name, 0.0) for name in ENCODE_STAGES)
     wall = statistics.median(r[3] for r in runs)
+    serial_cpu = statistics.median(r[5] for r in runs)
     return {
         "encodes": stages.get("header", {}).get("calls", 0) // 2,  # two header stages a payload
         "b_wire": encoded.b_wire,
@@ -195,12 +200,16 @@ def measure_cell(scored: ScoredPrefill, budget: float, path: str, args, devices,
         "stages_gbps": {name: fp16 / s / 1e9 for name, s in stage_cpu.items() if s > 0},
         "encode_cpu_s": encode_cpu,
         "encode_gbps_per_core": fp16 / encode_cpu / 1e9 if encode_cpu else None,
+        "serial_process_cpu_s": serial_cpu,
+        "process_gbps_per_core": fp16 / serial_cpu / 1e9,
+        "implied_2core_gbps": 2 * fp16 / serial_cpu / 1e9,
         "serial_wall_s": statistics.median(r[2] for r in runs),
         "parallel_wall_s": wall,
         "parallel_process_cpu_s": statistics.median(r[4] for r in runs),
         "parallel_gbps_wall": fp16 / wall / 1e9,
         "send": send(encoded.frames),
         "payload": b"".join(encoded.frames),
+        "payload_sha256": hashlib.sha256(b"".join(encoded.frames)).hexdigest(),  # to compare runs of two checkouts
         "tier_map": encoded.tiers,
     }
 
@@ -323,7 +332,9 @@ def print_table(run: dict) -> None:
                 parts = " ".join(f"{k} {v * 1e3:.0f}" for k, v in r["stages_cpu_s"].items())
                 print(
                     f"  b {budget} {path:<9} encodes {r['encodes']} b_wire {r['b_wire']:.4f} | CPU ms: {parts} | "
-                    f"encode {r['encode_cpu_s'] * 1e3:.0f} ms CPU = {r['encode_gbps_per_core']:.2f} GB/s a core; "
+                    f"encode {r['encode_cpu_s'] * 1e3:.0f} ms CPU = {r['encode_gbps_per_core']:.2f} GB/s a core "
+                    f"(process {r['serial_process_cpu_s'] * 1e3:.0f} ms = {r['process_gbps_per_core']:.2f}, "
+                    f"{r['implied_2core_gbps']:.2f} GB/s on 2 cores); "
                     f"parallel wall {r['parallel_wall_s'] * 1e3:.0f} ms = {r['parallel_gbps_wall']:.2f} GB/s; "
                     f"send {r['send']['cpu_s'] * 1e3:.0f} ms CPU; server {r['server_wall_s'] * 1e3:.0f} ms wall "
                     f"= {r['server_wall_s'] / row['bare_prefill_wall_s']:.2f}× the bare prefill"

@@ -1,7 +1,10 @@
 """What fills a chunk before zstd: the bytes of each section (docs/kv-format.md §4) from a snapshot.
 
 ``SectionCoder`` is the reference: every section quantized (or cast to float16) by ``kv/quant.py`` when its chunk is
-filled. ``CachingCoder`` writes the same bytes for a sender that encodes one snapshot several times (the prefill
+filled, or by a ``kernel`` it is given (``kernels/kv_sections.py``: the same bytes in one pass over the rows, straight
+into the chunk; the reference takes over any section the kernel declines). ``KeepingCoder`` also keeps whole
+compressed chunks for the next payload of the snapshot (what a kernel-backed coder needs for the budget fit's
+refits). ``CachingCoder`` writes the same bytes for a sender that encodes one snapshot several times (the prefill
 server's budget fit tries a few tier maps): it computes a wave of chunks' sections at once, keeps what a later
 payload of the same snapshot can reuse, and leaves the arithmetic to three methods that a device coder
 (``prefill/kv_device.py``: onnxruntime next to the KV) overrides:
@@ -22,7 +25,8 @@ rotated before they are quantized, and everything kept is kept for that rotation
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Sequence
+import zlib
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,20 +36,32 @@ from edgedecode.kv.rotation import Rotation, hadamard_signs, rotate
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.wire.chunks import ChunkPlan, Section, section_arrays
 
+# (rows [layers, H, n, D], tokens on axis 2, layout or None for FP16, the section's views) -> written, or False: the
+# section is left to the reference (kernels/kv_sections.py)
+SectionKernel = Callable[[np.ndarray, np.ndarray, "QuantLayout | None", list[np.ndarray]], bool]
 FP16_OVERFLOW = 65520.0  # the smallest magnitude that float16 rounds to infinity
 _FP16_EXPONENT = np.uint16(0x7C00)  # all ones: an infinity or a NaN
 
 
 class SectionCoder:
-    """The reference: each section computed with ``kv/quant.py`` when its chunk is filled; nothing kept."""
+    """The reference: each section computed with ``kv/quant.py`` (or ``kernel``) when its chunk is filled; nothing
+    kept."""
 
     wave_chunks = 1  # chunks a writer hands to ``prepare`` at once
     fill_stage = "quantize"  # what ``fill`` does, as a stage of ``kv.stage_clock``
 
-    def __init__(self, snapshot: KVSnapshot, rotation: Rotation | None = None) -> None:
+    def __init__(
+        self,
+        snapshot: KVSnapshot,
+        rotation: Rotation | None = None,
+        kernel: SectionKernel | None = None,
+        crc32: Callable[[bytes], int] = zlib.crc32,
+    ) -> None:
         self.snapshot = snapshot
         self.contract = snapshot.contract
         self.rotation = rotation
+        self.kernel = kernel
+        self.crc32 = crc32  # of each compressed chunk, for its frame (zlib's function, or the same values faster)
         if rotation is not None:
             rotation.check_head_dim(snapshot.contract.head_dim)
 
@@ -59,7 +75,7 @@ class SectionCoder:
     def prepare(self, plans: Sequence[ChunkPlan]) -> None:
         """Compute what ``plans``' chunks need, ahead of ``fill`` (the reference computes it in ``fill``)."""
 
-    def fill(self, raw: bytearray, plan: ChunkPlan) -> None:
+    def fill(self, raw: bytearray | memoryview, plan: ChunkPlan) -> None:
         """Write the chunk's bytes before zstd into ``raw`` (``plan.raw_nbytes``).
 
         Raises:
@@ -68,9 +84,16 @@ class SectionCoder:
         c = self.contract
         for section in plan.sections:
             arrays = section_arrays(raw, section, c.n_kv_heads, c.head_dim)
-            rows = self._rows(section)
+            source = self._source(section.kv)[section.layer_start : section.layer_stop]
+            rows = None
             if self.rotates(section):
-                rows = self.rotated(rows, section.kv, section.layer_start, section.layer_stop)
+                rows = self.rotated(source[:, :, section.tokens], section.kv, section.layer_start, section.layer_stop)
+            if self.kernel is not None:
+                at, tokens = (source, section.tokens) if rows is None else (rows, np.arange(len(section.tokens)))
+                if self.kernel(at, tokens, section.layout, arrays):
+                    continue
+            if rows is None:
+                rows = source[:, :, section.tokens]
             if section.layout is None:
                 with np.errstate(over="ignore"):  # refused just below, with the layers named
                     arrays[0][...] = rows
@@ -101,9 +124,8 @@ class SectionCoder:
         signs = hadamard_signs(self.rotation.seed, c.n_layers, c.n_kv_heads, c.head_dim)[l0:l1, kv]
         return rotate(rows.astype(np.float32, copy=False), signs, self.rotation.block)
 
-    def _rows(self, section: Section) -> np.ndarray:
-        source = (self.snapshot.keys, self.snapshot.values)[section.kv]
-        return source[section.layer_start : section.layer_stop][:, :, section.tokens]
+    def _source(self, kv: int) -> np.ndarray:
+        return (self.snapshot.keys, self.snapshot.values)[kv]
 
 
 @dataclass
@@ -138,7 +160,31 @@ class _Kept:
         self.current[key] = value
 
 
-class CachingCoder(SectionCoder):
+class KeepingCoder(SectionCoder):
+    """The reference's sections (or its kernel's) computed when a chunk is filled, and each compressed chunk kept
+    for the next payload of the snapshot, which reuses it where the chunk's tier rows did not change."""
+
+    def __init__(
+        self,
+        snapshot: KVSnapshot,
+        rotation: Rotation | None = None,
+        kernel: SectionKernel | None = None,
+        crc32: Callable[[bytes], int] = zlib.crc32,
+    ) -> None:
+        super().__init__(snapshot, rotation, kernel, crc32)
+        self._chunks = _Kept()
+
+    def begin_payload(self) -> None:
+        self._chunks.rotate()
+
+    def compressed(self, key: Hashable) -> tuple[bytes, int] | None:
+        return self._chunks.get(key)
+
+    def keep(self, key: Hashable, body: tuple[bytes, int]) -> None:
+        self._chunks.put(key, body)
+
+
+class CachingCoder(KeepingCoder):
     """The reference's bytes, computed a wave of chunks at a time and kept for the next payload of the snapshot."""
 
     fill_stage = "assemble"
@@ -147,18 +193,11 @@ class CachingCoder(SectionCoder):
         super().__init__(snapshot, rotation)
         self._tokens: dict[tuple[int, QuantLayout, bool], _TokenCodes] = {}
         self._sections = _Kept()  # FP16 rows and channel-axis (codes, scales, zeros) by section key
-        self._chunks = _Kept()
         self._lock = threading.Lock()
 
     def begin_payload(self) -> None:
+        super().begin_payload()
         self._sections.rotate()
-        self._chunks.rotate()
-
-    def compressed(self, key: Hashable) -> tuple[bytes, int] | None:
-        return self._chunks.get(key)
-
-    def keep(self, key: Hashable, body: tuple[bytes, int]) -> None:
-        self._chunks.put(key, body)
 
     def prepare(self, plans: Sequence[ChunkPlan]) -> None:
         """Compute every section of ``plans`` not already known: per (K or V, tier, layer run), the tokens a
@@ -185,7 +224,7 @@ class CachingCoder(SectionCoder):
             for s, value in zip(group, computed):
                 self._sections.put(self._key(s), value)
 
-    def fill(self, raw: bytearray, plan: ChunkPlan) -> None:
+    def fill(self, raw: bytearray | memoryview, plan: ChunkPlan) -> None:
         """Copy the chunk's sections (computed by ``prepare``, which it calls for anything missing) into ``raw``."""
         self.prepare([plan])
         c = self.contract
@@ -200,14 +239,21 @@ class CachingCoder(SectionCoder):
             for array, part in zip(arrays, (value,) if s.layout is None else value):
                 array[...] = part
 
-    # -- the arithmetic: numpy here, onnxruntime on the KV's device in prefill/kv_device.py
+    # -- the arithmetic: numpy here, onnxruntime in prefill/kv_device.py (HostCoder: ``quantized``; DeviceCoder:
+    # the three below, a run on the KV's device each)
+
+    def quantized(
+        self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray, rotated: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(codes, scales, zeros) [l1 - l0, H, m, ...] of K (kv 0) or V at ``tokens`` quantized as one section
+        (``rotated``: by the coder's rotation first)."""
+        return quantize(self.gathered(kv, l0, l1, tokens, rotated), layout)
 
     def quantized_tokens(
         self, kv: int, layout: QuantLayout, l0: int, l1: int, tokens: np.ndarray, rotated: bool = False
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(codes, scales, zeros) [l1 - l0, H, m, ...] of K (kv 0) or V at ``tokens`` under a token-axis layout
-        (``rotated``: by the coder's rotation first)."""
-        return quantize(self.gathered(kv, l0, l1, tokens, rotated), layout)
+        """``quantized`` under a token-axis layout: each token's codes on their own."""
+        return self.quantized(kv, layout, l0, l1, tokens, rotated)
 
     def quantized_sections(
         self,
@@ -219,7 +265,7 @@ class CachingCoder(SectionCoder):
         rotated: bool = False,
     ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Each token list of layers [l0, l1) quantized as one section: (codes, scales, zeros) per list."""
-        return [quantize(self.gathered(kv, l0, l1, tokens, rotated), layout) for tokens in token_lists]
+        return [self.quantized(kv, layout, l0, l1, tokens, rotated) for tokens in token_lists]
 
     def fp16_sections(self, kv: int, l0: int, l1: int, token_lists: list[np.ndarray]) -> list[np.ndarray]:
         """Each token list of layers [l0, l1) as float16 rows [l1 - l0, H, m, D].
@@ -241,9 +287,6 @@ class CachingCoder(SectionCoder):
         the coder's rotation, float32)."""
         rows = np.take(self._source(kv)[l0:l1], tokens, axis=2)
         return self.rotated(rows, kv, l0, l1) if rotated else rows
-
-    def _source(self, kv: int) -> np.ndarray:
-        return (self.snapshot.keys, self.snapshot.values)[kv]
 
     def _token_codes(self, kv: int, layout: QuantLayout, rotated: bool) -> _TokenCodes:
         key = (kv, layout, rotated)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import threading
 import zlib
@@ -113,12 +112,10 @@ def encode_payload(
     """
     window = None if window_start is None else WindowCut(snapshot.contract.sliding_layers, window_start)
     with clock.stage("header"):
+        given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
         header, plans = _build_header(
-            snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window, rotation
+            snapshot, tiers, layouts, chunk_tokens, chunk_layers, level, meta, window, rotation, transfer, given
         )
-        if transfer is not None or importance is not None:
-            given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
-            header = dataclasses.replace(header, transfer=transfer, importance=given)
         try:
             body = header.to_json()
         except TypeError as e:  # every other field is built here from numbers and strings
@@ -158,6 +155,8 @@ def _build_header(
     meta: dict[str, Any] | None,
     window: WindowCut | None,
     rotation: Rotation | None,
+    transfer: TransferRef | None,
+    importance: np.ndarray | None,
 ) -> tuple[EDKVHeader, list[ChunkPlan]]:
     c, n = snapshot.contract, snapshot.n_tokens
     shape = (c.n_layers, c.n_kv_heads, n, c.head_dim)
@@ -219,7 +218,9 @@ def _build_header(
         major=major,
         minor=minor,
         rotation=rotation,
-    )
+        transfer=transfer,
+        importance=importance,
+    )  # validated once, here
     return header, plans
 
 
@@ -241,6 +242,7 @@ def _frames(
     yield frame
     coder.begin_payload()
     compressors = threading.local()  # a ZstdCompressor is not shared between threads
+    scratch = threading.local()  # each thread's raw chunk, reused: a new one a chunk cost as much as the quantizer
     step = max(coder.wave_chunks, 1)
     waves = [range(start, min(start + step, len(plans))) for start in range(0, len(plans), step)]
 
@@ -257,7 +259,7 @@ def _frames(
             ready.result()
         body = coder.compressed(keys[i])
         if body is None:
-            raw = bytearray(plans[i].raw_nbytes)
+            raw = raw_chunk(plans[i].raw_nbytes)
             with clock.stage(coder.fill_stage):
                 coder.fill(raw, plans[i])
             with clock.stage("compress"):
@@ -267,9 +269,17 @@ def _frames(
                     compressors.zstd[levels[i]] = zstandard.ZstdCompressor(level=levels[i])
                 compressed = compressors.zstd[levels[i]].compress(raw)
             with clock.stage("frame"):
-                body = (compressed, zlib.crc32(compressed))
+                body = (compressed, coder.crc32(compressed))
             coder.keep(keys[i], body)
         return body
+
+    def raw_chunk(nbytes: int) -> memoryview:
+        """This thread's buffer for a chunk's bytes before zstd (left as the last chunk wrote it: ``fill`` writes
+        every byte, the sections tile the chunk)."""
+        buffer = getattr(scratch, "raw", None)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = scratch.raw = bytearray(nbytes)
+        return memoryview(buffer)[:nbytes]
 
     def waves_encoded() -> Iterator[list[tuple[bytes, int]]]:
         if workers == 1:
