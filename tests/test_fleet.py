@@ -53,6 +53,7 @@ FLEET_CONFIG = f"""
 [model]
 threads = 2
 [prefill]
+port = 0  # a free port: the default 8089 clashed with another suite's fleet on the same box
 auth_token = "{PREFILL_TOKEN}"
 prefix_cache_mb = 64
 max_prompt_tokens = 2048
