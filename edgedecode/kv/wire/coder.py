@@ -24,6 +24,7 @@ rotated before they are quantized, and everything kept is kept for that rotation
 
 from __future__ import annotations
 
+import functools
 import threading
 import zlib
 from collections.abc import Callable, Hashable, Sequence
@@ -164,15 +165,9 @@ class KeepingCoder(SectionCoder):
     """The reference's sections (or its kernel's) computed when a chunk is filled, and each compressed chunk kept
     for the next payload of the snapshot, which reuses it where the chunk's tier rows did not change."""
 
-    def __init__(
-        self,
-        snapshot: KVSnapshot,
-        rotation: Rotation | None = None,
-        kernel: SectionKernel | None = None,
-        crc32: Callable[[bytes], int] = zlib.crc32,
-    ) -> None:
-        super().__init__(snapshot, rotation, kernel, crc32)
-        self._chunks = _Kept()
+    @functools.cached_property
+    def _chunks(self) -> _Kept:
+        return _Kept()
 
     def begin_payload(self) -> None:
         self._chunks.rotate()
