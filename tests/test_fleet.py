@@ -86,6 +86,10 @@ def fleet(smollm2_model, workdir, fault_file):
     path.write_text(FLEET_CONFIG)
     with pytest.MonkeyPatch.context() as env:
         env.setenv(FAULT_FILE_ENV, str(fault_file))  # Ray's processes inherit this process's environment
+        # Serve kills a proxy not ready in 5 s or silent to 3 health checks of 10 s: beside stress-ng --cpu 2 its
+        # process took longer to start, and the tier never came up (these tests are not about a proxy's speed)
+        env.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+        env.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
         url = start_fleet(load_config(path, env={}), num_cpus=2, object_store_memory=128 << 20)
     yield url
     stop_fleet()
