@@ -17,7 +17,7 @@ from edgedecode.daemon.pull.calibration import shipped
 from edgedecode.daemon.pull.deadline import Deadline
 from edgedecode.daemon.pull.local_speed import LocalPrefillModel
 from edgedecode.daemon.pull.planner import KVPlanner
-from edgedecode.daemon.pull.segment import PullResult
+from edgedecode.daemon.pull.segment import KVPullError, PullResult
 from edgedecode.daemon.pull.server_prefixes import ServerPrefixes
 from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS
 from edgedecode.model.spec import DECODER_KV_LAYOUT, KVContract
@@ -106,17 +106,58 @@ def test_the_default_objective_keeps_a_pull_within_a_tenth_of_local_prefill(toke
     assert plan.predicted_s <= 1.1 * planner.local_speed.predict_seconds(tokens) + 1e-9
 
 
-def test_an_unknown_link_whose_probe_got_no_answer_is_not_waited_on_again():
+def _ended(ended: str, *, headers_seconds: float = 0.0, tokens: int = 0, transfer_bytes: int = 0) -> PullResult:
+    """A probe's only segment that ended ``ended`` ("complete", "cut" or a failure's reason)."""
+    failure = None if ended in ("complete", "cut") else KVPullError(ended, f"the segment ended: {ended}")
+    wire = transfer_bytes + 4096 * (headers_seconds > 0)
+    return PullResult(
+        wire, 0, {"int4": tokens} if tokens else {}, 1.0, None, headers_seconds=headers_seconds,
+        transfer_seconds=0.9 if transfer_bytes else 0.0, transfer_bytes=transfer_bytes,
+        complete=ended == "complete", cut_reason="past the deadline" if ended == "cut" else None, failure=failure,
+    )  # fmt: skip
+
+
+# a probe given up on at its deadline: no answer; an answer whose few bytes (under the link model's
+# MIN_TRANSFER_BYTES) held no token, or a few tokens (cut by the watch, or its wait timed out)
+GIVEN_UP = [
+    _ended("timeout"),
+    _ended("timeout", headers_seconds=0.3, transfer_bytes=20_000),
+    _ended("timeout", headers_seconds=0.3, tokens=6, transfer_bytes=40_000),
+    _ended("cut", headers_seconds=0.3, tokens=6, transfer_bytes=40_000),
+]
+
+
+@pytest.mark.parametrize("last", GIVEN_UP, ids=["no-answer", "few-bytes", "few-tokens-timeout", "few-tokens-cut"])
+def test_an_unknown_link_whose_probe_was_given_up_on_untaught_is_not_waited_on_again(last):
     planner = KVPlanner(DaemonConfig(), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL])
     planner.local_speed = LocalPrefillModel([(n, n / 1000) for n in (128, 512, 2048)])
     url, prompt = "http://slow:8089", _question(1)
     probe = planner.plan(url, 0, len(prompt), Deadline())
     assert probe.decision == "remote" and probe.predicted_s is None and probe.deadline_s is not None, probe
-    planner.learn_unanswered(url)
+    if last.headers_seconds:
+        planner.learn_segment(url, last, len(prompt))
+    planner.learn_unfinished(url, last)
+    assert planner.links.get(url).estimate().goodput_bps is None  # it taught no goodput
     after = planner.plan(url, 0, len(prompt), Deadline())
     assert after.decision == "local" and "no answer" in after.why, after
     pinned = KVPlanner(
         DaemonConfig(budget=0.3), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL]
     )
-    pinned.learn_unanswered(url)
+    pinned.learn_unfinished(url, last)
     assert pinned.plan(url, 0, len(prompt), Deadline()).budget == 0.3  # a pinned budget is asked as before
+
+
+@pytest.mark.parametrize(
+    "last",
+    [_ended("complete", headers_seconds=0.3, tokens=6, transfer_bytes=20_000), _ended("bad_payload")],
+    ids=["whole-but-short", "failed"],
+)
+def test_a_probe_that_came_whole_or_failed_is_not_taken_for_an_unanswered_one(last):
+    """A short pull that came whole is probed again (its link may be fast); a failure is the breaker's."""
+    planner = KVPlanner(DaemonConfig(), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL])
+    url, prompt = "http://slow:8089", _question(1)
+    if last.headers_seconds:
+        planner.learn_segment(url, last, len(prompt))
+    planner.learn_unfinished(url, last)
+    after = planner.plan(url, 0, len(prompt), Deadline())
+    assert after.decision == "remote" and after.predicted_s is None, after

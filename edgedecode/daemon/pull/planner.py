@@ -175,13 +175,15 @@ class KVPlanner:
         self._unanswered.pop(url.rstrip("/"), None)
         self.links.get(url).observe(result, tokens, goodput=goodput)
 
-    def learn_unanswered(self, url: str) -> None:
-        """A pull from ``url`` under the default objective timed out before its deadline bringing no KV, with
-        no answer (its headers) or too few bytes to teach the link a goodput: while the link stays unknown,
-        the turns after it compute here until a re-probe is due (``daemon.link_reprobe_s``) rather than
-        wait on the endpoint again. (An endpoint that fails is the breaker's; a short pull that came
-        whole but taught no goodput is probed again.)"""
-        self._unanswered[url.rstrip("/")] = self.clock()
+    def learn_unfinished(self, url: str, last: PullResult) -> None:
+        """A pull from ``url`` under the default objective ended at its deadline without all its KV,
+        ``last`` its last segment: if that was cut or timed out (not a failure: an endpoint that fails
+        is the breaker's) and the link's goodput is still unknown — no answer (its headers) came, or
+        too few bytes to measure it, whatever tokens they held — then while it stays unknown the turns
+        after it compute here until a re-probe is due (``daemon.link_reprobe_s``) rather than wait on
+        the endpoint again. (A short pull that came whole but taught no goodput is probed again.)"""
+        if last.ended in ("cut", "timeout") and self.links.get(url).estimate().goodput_bps is None:
+            self._unanswered[url.rstrip("/")] = self.clock()
 
     def _silent(self, url: str) -> bool:
         """Whether plans to ``url`` should not wait on it: the default objective, a link not learned,

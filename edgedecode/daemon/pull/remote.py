@@ -141,14 +141,8 @@ class PrefillRemote:
             return Pull(stream, tail, plan, budget)
         fetch = KVFetch(self._http, settings, self.ingest, self.planner, server_held=server_held)
         fetched = await self._fetch(fetch, stream, budget, kv_deadline, plan)
-        segments = fetched.outcome.segments
-        if (
-            plan.deadline_s is not None
-            and fetched.fallback == "timeout"
-            and not fetched.useful
-            and (segments[0].result.headers_seconds == 0 or self.planner.links.get(url).estimate().goodput_bps is None)
-        ):  # the default objective's pull brought no KV, nor enough bytes to learn the link from, before its deadline
-            self.planner.learn_unanswered(url)
+        if plan.deadline_s is not None:  # the default objective's pull, given up on at its deadline or not
+            self.planner.learn_unfinished(url, fetched.outcome.segments[-1].result)
         return Pull(stream if fetched.useful else None, None, plan, budget, fetched)
 
     def _settings(self, url: str, total_s: float | None = None) -> PullSettings:
