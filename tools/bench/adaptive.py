@@ -62,7 +62,7 @@ from edgedecode.model.loader import LoadedModel, load_model
 from edgedecode.testing.link_shaper import LinkShaper
 from edgedecode.testing.link_traces import MBIT, RateTrace, TracePlayer, constant, describe, random_walk, step
 from tools.bench.adaptive_report import LOCAL, POLICIES, print_summary, write_docs
-from tools.bench.serve import write_config
+from tools.bench.serve import add_placement, daemon_placement, prefill_placement, write_config
 from tools.common import cli
 from tools.common.servers import running, streamed_completion
 from tools.study.adaptive_quality import Prompt, quality_costs
@@ -106,8 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cell-timeout-s", type=float, default=60.0, help="the cap on one request's TTFT")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--continuation-tokens", type=int, default=256)
-    p.add_argument("--prefill-device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--edge-cpus", default=None, help="pin the daemons to these CPUs (taskset -c LIST)")
+    add_placement(p)
     cli.add_threads(p, help="onnxruntime threads of each server and of scoring")
     cli.add_json_file(p, help="write every raw result here")
     p.add_argument("--write-docs", action="store_true", help="write adaptive.md and adaptive.png")
@@ -167,13 +166,7 @@ def policy_settings(name: str, args: argparse.Namespace, prefill_url: str) -> di
 def daemon(name: str, directory: Path, args: argparse.Namespace, prefill_url: str) -> Iterator[str]:
     """The daemon of policy ``name`` for the block; yields its URL."""
     config = write_config(directory, name, args, **policy_settings(name, args, prefill_url))
-    launcher = ["taskset", "-c", args.edge_cpus] if args.edge_cpus else []
-    with running(
-        ["serve", "--config", str(config)],
-        directory / f"{name}.log",
-        launcher=launcher,
-        env={"EDGEDECODE_MODEL_DEVICE": "cpu"},
-    ) as (_, url):
+    with running(["serve", "--config", str(config)], directory / f"{name}.log", **daemon_placement(args)) as (_, url):
         yield url
 
 
@@ -266,7 +259,7 @@ def run_grid(
             running(
                 ["prefill-server", "--config", str(prefill_config)],
                 directory / "prefill.log",
-                env={"EDGEDECODE_MODEL_DEVICE": args.prefill_device},
+                **prefill_placement(args),
             )
         )
         host, port = prefill_url.removeprefix("http://").rsplit(":", 1)

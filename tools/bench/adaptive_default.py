@@ -2,9 +2,11 @@
 """What a new user gets: a daemon with no adaptive key set against local-only and a fixed b 0.3 pull,
 time to first token, interleaved (issue 29's acceptance).
 
-One prefill server on this box (its prefix cache off, so every request computes, as for distinct
-prompts), and three daemons: ``default`` (no [daemon] key but the prefill URL: the planner's default
-objective), ``b0.3`` (``daemon.budget = 0.3``, the old default) and ``local`` (``local_prefill_only``).
+One prefill server on this box (on ``--prefill-device``: a GPU makes it a prefill node faster than
+the edge; its prefix cache off, so every request computes, as for distinct prompts), and three
+daemons, pinned to ``--edge-cpus`` if given (to stand in for a small edge box): ``default`` (no
+[daemon] key but the prefill URL: the planner's default objective), ``b0.3`` (``daemon.budget =
+0.3``, the old default) and ``local`` (``local_prefill_only``).
 Each cell is a link: ``--mbits`` through the project's link shaper (one-way delay ``--rtt-ms``/2), or
 ``unshaped`` (straight to the prefill server). The default daemon is started afresh per cell (it
 knows nothing of the link; its first request is the probe, reported apart) and the others once per
@@ -15,7 +17,7 @@ that the box's load hits all three alike: the ratios default/local and default/m
 taken per round and summarised by their median (and the medians of the TTFTs beside them).
 
     python tools/bench/adaptive_default.py [--mbits 10] [--unshaped] [--prompt-tokens 1024] [--rounds 5]
-        [--rtt-ms 20] [--threads 2] [--json PATH]
+        [--rtt-ms 20] [--prefill-device cpu|cuda] [--edge-cpus 0,1] [--threads 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.model.loader import load_model
 from edgedecode.testing.link_shaper import LinkShaper
 from edgedecode.testing.link_traces import MBIT
-from tools.bench.serve import write_config
+from tools.bench.serve import add_placement, daemon_placement, prefill_placement, write_config
 from tools.common import cli
 from tools.common.servers import running, streamed_completion
 
@@ -53,7 +55,8 @@ def settings(policy: str, url: str) -> dict:
 @contextlib.contextmanager
 def daemon(policy: str, directory: Path, args, url: str, tag: str) -> Iterator[str]:
     config = write_config(directory, f"{policy}-{tag}", args, **settings(policy, url))
-    with running(["serve", "--config", str(config)], directory / f"{policy}-{tag}.log") as (_, daemon_url):
+    log = directory / f"{policy}-{tag}.log"
+    with running(["serve", "--config", str(config)], log, **daemon_placement(args)) as (_, daemon_url):
         yield daemon_url
 
 
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rtt-ms", type=float, default=20.0)
     p.add_argument("--max-tokens", type=int, default=8)
+    add_placement(p)
     cli.add_threads(p, help="onnxruntime threads of each server")
     cli.add_json_file(p, help="write every request here")
     args = p.parse_args(argv)
@@ -127,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
         directory = Path(tmp)
         prefill_config = write_config(directory, "prefill", args)
         _, prefill_url = stack.enter_context(
-            running(["prefill-server", "--config", str(prefill_config)], directory / "prefill.log")
+            running(
+                ["prefill-server", "--config", str(prefill_config)],
+                directory / "prefill.log",
+                **prefill_placement(args),
+            )
         )
         host, port = prefill_url.removeprefix("http://").rsplit(":", 1)
         for index, (label, mbits) in enumerate(cells):

@@ -63,6 +63,7 @@ from tools.bench.memory_docs import write_docs
 from tools.bench.memory_report import print_summary, resume_kind
 from tools.bench.memory_sampler import MemorySampler, scrape
 from tools.bench.memory_workload import Budget, Conversation, budget, conversations, schedule
+from tools.bench.serve import add_edge_cpus, daemon_placement
 from tools.common import cli
 from tools.common.servers import StreamedCompletion, running, streamed_completion, toml_config
 from tools.study.memory_quality import quality
@@ -102,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume-runs", type=int, default=5, help="0: skip the long-conversation resume")
     p.add_argument("--quality-per-class", type=int, default=4, help="conversations replayed per tier class")
     cli.add_threads(p, help="onnxruntime threads of the daemons and of scoring")
-    p.add_argument("--edge-cpus", default=None, help="pin the daemons to these CPUs (taskset -c LIST)")
+    add_edge_cpus(p)
     cli.add_json_file(p, help="write every raw result here")
     p.add_argument("--write-docs", action="store_true", help="write memory.md and memory.png")
     p.add_argument("--docs-dir", type=Path, default=Path("docs"))
@@ -129,13 +130,7 @@ def daemon(directory: Path, name: str, args: argparse.Namespace, **settings) -> 
             "daemon": {"slots": args.slots, "local_prefill_only": True, **settings},
         },
     )
-    launcher = ["taskset", "-c", args.edge_cpus] if args.edge_cpus else []
-    with running(
-        ["serve", "--config", str(config)],
-        directory / f"{name}.log",
-        launcher=launcher,
-        env={"EDGEDECODE_MODEL_DEVICE": "cpu"},
-    ) as started:
+    with running(["serve", "--config", str(config)], directory / f"{name}.log", **daemon_placement(args)) as started:
         yield started
 
 

@@ -40,6 +40,28 @@ from tools.common.servers import streamed_completion, toml_config
 LOCAL = "local prefill"
 
 
+def add_placement(parser) -> None:
+    """``--prefill-device`` (where the prefill server computes) and ``--edge-cpus``."""
+    parser.add_argument("--prefill-device", choices=("cpu", "cuda"), default="cpu")
+    add_edge_cpus(parser)
+
+
+def add_edge_cpus(parser) -> None:
+    """``--edge-cpus``: the CPUs the decode daemons are pinned to (``daemon_placement``)."""
+    parser.add_argument("--edge-cpus", default=None, help="pin the daemons to these CPUs (taskset -c LIST)")
+
+
+def prefill_placement(args) -> dict:
+    """``start_server`` options of the prefill server: on ``--prefill-device``."""
+    return {"env": {"EDGEDECODE_MODEL_DEVICE": args.prefill_device}}
+
+
+def daemon_placement(args) -> dict:
+    """``start_server`` options of a decode daemon: on the CPU, pinned to ``--edge-cpus`` if given."""
+    launcher = ["taskset", "-c", args.edge_cpus] if args.edge_cpus else []
+    return {"launcher": launcher, "env": {"EDGEDECODE_MODEL_DEVICE": "cpu"}}
+
+
 def write_config(directory: Path, name: str, args, **daemon) -> Path:
     """A TOML config for one server of the run."""
     longest = max(args.prompt_tokens)
@@ -93,8 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[1.0, 0.3])
     cli.add_runs(parser, 3)
     parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--prefill-device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--edge-cpus", default=None, help="pin the daemon to these CPUs (taskset -c LIST)")
+    add_placement(parser)
     cli.add_threads(parser, help="onnxruntime threads of each server")
     cli.add_json_flag(parser)
     args = parser.parse_args(argv)
@@ -102,22 +123,19 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model()
     corpus = pydoc_corpus()
     prompts = {n: token_windows(model.tokenizer, corpus, n, args.runs) for n in args.prompt_tokens}
-    launcher = ["taskset", "-c", args.edge_cpus] if args.edge_cpus else []
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         prefill_config = write_config(directory, "prefill", args)
         prefill, prefill_url = start_server(
-            ["prefill-server", "--config", str(prefill_config)], env={"EDGEDECODE_MODEL_DEVICE": args.prefill_device}
+            ["prefill-server", "--config", str(prefill_config)], **prefill_placement(args)
         )
         try:
             modes = [(LOCAL, {"local_prefill_only": True})]
             modes += [(f"pull b={b:g}", {"prefill_url": prefill_url, "budget": b}) for b in args.budgets]
             for name, daemon in modes:
                 config = write_config(directory, name.replace(" ", "_"), args, **daemon)
-                process, url = start_server(
-                    ["serve", "--config", str(config)], launcher=launcher, env={"EDGEDECODE_MODEL_DEVICE": "cpu"}
-                )
+                process, url = start_server(["serve", "--config", str(config)], **daemon_placement(args))
                 try:
                     results[name] = measure(url, prompts, args)
                 finally:
