@@ -18,9 +18,11 @@ from edgedecode.kv.quant import DEFAULT_LAYOUTS, QuantLayout, quantize
 from edgedecode.kv.quant import _round_fp16 as round_fp16
 from edgedecode.kv.quant_graph import quant_graph, range_graph
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
+from edgedecode.kv.stage_clock import StageClock
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import decode_snapshot, encode_payload
 from edgedecode.kv.wire.coder import CachingCoder, SectionCoder
+from edgedecode.kv.wire.writer import plan_payload
 from edgedecode.model.spec import KVContract, KVLayout
 from edgedecode.prefill.kv_device import DEVICE_BITS, DeviceCoder, HostCoder, KVDevice
 from edgedecode.runtime.session import create_session
@@ -232,6 +234,31 @@ def test_a_refit_reuses_unchanged_chunks_and_tokens(device):
     assert first == {"tokens": 4, "sections": 4}  # 4 chunks: V's tokens (cached per token), K's section
     # the changed chunk only: the INT8 token's K and V, and its new INT4 K section; its INT4 V tokens are known
     assert coder.computed == {"tokens": 6, "sections": 5}
+
+
+def test_a_prediction_from_every_chunk_is_the_payloads_size_and_from_a_sample_is_near_it():
+    n = 1024
+    snapshot = _snapshot(n)
+    tiers = np.random.default_rng(3).choice([Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT2], n).astype(np.uint8)
+    size = len(b"".join(encode_payload(snapshot, tiers, chunk_tokens=64)))
+    assert plan_payload(snapshot, tiers, chunk_tokens=64).predicted_bytes(1) == size  # every chunk compressed
+    sampled = plan_payload(snapshot, tiers, chunk_tokens=64).predicted_bytes(8)  # 2 of 16 chunks
+    assert abs(sampled - size) <= 0.02 * size, (sampled, size)
+    with pytest.raises(ValueError, match="sample_every"):
+        plan_payload(snapshot, tiers).predicted_bytes(0)
+
+
+def test_the_chunks_a_prediction_sampled_are_kept_for_the_payload_that_follows():
+    n = 1024
+    snapshot = _snapshot(n)
+    tiers = np.full(n, Tier.INT4, np.uint8)
+    coder = CountingCoder(snapshot)
+    clock = StageClock()
+    plan_payload(snapshot, tiers, chunk_tokens=128, coder=coder, clock=clock).predicted_bytes(4)  # 2 of 8 chunks
+    assert coder.computed["sections"] == 2 and clock.calls["sample"] == 1  # their K sections (INT4: channel axis)
+    payload = b"".join(plan_payload(snapshot, tiers, chunk_tokens=128, coder=coder).frames())
+    assert payload == b"".join(encode_payload(snapshot, tiers, chunk_tokens=128))
+    assert coder.computed["sections"] == 8  # the other 6 chunks' only: the sampled two were kept
 
 
 class CountingCoder(CachingCoder):

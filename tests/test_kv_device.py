@@ -12,6 +12,7 @@ from synthetic_gguf import TinyLlama, write_tiny_llama
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
 from edgedecode.kv.stage_clock import StageClock
+from edgedecode.kv.tiers import Tier
 from edgedecode.model.fetch import register_gguf
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
@@ -66,6 +67,25 @@ def test_budgeted_payloads_are_the_references_bytes(smollm2, device, budget):
         assert encode_within_budget(scored, budget, device=device, workers=2).frames == reference.frames
     finally:
         device.coder = original
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_the_fit_writes_one_payload_aimed_by_a_sample_of_its_chunks(smollm2, device, budget):
+    """Real KV: where a tier could rise, the fit predicts zstd's gain from a sample of the chunks (once, or twice
+    where the aim moved the tiers far) and writes one payload, within the fit's window of the budget; at b 1.0
+    (everything FP16 already) it writes one and samples nothing."""
+    spec, snapshot, queries, positions = smollm2
+    scored = ScoredPrefill(snapshot, attention_importance(spec, queries, positions, snapshot.keys, snapshot.positions)
+                           .sum(axis=0))  # fmt: skip
+    clock = StageClock()
+    encoded = encode_within_budget(scored, budget, device=device, clock=clock)
+    samples = clock.calls.get("sample", 0)
+    assert clock.calls["header"] - samples == 2, clock.as_dict()  # one payload planned and framed
+    if (encoded.tiers == Tier.FP16).all():
+        assert samples == 0
+    else:
+        assert 1 <= samples <= 2 and 0.99 <= encoded.b_wire / budget <= 1.0, (encoded.b_wire, budget)
 
 
 @pytest.mark.model

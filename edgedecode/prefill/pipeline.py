@@ -21,9 +21,9 @@ from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.stage_clock import UNCLOCKED, StageClock
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.window import tail_mask, tail_tokens, window_start, windowed_cost_scale
-from edgedecode.kv.wire import TransferRef, decode_snapshot, encode_payload
+from edgedecode.kv.wire import TransferRef, decode_snapshot
 from edgedecode.kv.wire.coder import SectionCoder
-from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL, FAST_ZSTD_LEVEL
+from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL, FAST_ZSTD_LEVEL, PlannedPayload, plan_payload
 from edgedecode.model.spec import KVContract
 from edgedecode.prefill.kv_device import KVDevice
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_free
@@ -35,6 +35,11 @@ from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_fre
 PAYLOAD_CHUNK_TOKENS = 128
 _FIT_ATTEMPTS = 6
 _CLOSE_ENOUGH = 0.99  # stop refitting once the payload uses this share of the budget
+# The fit's first encode aims at this share of the budget, zstd's gain predicted from every FIT_SAMPLE_EVERY-th chunk
+# compressed (kept for the encode): within _CLOSE_ENOUGH of it, one encode, where aiming at the raw budget needed two
+_FIT_AIM = 0.995
+_FIT_REAIM = 0.02  # aim again (one more sample) where the aim moved the raw target by this share or more
+FIT_SAMPLE_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -208,7 +213,9 @@ def encode_within_budget(
     ``windowed`` (the receiver reads EDKV 2.0) the windowed layers carry only that tail, and the
     tokens before it cost the allocator only their global layers' bytes.
 
-    Each refit encodes the payload again. ``device`` (``prefill.kv_device``) computes the chunks there
+    Where a tier could rise, the first encode aims at ``_FIT_AIM`` of the budget, zstd's gain predicted from a
+    sample of the chunks at the raw budget's tiers (``PlannedPayload.predicted_bytes``; a keeping coder keeps the
+    sampled chunks); each refit encodes the payload again. ``device`` (``prefill.kv_device``) computes the chunks there
     and keeps what a refit can reuse (a token's codes, unchanged sections and chunks); without it the
     reference coder computes every payload afresh. Either gives the same bytes (a CUDA device leaves a payload
     that may hold INT3 or a rotation to the host: ``KVDevice.coder``). ``clock`` times the
@@ -242,18 +249,31 @@ def encode_within_budget(
     int3 = Tier.INT3 in (profile or TierProfile()).allowed
     coder = None if device is None else device.coder(snapshot, rotation, int3)
 
-    def encode(tiers: np.ndarray) -> EncodedKV:
+    def planned(tiers: np.ndarray) -> tuple[int, PlannedPayload]:
+        """The payload of ``tiers`` planned, and its raw bytes as the allocator counts them."""
         start = window_start(tiers != Tier.DROP, tail_tokens(contract)) if windowed else None
         scale = np.ones(n) if start is None else windowed_cost_scale(n, contract, start)
         raw = int(np.sum(np.array([costs[tier] for tier in Tier])[tiers] * scale))
-        frames = payload_frames(
-            snapshot, tiers, meta, importance, transfer, workers, start, coder, clock, level, fast_level, rotation
+        payload = planned_payload(
+            snapshot, tiers, meta, importance, transfer, start, coder, clock, level, fast_level, rotation
         )
-        return EncodedKV(frames, tiers, fp16_bytes, raw)
+        return raw, payload
+
+    def encode(tiers: np.ndarray) -> EncodedKV:
+        raw, payload = planned(tiers)
+        return EncodedKV(list(payload.frames(workers)), tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
     target = budget
-    encoded = encode(tiers_at(target))
+    tiers = tiers_at(target)
+    if (tiers != Tier.FP16).any():  # a tier to raise: aim the first encode by zstd's gain, predicted from a sample
+        for _ in range(2):  # and again from the aimed tiers where they moved far (zstd gains differently on them)
+            step = _FIT_AIM * budget * fp16_bytes / planned(tiers)[1].predicted_bytes(FIT_SAMPLE_EVERY)
+            target *= step
+            tiers = tiers_at(target)
+            if abs(step - 1) < _FIT_REAIM:
+                break
+    encoded = encode(tiers)
     for _ in range(_FIT_ATTEMPTS):
         if encoded.b_wire <= budget and (best is None or encoded.b_wire > best.b_wire):
             best = encoded
@@ -319,26 +339,43 @@ def payload_frames(
     fast_level: int | None = FAST_ZSTD_LEVEL,
     rotation: Rotation | None = None,
 ) -> list[bytes]:
-    """The frames of a served payload: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with
-    each token's ``importance`` (``relative_importance``) for the receiver's memory ladder (and the
-    windowed layers from ``window_start`` on only, where given; ``rotation``'s tiers rotated), its sections
-    computed by ``coder`` (made for that rotation)."""
-    return list(
-        encode_payload(
-            snapshot,
-            tiers,
-            chunk_tokens=PAYLOAD_CHUNK_TOKENS,
-            meta=meta,
-            workers=workers,
-            transfer=transfer,
-            importance=importance,
-            window_start=window_start,
-            rotation=rotation,
-            coder=coder,
-            clock=clock,
-            level=level,
-            fast_level=fast_level,
-        )
+    """The frames of a served payload (``planned_payload``), its chunks encoded on ``workers`` threads."""
+    planned = planned_payload(
+        snapshot, tiers, meta, importance, transfer, window_start, coder, clock, level, fast_level, rotation
+    )
+    return list(planned.frames(workers))
+
+
+def planned_payload(
+    snapshot: KVSnapshot,
+    tiers: np.ndarray,
+    meta: dict,
+    importance: np.ndarray,
+    transfer: TransferRef | None = None,
+    window_start: int | None = None,
+    coder: SectionCoder | None = None,
+    clock: StageClock = UNCLOCKED,
+    level: int = DEFAULT_ZSTD_LEVEL,
+    fast_level: int | None = FAST_ZSTD_LEVEL,
+    rotation: Rotation | None = None,
+) -> PlannedPayload:
+    """A served payload, planned: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with each token's
+    ``importance`` (``relative_importance``) for the receiver's memory ladder (and the windowed layers from
+    ``window_start`` on only, where given; ``rotation``'s tiers rotated), its sections computed by ``coder`` (made
+    for that rotation)."""
+    return plan_payload(
+        snapshot,
+        tiers,
+        chunk_tokens=PAYLOAD_CHUNK_TOKENS,
+        meta=meta,
+        transfer=transfer,
+        importance=importance,
+        window_start=window_start,
+        rotation=rotation,
+        coder=coder,
+        clock=clock,
+        level=level,
+        fast_level=fast_level,
     )
 
 

@@ -187,12 +187,15 @@ def measure_cell(scored: ScoredPrefill, budget: float, path: str, args, devices,
         _, _, wall, cpu = encode(scored, budget, devices[path], args.workers, profile, levels)
         runs.append((encoded, clock.as_dict(), serial_wall, wall, cpu, serial_cpu))
     encoded, stages, _, _, _, _ = runs[-1]
+    samples = stages.get("sample", {}).get("calls", 0)
     stage_cpu = {name: statistics.median(r[1].get(name, {"cpu_s": 0.0})["cpu_s"] for r in runs) for name in stages}
     encode_cpu = sum(stage_cpu.get(name, 0.0) for name in ENCODE_STAGES)
     wall = statistics.median(r[3] for r in runs)
     serial_cpu = statistics.median(r[5] for r in runs)
     return {
-        "encodes": stages.get("header", {}).get("calls", 0) // 2,  # two header stages a payload
+        # a header stage to plan each payload and one to frame it; a sample plans one (and holds its own stages)
+        "samples": samples,
+        "encodes": (stages.get("header", {}).get("calls", 0) - samples) // 2,
         "b_wire": encoded.b_wire,
         "wire_bytes": encoded.wire_bytes,
         "tiers": encoded.tier_counts(),
@@ -331,7 +334,8 @@ def print_table(run: dict) -> None:
                     continue
                 parts = " ".join(f"{k} {v * 1e3:.0f}" for k, v in r["stages_cpu_s"].items())
                 print(
-                    f"  b {budget} {path:<9} encodes {r['encodes']} b_wire {r['b_wire']:.4f} | CPU ms: {parts} | "
+                    f"  b {budget} {path:<9} samples {r['samples']} encodes {r['encodes']} b_wire {r['b_wire']:.4f} | "
+                    f"CPU ms: {parts} | "
                     f"encode {r['encode_cpu_s'] * 1e3:.0f} ms CPU = {r['encode_gbps_per_core']:.2f} GB/s a core "
                     f"(process {r['serial_process_cpu_s'] * 1e3:.0f} ms = {r['process_gbps_per_core']:.2f}, "
                     f"{r['implied_2core_gbps']:.2f} GB/s on 2 cores); "

@@ -6,7 +6,7 @@ import hashlib
 import threading
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain, islice
 from typing import Any
@@ -110,6 +110,35 @@ def encode_payload(
         validated here (KVMalformedError on a bad tier map or snapshot); chunks are encoded as they are pulled
         (ValueError on values a quantizer cannot represent).
     """
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    planned = plan_payload(
+        snapshot, tiers, layouts=layouts, chunk_tokens=chunk_tokens, chunk_layers=chunk_layers, level=level,
+        meta=meta, transfer=transfer, importance=importance, window_start=window_start, rotation=rotation,
+        coder=coder, clock=clock, fast_level=fast_level,
+    )  # fmt: skip
+    return planned.frames(workers)
+
+
+def plan_payload(
+    snapshot: KVSnapshot,
+    tiers: np.ndarray,
+    *,
+    layouts: dict[Tier, tuple[QuantLayout, QuantLayout]] = DEFAULT_LAYOUTS,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_layers: int | None = None,
+    level: int = DEFAULT_ZSTD_LEVEL,
+    meta: dict[str, Any] | None = None,
+    transfer: TransferRef | None = None,
+    importance: np.ndarray | None = None,
+    window_start: int | None = None,
+    rotation: Rotation | None = None,
+    coder: SectionCoder | None = None,
+    clock: StageClock = UNCLOCKED,
+    fast_level: int | None = None,
+) -> PlannedPayload:
+    """The payload ``encode_payload`` writes with these arguments (its header built and validated, its chunks
+    planned), to be written (``PlannedPayload.frames``) or its size predicted (``PlannedPayload.predicted_bytes``)."""
     window = None if window_start is None else WindowCut(snapshot.contract.sliding_layers, window_start)
     with clock.stage("header"):
         given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
@@ -120,8 +149,6 @@ def encode_payload(
             body = header.to_json()
         except TypeError as e:  # every other field is built here from numbers and strings
             raise KVMalformedError("meta", f"meta must be JSON-serialisable: {e}") from None
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
     if coder is not None and coder.snapshot is not snapshot:
         raise ValueError("the coder was made for another snapshot")
     if coder is not None and coder.rotation != rotation:
@@ -137,7 +164,8 @@ def encode_payload(
         for spec, chunk in zip(header.chunks, levels)
     ]  # fmt: skip
     version = (header.major, header.minor)
-    return _frames(body, plans, keys, levels, workers, version, coder or SectionCoder(snapshot, rotation), clock)
+    chunks = _ChunkEncoder(plans, keys, levels, coder or SectionCoder(snapshot, rotation), clock)
+    return PlannedPayload(body, version, chunks)
 
 
 def chunk_level(plan: ChunkPlan, level: int, fast_level: int) -> int:
@@ -224,68 +252,121 @@ def _build_header(
     return header, plans
 
 
-def _frames(
-    body: bytes,
-    plans: list[ChunkPlan],
-    keys: list[tuple],
-    levels: list[int],
-    workers: int,
-    version: tuple[int, int],
-    coder: SectionCoder,
-    clock: StageClock,
-) -> Iterator[bytes]:
-    """The header frame, then each chunk's frame in order as soon as it is ready, then the trailer."""
-    with clock.stage("header"):
-        digest = hashlib.sha256()
-        frame = HEADER_PREFIX.pack(HEADER_MAGIC, *version, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
-        digest.update(frame)
-    yield frame
-    coder.begin_payload()
-    compressors = threading.local()  # a ZstdCompressor is not shared between threads
-    scratch = threading.local()  # each thread's raw chunk, reused: a new one a chunk cost as much as the quantizer
-    step = max(coder.wave_chunks, 1)
-    waves = [range(start, min(start + step, len(plans))) for start in range(0, len(plans), step)]
+class _ChunkEncoder:
+    """A payload's chunks compressed, each with its CRC-32: kept from an earlier payload of the snapshot (the
+    coder's), or made now. Threads may encode distinct chunks at once (each has its own compressors and buffer)."""
 
-    def prepared(wave: range) -> None:
-        """Compute the sections of the wave's chunks not kept from an earlier payload (a device coder: in one run)."""
-        missing = [i for i in wave if coder.compressed(keys[i]) is None]
-        with clock.stage("quantize"):
-            coder.prepare([plans[i] for i in missing])
+    def __init__(
+        self, plans: list[ChunkPlan], keys: list[tuple], levels: list[int], coder: SectionCoder, clock: StageClock
+    ) -> None:
+        self.plans, self.keys, self.levels, self.coder, self.clock = plans, keys, levels, coder, clock
+        self._compressors = threading.local()  # a ZstdCompressor is not shared between threads
+        self._scratch = (
+            threading.local()
+        )  # each thread's raw chunk, reused: a new one a chunk cost as much as quantizing
 
-    def encoded(i: int, ready: Future | None = None) -> tuple[bytes, int]:
-        """Chunk ``i`` compressed, and its CRC-32: kept from an earlier payload, or made now (once its wave is
-        ``ready``: a chunk waits only for its own wave's sections)."""
+    def prepare(self, chunks: Sequence[int]) -> None:
+        """Compute the sections of ``chunks`` not kept from an earlier payload (a device coder: in one run)."""
+        missing = [i for i in chunks if self.coder.compressed(self.keys[i]) is None]
+        with self.clock.stage("quantize"):
+            self.coder.prepare([self.plans[i] for i in missing])
+
+    def encoded(self, i: int, ready: Future | None = None) -> tuple[bytes, int]:
+        """Chunk ``i`` compressed, and its CRC-32 (once its sections are ``ready``: a chunk waits only for its own
+        wave's)."""
         if ready is not None:
             ready.result()
-        body = coder.compressed(keys[i])
+        coder, clock = self.coder, self.clock
+        body = coder.compressed(self.keys[i])
         if body is None:
-            raw = raw_chunk(plans[i].raw_nbytes)
+            raw = self._raw(self.plans[i].raw_nbytes)
             with clock.stage(coder.fill_stage):
-                coder.fill(raw, plans[i])
+                coder.fill(raw, self.plans[i])
             with clock.stage("compress"):
-                if not hasattr(compressors, "zstd"):
-                    compressors.zstd = {}
-                if levels[i] not in compressors.zstd:
-                    compressors.zstd[levels[i]] = zstandard.ZstdCompressor(level=levels[i])
-                compressed = compressors.zstd[levels[i]].compress(raw)
+                compressed = self._compressor(self.levels[i]).compress(raw)
             with clock.stage("frame"):
                 body = (compressed, coder.crc32(compressed))
-            coder.keep(keys[i], body)
+            coder.keep(self.keys[i], body)
         return body
 
-    def raw_chunk(nbytes: int) -> memoryview:
+    def _compressor(self, level: int) -> zstandard.ZstdCompressor:
+        """This thread's compressor at ``level``."""
+        if not hasattr(self._compressors, "zstd"):
+            self._compressors.zstd = {}
+        if level not in self._compressors.zstd:
+            self._compressors.zstd[level] = zstandard.ZstdCompressor(level=level)
+        return self._compressors.zstd[level]
+
+    def _raw(self, nbytes: int) -> memoryview:
         """This thread's buffer for a chunk's bytes before zstd (left as the last chunk wrote it: ``fill`` writes
         every byte, the sections tile the chunk)."""
-        buffer = getattr(scratch, "raw", None)
+        buffer = getattr(self._scratch, "raw", None)
         if buffer is None or len(buffer) < nbytes:
-            buffer = scratch.raw = bytearray(nbytes)
+            buffer = self._scratch.raw = bytearray(nbytes)
         return memoryview(buffer)[:nbytes]
 
-    def waves_encoded() -> Iterator[list[tuple[bytes, int]]]:
+
+class PlannedPayload:
+    """A payload whose header is built and chunks planned (``plan_payload``): its frames, or a prediction of
+    their size from a sample of its chunks."""
+
+    def __init__(self, body: bytes, version: tuple[int, int], chunks: _ChunkEncoder) -> None:
+        self.body = body  # the header's JSON
+        self.version = version
+        self.chunks = chunks
+
+    def frames(self, workers: int = 1) -> Iterator[bytes]:
+        """The header frame, then each chunk's frame in order as soon as it is ready, then the trailer (chunks
+        quantized and compressed on ``workers`` threads)."""
+        chunks, clock = self.chunks, self.chunks.clock
+        with clock.stage("header"):
+            digest = hashlib.sha256()
+            body = self.body
+            frame = (
+                HEADER_PREFIX.pack(HEADER_MAGIC, *self.version, len(body)) + body + HEADER_CRC.pack(zlib.crc32(body))
+            )
+            digest.update(frame)
+        yield frame
+        chunks.coder.begin_payload()
+        for index, (compressed, crc) in enumerate(chain.from_iterable(self._waves(workers))):
+            with clock.stage("frame"):
+                prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), crc)
+                digest.update(prefix)  # the body is covered by the CRC-32 inside the prefix
+                frame = prefix + compressed
+            yield frame
+        yield TRAILER.pack(TRAILER_MAGIC, len(chunks.plans), digest.digest())
+
+    def predicted_bytes(self, sample_every: int) -> int:
+        """The payload's size predicted from a sample of its chunks compressed — one in ``sample_every``, at least
+        two, each in the middle of an equal run of chunks: the others compress as well, byte for byte of their raw
+        size. A keeping coder keeps the sampled chunks for the payload that follows. ``clock`` times it as the
+        stage "sample", which holds the sampled chunks' own stages (quantize, compress, frame)."""
+        if sample_every < 1:
+            raise ValueError(f"sample_every must be >= 1, got {sample_every}")
+        chunks = self.chunks
+        count = len(chunks.plans)
+        picked = min(count, max(2, count // sample_every))
+        sample = [(2 * j + 1) * count // (2 * picked) for j in range(picked)]
+        with chunks.clock.stage("sample"):  # the sampled chunks' stages are clocked in it too
+            chunks.coder.begin_payload()
+            chunks.prepare(sample)
+            raw = sum(chunks.plans[i].raw_nbytes for i in sample)
+            compressed = sum(len(chunks.encoded(i)[0]) for i in sample)
+        ratio = compressed / raw if raw else 1.0
+        body = sum(plan.raw_nbytes for plan in chunks.plans) * ratio
+        framing = HEADER_PREFIX.size + len(self.body) + HEADER_CRC.size + count * CHUNK_PREFIX.size + TRAILER.size
+        return framing + round(body)
+
+    def _waves(self, workers: int) -> Iterator[list[tuple[bytes, int]]]:
+        """The chunks encoded, a wave (the chunks the coder prepares at once) at a time, in order."""
+        chunks = self.chunks
+        count = len(chunks.plans)
+        step = max(chunks.coder.wave_chunks, 1)
+        waves = [range(start, min(start + step, count)) for start in range(0, count, step)]
         if workers == 1:
             for wave in waves:
-                prepared(wave)
-                yield [encoded(i) for i in wave]
+                chunks.prepare(wave)
+                yield [chunks.encoded(i) for i in wave]
             return
         # A wave's sections are prepared by one task, its chunks compressed by one task each, so a wave of many
         # chunks (a device coder's) still spreads over the workers. Each task is queued after the preparation it
@@ -293,21 +374,13 @@ def _frames(
         with ThreadPoolExecutor(workers, thread_name_prefix="edkv-encode") as pool:
 
             def submit(wave: range) -> list[Future]:
-                ready = pool.submit(prepared, wave)
-                return [pool.submit(encoded, i, ready) for i in wave]
+                ready = pool.submit(chunks.prepare, wave)
+                return [pool.submit(chunks.encoded, i, ready) for i in wave]
 
             ahead = iter(waves)
             pending = deque(submit(wave) for wave in islice(ahead, workers + 1))
             while pending:
-                chunks = pending.popleft()
-                bodies = [chunk.result() for chunk in chunks]
+                wave_chunks = pending.popleft()
+                bodies = [chunk.result() for chunk in wave_chunks]
                 pending.extend(submit(wave) for wave in islice(ahead, 1))
                 yield bodies
-
-    for index, (compressed, crc) in enumerate(chain.from_iterable(waves_encoded())):
-        with clock.stage("frame"):
-            prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), crc)
-            digest.update(prefix)  # the body is covered by the CRC-32 inside the prefix
-            frame = prefix + compressed
-        yield frame
-    yield TRAILER.pack(TRAILER_MAGIC, len(plans), digest.digest())
