@@ -23,7 +23,7 @@ from edgedecode.kv.tiers import Tier
 from edgedecode.kv.window import tail_mask, tail_tokens, window_start, windowed_cost_scale
 from edgedecode.kv.wire import TransferRef, decode_snapshot
 from edgedecode.kv.wire.coder import SectionCoder
-from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL, FAST_ZSTD_LEVEL, PlannedPayload, plan_payload
+from edgedecode.kv.wire.writer import FAST_ZSTD_LEVEL, PlannedPayload, plan_payload
 from edgedecode.model.spec import KVContract
 from edgedecode.prefill.kv_device import KVDevice
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_free
@@ -33,6 +33,10 @@ from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_fre
 # ~5 % more ingest CPU: `python tools/bench/kv.py --tokens 2048 --cpu-time --chunk-tokens 128|256`
 # (one core): INT4 b_zstd 0.305 vs 0.302 and decode 37.5 vs 35.8 ms; the mix 0.356 vs 0.353, 48.6 vs 45.8 ms.
 PAYLOAD_CHUNK_TOKENS = 128
+# zstd's level of every chunk of a served payload: level 3 gains INT8 codes 1.9 % (the rest 0.1-0.6 %) at 1.7x level
+# 1's CPU, and an INT8-heavy budget (b 0.5) is what a daemon asks over a fast link, where the node's CPU costs more
+# than those bytes: at 4k tokens, b 0.5, level 1 cut the fit's CPU by a third (docs/performance.md)
+SERVED_ZSTD_LEVEL = FAST_ZSTD_LEVEL
 _FIT_ATTEMPTS = 6
 _CLOSE_ENOUGH = 0.99  # stop refitting once the payload uses this share of the budget
 # The fit's first encode aims at this share of the budget, zstd's gain predicted from every FIT_SAMPLE_EVERY-th chunk
@@ -202,8 +206,8 @@ def encode_within_budget(
     rotation: Rotation | None = None,
     device: KVDevice | None = None,
     clock: StageClock = UNCLOCKED,
-    level: int = DEFAULT_ZSTD_LEVEL,
-    fast_level: int | None = FAST_ZSTD_LEVEL,
+    level: int = SERVED_ZSTD_LEVEL,
+    fast_level: int | None = None,
 ) -> EncodedKV:
     """The policy's tiers at the largest raw target whose compressed payload stays within ``budget``
     (``workers``: threads encoding chunks at once; ``transfer``: the header's resume reference;
@@ -219,9 +223,9 @@ def encode_within_budget(
     and keeps what a refit can reuse (a token's codes, unchanged sections and chunks); without it the
     reference coder computes every payload afresh. Either gives the same bytes (a CUDA device leaves a payload
     that may hold INT3 or a rotation to the host: ``KVDevice.coder``). ``clock`` times the
-    stages allocate, header, quantize, assemble, compress and frame; ``level`` is zstd's, ``fast_level`` its
-    level for chunks quantized to 4 bits or fewer (``encode_payload``; the budget binds the compressed bytes, so a
-    level also moves the tiers a little; docs/performance.md measures what each costs)."""
+    stages allocate, header, quantize, assemble, compress and frame; ``level`` is zstd's, ``fast_level`` (if given)
+    its level for chunks with no 8-bit codes (``encode_payload``; the budget binds the compressed bytes, so a level
+    also moves the tiers a little; docs/performance.md measures what each costs)."""
     snapshot = scored.snapshot
     contract, n = snapshot.contract, snapshot.n_tokens
     costs = tier_costs(snapshot)
@@ -335,8 +339,8 @@ def payload_frames(
     window_start: int | None = None,
     coder: SectionCoder | None = None,
     clock: StageClock = UNCLOCKED,
-    level: int = DEFAULT_ZSTD_LEVEL,
-    fast_level: int | None = FAST_ZSTD_LEVEL,
+    level: int = SERVED_ZSTD_LEVEL,
+    fast_level: int | None = None,
     rotation: Rotation | None = None,
 ) -> list[bytes]:
     """The frames of a served payload (``planned_payload``), its chunks encoded on ``workers`` threads."""
@@ -355,8 +359,8 @@ def planned_payload(
     window_start: int | None = None,
     coder: SectionCoder | None = None,
     clock: StageClock = UNCLOCKED,
-    level: int = DEFAULT_ZSTD_LEVEL,
-    fast_level: int | None = FAST_ZSTD_LEVEL,
+    level: int = SERVED_ZSTD_LEVEL,
+    fast_level: int | None = None,
     rotation: Rotation | None = None,
 ) -> PlannedPayload:
     """A served payload, planned: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with each token's

@@ -58,12 +58,17 @@ from edgedecode.config import PrefillConfig
 from edgedecode.kv.importance import OBSERVATION_WINDOW, attention_importance
 from edgedecode.kv.policy import TierProfile, profile_path
 from edgedecode.kv.stage_clock import StageClock
-from edgedecode.kv.wire.writer import DEFAULT_ZSTD_LEVEL, FAST_ZSTD_LEVEL
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.model.registry import DEFAULT_MODEL
 from edgedecode.prefill.kv_device import KVDevice
-from edgedecode.prefill.pipeline import EncodedKV, ScoredPrefill, encode_within_budget, prefill_observed
+from edgedecode.prefill.pipeline import (
+    SERVED_ZSTD_LEVEL,
+    EncodedKV,
+    ScoredPrefill,
+    encode_within_budget,
+    prefill_observed,
+)
 from edgedecode.runtime.engine import Engine
 from tools.bench.models import gguf_model
 from tools.bench.prompts import prompt_tokens
@@ -301,10 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="writer threads (parallel runs)")
     cli.add_threads(parser, 2, "onnxruntime threads of the prefill engine and the device path")
     cli.add_runs(parser, 1)
-    parser.add_argument("--level", type=int, default=DEFAULT_ZSTD_LEVEL, help="zstd level of the payloads")
+    parser.add_argument("--level", type=int, default=SERVED_ZSTD_LEVEL, help="zstd level of the payloads")
     parser.add_argument(
-        "--fast-level", type=int, default=FAST_ZSTD_LEVEL, help="zstd level of chunks with no 8-bit codes (= --level: "
-        "every chunk at one level, as before)"
+        "--fast-level", type=int, default=None, help="zstd level of chunks with no 8-bit codes (default: --level, "
+        "every chunk at one level, as the server; --level 3 --fast-level 1 was its choice before)"
     )  # fmt: skip
     cli.add_json_file(parser)
     args = parser.parse_args(argv)

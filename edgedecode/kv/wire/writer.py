@@ -52,7 +52,8 @@ from edgedecode.kv.wire.header import (
 DEFAULT_CHUNK_TOKENS = 256
 DEFAULT_ZSTD_LEVEL = 3
 # zstd level 1 compresses real FP16, INT4 and INT2 chunks to within 0.6 % of level 3's size at 0.6-0.7 of its CPU
-# time; INT8 codes gain 1.9 % from level 3 (docs/performance.md, "The prefill node's own time")
+# time; INT8 codes gain 1.9 % from level 3 (docs/performance.md, "The prefill node's own time"). The prefill server
+# takes it for every chunk (prefill.pipeline.SERVED_ZSTD_LEVEL)
 FAST_ZSTD_LEVEL = 1
 
 
