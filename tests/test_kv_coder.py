@@ -22,7 +22,6 @@ from edgedecode.kv.stage_clock import StageClock
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.wire import decode_snapshot, encode_payload
 from edgedecode.kv.wire.coder import CachingCoder, SectionCoder
-from edgedecode.kv.wire.writer import plan_payload
 from edgedecode.model.spec import KVContract, KVLayout
 from edgedecode.prefill.kv_device import DEVICE_BITS, DeviceCoder, HostCoder, KVDevice
 from edgedecode.runtime.session import create_session
@@ -241,11 +240,11 @@ def test_a_prediction_from_every_chunk_is_the_payloads_size_and_from_a_sample_is
     snapshot = _snapshot(n)
     tiers = np.random.default_rng(3).choice([Tier.FP16, Tier.INT8, Tier.INT4, Tier.INT2], n).astype(np.uint8)
     size = len(b"".join(encode_payload(snapshot, tiers, chunk_tokens=64)))
-    assert plan_payload(snapshot, tiers, chunk_tokens=64).predicted_bytes(1) == size  # every chunk compressed
-    sampled = plan_payload(snapshot, tiers, chunk_tokens=64).predicted_bytes(8)  # 2 of 16 chunks
+    assert encode_payload(snapshot, tiers, chunk_tokens=64).predicted_bytes(1) == size  # every chunk compressed
+    sampled = encode_payload(snapshot, tiers, chunk_tokens=64).predicted_bytes(8)  # 2 of 16 chunks
     assert abs(sampled - size) <= 0.02 * size, (sampled, size)
     with pytest.raises(ValueError, match="sample_every"):
-        plan_payload(snapshot, tiers).predicted_bytes(0)
+        encode_payload(snapshot, tiers).predicted_bytes(0)
 
 
 def test_the_chunks_a_prediction_sampled_are_kept_for_the_payload_that_follows():
@@ -254,9 +253,9 @@ def test_the_chunks_a_prediction_sampled_are_kept_for_the_payload_that_follows()
     tiers = np.full(n, Tier.INT4, np.uint8)
     coder = CountingCoder(snapshot)
     clock = StageClock()
-    plan_payload(snapshot, tiers, chunk_tokens=128, coder=coder, clock=clock).predicted_bytes(4)  # 2 of 8 chunks
+    encode_payload(snapshot, tiers, chunk_tokens=128, coder=coder, clock=clock).predicted_bytes(4)  # 2 of 8 chunks
     assert coder.computed["sections"] == 2 and clock.calls["sample"] == 1  # their K sections (INT4: channel axis)
-    payload = b"".join(plan_payload(snapshot, tiers, chunk_tokens=128, coder=coder).frames())
+    payload = b"".join(encode_payload(snapshot, tiers, chunk_tokens=128, coder=coder))
     assert payload == b"".join(encode_payload(snapshot, tiers, chunk_tokens=128))
     assert coder.computed["sections"] == 8  # the other 6 chunks' only: the sampled two were kept
 
@@ -286,7 +285,7 @@ def test_the_first_chunk_leaves_before_the_last_is_quantized():
     n = 64 * 16
     snapshot = _snapshot(n)
     coder = CountingCoder(snapshot)
-    frames = encode_payload(snapshot, np.full(n, Tier.INT4, np.uint8), chunk_tokens=64, coder=coder, workers=2)
+    frames = iter(encode_payload(snapshot, np.full(n, Tier.INT4, np.uint8), chunk_tokens=64, coder=coder, workers=2))
     next(frames)  # the header
     next(frames)  # chunk 0
     assert 0 in coder.prepared and n - 64 not in coder.prepared  # at most workers + 1 waves ahead

@@ -22,7 +22,7 @@ from edgedecode.kv.wire import EDKVReader
 from edgedecode.model.fetch import register_gguf
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
-from edgedecode.prefill.pipeline import encode_within_budget, payload_frames, prefill_and_score, through_wire
+from edgedecode.prefill.pipeline import encode_within_budget, prefill_and_score, served_payload, through_wire
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
 
@@ -92,8 +92,8 @@ def test_a_windowed_stream_decodes_exactly_as_the_full_one(gemma):
     dropped = encode_within_budget(scored, 0.3).tiers == Tier.DROP
     tiers = np.where(dropped, Tier.DROP, Tier.INT8).astype(np.uint8)
     start = window_start(tiers != Tier.DROP, tail_tokens(model.spec.kv_contract))
-    full = payload_frames(scored.snapshot, tiers, {}, np.ones(len(PROMPT)))
-    cut = payload_frames(scored.snapshot, tiers, {}, np.ones(len(PROMPT)), window_start=start)
+    full = list(served_payload(scored.snapshot, tiers, {}, np.ones(len(PROMPT))))
+    cut = list(served_payload(scored.snapshot, tiers, {}, np.ones(len(PROMPT)), window_start=start))
     kept_before = np.count_nonzero(tiers[:start] != Tier.DROP)
     cells = (kept_before / 6 + len(PROMPT) - start) / (kept_before + len(PROMPT) - start)  # 5 of 6 layers: tail only
     assert sum(map(len, cut)) < (cells + 0.05) * sum(map(len, full))

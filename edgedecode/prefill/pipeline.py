@@ -21,9 +21,9 @@ from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.stage_clock import UNCLOCKED, StageClock
 from edgedecode.kv.tiers import Tier
 from edgedecode.kv.window import tail_mask, tail_tokens, window_start, windowed_cost_scale
-from edgedecode.kv.wire import TransferRef, decode_snapshot
+from edgedecode.kv.wire import TransferRef, decode_snapshot, encode_payload
 from edgedecode.kv.wire.coder import SectionCoder
-from edgedecode.kv.wire.writer import FAST_ZSTD_LEVEL, PlannedPayload, plan_payload
+from edgedecode.kv.wire.writer import FAST_ZSTD_LEVEL, PlannedPayload
 from edgedecode.model.spec import KVContract
 from edgedecode.prefill.kv_device import KVDevice
 from edgedecode.runtime.engine import PREFILL_CHUNK_TOKENS, Engine, lone_row_free
@@ -258,14 +258,14 @@ def encode_within_budget(
         start = window_start(tiers != Tier.DROP, tail_tokens(contract)) if windowed else None
         scale = np.ones(n) if start is None else windowed_cost_scale(n, contract, start)
         raw = int(np.sum(np.array([costs[tier] for tier in Tier])[tiers] * scale))
-        payload = planned_payload(
-            snapshot, tiers, meta, importance, transfer, start, coder, clock, level, fast_level, rotation
+        payload = served_payload(
+            snapshot, tiers, meta, importance, transfer, workers, start, coder, clock, level, fast_level, rotation
         )
         return raw, payload
 
     def encode(tiers: np.ndarray) -> EncodedKV:
         raw, payload = planned(tiers)
-        return EncodedKV(list(payload.frames(workers)), tiers, fp16_bytes, raw)
+        return EncodedKV(list(payload), tiers, fp16_bytes, raw)
 
     best: EncodedKV | None = None
     target = budget
@@ -329,7 +329,7 @@ def through_wire(
     return decode_snapshot(b"".join(encoded.frames), receiver), encoded
 
 
-def payload_frames(
+def served_payload(
     snapshot: KVSnapshot,
     tiers: np.ndarray,
     meta: dict,
@@ -342,36 +342,17 @@ def payload_frames(
     level: int = SERVED_ZSTD_LEVEL,
     fast_level: int | None = None,
     rotation: Rotation | None = None,
-) -> list[bytes]:
-    """The frames of a served payload (``planned_payload``), its chunks encoded on ``workers`` threads."""
-    planned = planned_payload(
-        snapshot, tiers, meta, importance, transfer, window_start, coder, clock, level, fast_level, rotation
-    )
-    return list(planned.frames(workers))
-
-
-def planned_payload(
-    snapshot: KVSnapshot,
-    tiers: np.ndarray,
-    meta: dict,
-    importance: np.ndarray,
-    transfer: TransferRef | None = None,
-    window_start: int | None = None,
-    coder: SectionCoder | None = None,
-    clock: StageClock = UNCLOCKED,
-    level: int = SERVED_ZSTD_LEVEL,
-    fast_level: int | None = None,
-    rotation: Rotation | None = None,
 ) -> PlannedPayload:
-    """A served payload, planned: ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS chunks, with each token's
-    ``importance`` (``relative_importance``) for the receiver's memory ladder (and the windowed layers from
-    ``window_start`` on only, where given; ``rotation``'s tiers rotated), its sections computed by ``coder`` (made
-    for that rotation)."""
-    return plan_payload(
+    """A served payload (``encode_payload``: iterated, its frames): ``snapshot`` at ``tiers`` in PAYLOAD_CHUNK_TOKENS
+    chunks encoded on ``workers`` threads, with each token's ``importance`` (``relative_importance``) for the
+    receiver's memory ladder (and the windowed layers from ``window_start`` on only, where given; ``rotation``'s tiers
+    rotated), its sections computed by ``coder`` (made for that rotation)."""
+    return encode_payload(
         snapshot,
         tiers,
         chunk_tokens=PAYLOAD_CHUNK_TOKENS,
         meta=meta,
+        workers=workers,
         transfer=transfer,
         importance=importance,
         window_start=window_start,
@@ -391,4 +372,4 @@ def smallest_payload(snapshot: KVSnapshot, meta: dict, transfer: TransferRef | N
     costs = tier_costs(snapshot)
     fp16_bytes = int(costs[Tier.FP16] * snapshot.n_tokens)
     importance = np.zeros(snapshot.n_tokens, np.float32)  # its size on the wire does not depend on the values
-    return EncodedKV(payload_frames(snapshot, tiers, meta, importance, transfer), tiers, fp16_bytes, 0)
+    return EncodedKV(list(served_payload(snapshot, tiers, meta, importance, transfer)), tiers, fp16_bytes, 0)

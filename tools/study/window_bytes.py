@@ -35,7 +35,7 @@ from edgedecode.kv.window import tail_tokens, window_start
 from edgedecode.kv.wire import decode_snapshot
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
-from edgedecode.prefill.pipeline import EncodedKV, encode_within_budget, payload_frames, prefill_and_score
+from edgedecode.prefill.pipeline import EncodedKV, encode_within_budget, prefill_and_score, served_payload
 from edgedecode.runtime.engine import Engine
 from tools.common import cli
 
@@ -64,7 +64,7 @@ def measure(args: argparse.Namespace) -> dict:
         for budget in args.budgets:
             plain = encode_within_budget(scored, budget)
             start = window_start(plain.tiers != Tier.DROP, tail_tokens(contract))
-            same_tiers = payload_frames(scored.snapshot, plain.tiers, {}, np.ones(length), window_start=start)
+            same_tiers = list(served_payload(scored.snapshot, plain.tiers, {}, np.ones(length), window_start=start))
             windowed = encode_within_budget(scored, budget, windowed=True)
             quality = {}
             for name, encoded in (("edkv_1", plain), ("edkv_2", windowed)):

@@ -74,7 +74,7 @@ def encode_payload(
     coder: SectionCoder | None = None,
     clock: StageClock = UNCLOCKED,
     fast_level: int | None = None,
-) -> Iterator[bytes]:
+) -> PlannedPayload:
     """Encode `snapshot` as an EDKV stream: 1.2, or 2.0 where `window_start` cuts the windowed layers; 1.3 (2.1)
     where INT3 or a rotation is used, which only a reader of 1.3 (2.1) reads right.
 
@@ -107,39 +107,13 @@ def encode_payload(
             takes any level.
 
     Returns:
-        An iterator of frames: the header frame, one frame per chunk, then the trailer. The header is built and
-        validated here (KVMalformedError on a bad tier map or snapshot); chunks are encoded as they are pulled
-        (ValueError on values a quantizer cannot represent).
+        The payload, planned: iterating it yields its frames — the header frame, one frame per chunk, then the
+        trailer — each chunk encoded as it is pulled (ValueError on values a quantizer cannot represent; each
+        iteration encodes anew, a keeping coder reusing what it kept); ``predicted_bytes`` predicts their size from a
+        sample. The header is built and validated here (KVMalformedError on a bad tier map or snapshot).
     """
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    planned = plan_payload(
-        snapshot, tiers, layouts=layouts, chunk_tokens=chunk_tokens, chunk_layers=chunk_layers, level=level,
-        meta=meta, transfer=transfer, importance=importance, window_start=window_start, rotation=rotation,
-        coder=coder, clock=clock, fast_level=fast_level,
-    )  # fmt: skip
-    return planned.frames(workers)
-
-
-def plan_payload(
-    snapshot: KVSnapshot,
-    tiers: np.ndarray,
-    *,
-    layouts: dict[Tier, tuple[QuantLayout, QuantLayout]] = DEFAULT_LAYOUTS,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    chunk_layers: int | None = None,
-    level: int = DEFAULT_ZSTD_LEVEL,
-    meta: dict[str, Any] | None = None,
-    transfer: TransferRef | None = None,
-    importance: np.ndarray | None = None,
-    window_start: int | None = None,
-    rotation: Rotation | None = None,
-    coder: SectionCoder | None = None,
-    clock: StageClock = UNCLOCKED,
-    fast_level: int | None = None,
-) -> PlannedPayload:
-    """The payload ``encode_payload`` writes with these arguments (its header built and validated, its chunks
-    planned), to be written (``PlannedPayload.frames``) or its size predicted (``PlannedPayload.predicted_bytes``)."""
     window = None if window_start is None else WindowCut(snapshot.contract.sliding_layers, window_start)
     with clock.stage("header"):
         given = None if importance is None else np.asarray(importance, np.float32).astype(np.float16)
@@ -166,7 +140,7 @@ def plan_payload(
     ]  # fmt: skip
     version = (header.major, header.minor)
     chunks = _ChunkEncoder(plans, keys, levels, coder or SectionCoder(snapshot, rotation), clock)
-    return PlannedPayload(body, version, chunks)
+    return PlannedPayload(body, version, chunks, workers)
 
 
 def chunk_level(plan: ChunkPlan, level: int, fast_level: int) -> int:
@@ -315,18 +289,18 @@ class _ChunkEncoder:
 
 
 class PlannedPayload:
-    """A payload whose header is built and chunks planned (``plan_payload``): its frames, or a prediction of
-    their size from a sample of its chunks."""
+    """A payload whose header is built and chunks planned (``encode_payload``): iterated, its frames; or a
+    prediction of their size from a sample of its chunks."""
 
-    def __init__(self, body: bytes, version: tuple[int, int], chunks: _ChunkEncoder) -> None:
+    def __init__(self, body: bytes, version: tuple[int, int], chunks: _ChunkEncoder, workers: int) -> None:
         self.body = body  # the header's JSON
         self.version = version
         self.chunks = chunks
+        self.workers = workers  # threads that encode chunks at once
 
-    def frames(self, workers: int = 1) -> Iterator[bytes]:
-        """The header frame, then each chunk's frame in order as soon as it is ready, then the trailer (chunks
-        quantized and compressed on ``workers`` threads)."""
-        chunks, clock = self.chunks, self.chunks.clock
+    def __iter__(self) -> Iterator[bytes]:
+        """The header frame, then each chunk's frame in order as soon as it is ready, then the trailer."""
+        chunks, clock, workers = self.chunks, self.chunks.clock, self.workers
         with clock.stage("header"):
             digest = hashlib.sha256()
             body = self.body
