@@ -118,11 +118,18 @@ def test_a_stalled_pull_ends_at_its_timeout_not_rounded_up_to_a_whole_second():
 def test_a_peer_that_stalls_every_segment_holds_a_turn_no_longer_than_the_fetch_timeout_then_is_skipped():
     """Each segment kept what it verified and the rest was resumed from the same peer: up to 4
     segments of idle_read_timeout_s each (2 s here), past fetch_timeout_s (1 s); and since part of
-    the KV arrived every time, the breaker counted the peer healthy and never opened."""
+    the KV arrived every time, the breaker counted the peer healthy and never opened. The budget is pinned: a
+    daemon planning its turns would compute the second one here if the first brought too few bytes to measure the
+    link (how many arrive before the stall is the box's speed), and never ask the peer again."""
     peer = BreakingPeer("stall")
     try:
         service = make_service(
-            peer.url, [FakeEngine(max_context=1024)], fetch_timeout_s=1.0, idle_read_timeout_s=0.5, breaker_failures=2
+            peer.url,
+            [FakeEngine(max_context=1024)],
+            budget=0.3,
+            fetch_timeout_s=1.0,
+            idle_read_timeout_s=0.5,
+            breaker_failures=2,
         )
 
         async def scenario():
