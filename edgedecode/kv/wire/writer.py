@@ -87,7 +87,7 @@ def encode_payload(
             fits; a finer chunking that does not is a ValueError.
         level: zstd level (the header's ``zstd_level``).
         meta: free-form JSON object stored in the header (policy name, budget, ...).
-        workers: threads that quantize, compress and frame chunks at once (numpy and zstd release the GIL);
+        workers: threads that quantize and compress chunks at once (numpy and zstd release the GIL);
             the frames come out in order either way, byte for byte the same, each as soon as it and the ones
             before it are ready: at most ``workers + 1`` waves of chunks are in work ahead of the one consumed.
         transfer: where the sender keeps this prefill for a resume (EDKV 1.1 header field).
@@ -264,13 +264,6 @@ class _ChunkEncoder:
             coder.keep(self.keys[i], body)
         return body
 
-    def frame(self, i: int, ready: Future | None = None) -> bytes:
-        """Chunk ``i``'s frame, built on the calling thread (a writer's worker): its prefix (index, length, CRC-32)
-        and compressed body."""
-        compressed, crc = self.encoded(i, ready)
-        with self.clock.stage("frame"):
-            return CHUNK_PREFIX.pack(CHUNK_MAGIC, i, len(compressed), crc) + compressed
-
     def _compressor(self, level: int) -> zstandard.ZstdCompressor:
         """This thread's compressor at ``level``."""
         if not hasattr(self._compressors, "zstd"):
@@ -310,9 +303,11 @@ class PlannedPayload:
             digest.update(frame)
         yield frame
         chunks.coder.begin_payload()
-        for frame in chain.from_iterable(self._waves(workers)):
+        for index, (compressed, crc) in enumerate(chain.from_iterable(self._waves(workers))):
             with clock.stage("frame"):
-                digest.update(memoryview(frame)[: CHUNK_PREFIX.size])  # the body is covered by the prefix's CRC-32
+                prefix = CHUNK_PREFIX.pack(CHUNK_MAGIC, index, len(compressed), crc)
+                digest.update(prefix)  # the body is covered by the CRC-32 inside the prefix
+                frame = prefix + compressed
             yield frame
         yield TRAILER.pack(TRAILER_MAGIC, len(chunks.plans), digest.digest())
 
@@ -337,8 +332,8 @@ class PlannedPayload:
         framing = HEADER_PREFIX.size + len(self.body) + HEADER_CRC.size + count * CHUNK_PREFIX.size + TRAILER.size
         return framing + round(body)
 
-    def _waves(self, workers: int) -> Iterator[list[bytes]]:
-        """The chunks' frames, a wave (the chunks the coder prepares at once) at a time, in order."""
+    def _waves(self, workers: int) -> Iterator[list[tuple[bytes, int]]]:
+        """The chunks encoded, a wave (the chunks the coder prepares at once) at a time, in order."""
         chunks = self.chunks
         count = len(chunks.plans)
         step = max(chunks.coder.wave_chunks, 1)
@@ -346,7 +341,7 @@ class PlannedPayload:
         if workers == 1:
             for wave in waves:
                 chunks.prepare(wave)
-                yield [chunks.frame(i) for i in wave]
+                yield [chunks.encoded(i) for i in wave]
             return
         # A wave's sections are prepared by one task, its chunks compressed by one task each, so a wave of many
         # chunks (a device coder's) still spreads over the workers. Each task is queued after the preparation it
@@ -355,12 +350,12 @@ class PlannedPayload:
 
             def submit(wave: range) -> list[Future]:
                 ready = pool.submit(chunks.prepare, wave)
-                return [pool.submit(chunks.frame, i, ready) for i in wave]
+                return [pool.submit(chunks.encoded, i, ready) for i in wave]
 
             ahead = iter(waves)
             pending = deque(submit(wave) for wave in islice(ahead, workers + 1))
             while pending:
                 wave_chunks = pending.popleft()
-                frames = [chunk.result() for chunk in wave_chunks]
+                bodies = [chunk.result() for chunk in wave_chunks]
                 pending.extend(submit(wave) for wave in islice(ahead, 1))
-                yield frames
+                yield bodies
