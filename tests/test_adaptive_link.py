@@ -52,15 +52,15 @@ def test_the_shaper_paces_the_download_at_its_rate(upstream):
 
 
 def test_the_shaper_delays_each_way(upstream):
-    """A round trip through the shaper takes the delay each way, and not a second delay on either: the bound
-    above leaves a delay's worth of room (0.5 s) for a loaded box's late wake-ups (beside stress-ng and the suite's
-    servers, a round trip with 100 ms each way once took more than the 0.5 s the test then allowed)."""
+    """A round trip through the shaper takes at least the delay each way, and not a second delay on either (a
+    delay's worth of room above, for a loaded box's late wake-ups). The floor is the round trip itself: less the
+    unshaped one, measured apart, it failed beside stress-ng (201.4 ms less a direct round trip that took 3.6 ms)."""
     delay = 0.5
     _, direct = receive(upstream.port, b"ping\n", 5)
     with LinkShaper("127.0.0.1", upstream.port, rate_bytes_per_s=1e6, delay_s=delay) as shaper:
         data, seconds = receive(shaper.port, b"ping\n", 5)
     assert data == b"ping\n"
-    assert 2 * delay <= seconds - direct < 3 * delay, (seconds, direct)  # one delay each way; a doubled one: 4x
+    assert seconds >= 2 * delay and seconds - direct < 3 * delay, (seconds, direct)  # one delay each way
 
 
 def test_the_shaper_rate_can_change_mid_transfer(upstream):
