@@ -22,6 +22,9 @@ BUDGET = 0.3
 RATE = 1.25e6  # 10 Mbit/s
 DELAY_S = 0.010
 PROMPT = lighthouse_chat(34)
+# as long as PROMPT (412 tokens), and not believed held by a server that prefilled PROMPT (its first block differs):
+# a daemon prices a prompt it believes held as the server's cache hit, whether or not the cache is on
+UNSEEN = [{"role": "user", "content": PROMPT[0]["content"].replace("Summarize:", "Summarise:", 1)}]
 # this box's prefill speed as the adaptive daemons assume it (2 cores: ~0.3-1 s for PROMPT), pinned
 LOCAL_SPEED = {"local_prefill_tokens_per_s": 1000.0}
 # the prefill server shares the box: loaded (a compiler, stress-ng), it may take longer than the default 3 s to
@@ -87,16 +90,20 @@ def test_the_shaper_rate_can_change_mid_transfer(upstream):
 # --- a prefill server and two daemons, one behind the shaper ------------------------------------
 
 
-def _config(tmp_path, name: str, **daemon) -> str:
-    return server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, **{"budget": BUDGET, **PATIENT, **daemon})
+def _config(tmp_path, name: str, prefill: dict | None = None, **daemon) -> str:
+    return server_config(
+        tmp_path, name, prefill_token=PREFILL_TOKEN, prefill=prefill, **{"budget": BUDGET, **PATIENT, **daemon}
+    )
 
 
 @pytest.fixture(scope="module")
 def tier(smollm2_model, tmp_path_factory):
-    """(prefill server, the 10 Mbit/s shaper in front of it)."""
+    """(prefill server, the 10 Mbit/s shaper in front of it). The server keeps no prefixes: every turn's server time
+    is its whole prompt's, as in the turn that taught a daemon the link (a daemon learns the server's time per token
+    it computed, and a turn that found most of its prompt cached would teach an encode's cost per computed token)."""
     workdir = tmp_path_factory.mktemp("adaptive_tier")
     prefill = ServerProcess(
-        ["prefill-server", "--config", _config(workdir, "prefill")],
+        ["prefill-server", "--config", _config(workdir, "prefill", prefill={"prefix_cache_mb": 0})],
         workdir / "prefill.log",
         env={"EDGEDECODE_PREFILL_AUTH_TOKEN": PREFILL_TOKEN},
     )
@@ -145,6 +152,12 @@ def _metrics(server, token: str = TOKEN) -> dict[str, float]:
     return metric_samples(server.url, token)
 
 
+def _link_sample(samples: dict[str, float], name: str) -> float:
+    """A daemon's one ``edgedecode_link_<name>{endpoint}`` sample (it pulls from one endpoint)."""
+    (value,) = [v for k, v in samples.items() if k.startswith(f"edgedecode_link_{name}{{")]
+    return value
+
+
 def _prefill_requests(prefill) -> float:
     samples = _metrics(prefill, PREFILL_TOKEN)
     return sum(v for k, v in samples.items() if k.startswith("edgedecode_prefill_requests_total{"))
@@ -165,8 +178,9 @@ def _reported_truly(report: dict, target_ms: float) -> None:
     the target was met is the box's speed (the prefill server shares it): a goal for tools/bench_adaptive.py,
     not a test's assertion (under stress-ng --cpu 2 the server's prefill outgrew what the link had taught)."""
     assert report["ttft_target_met"] == (report["ttft_ms"] <= target_ms), report
-    if report["kv"]["segments"][0]["ended"] in ("cut", "timeout"):
-        assert report["kv"]["computed_tokens"] > 1, report
+    segments = report["kv"]["segments"]
+    if segments[0]["ended"] in ("cut", "timeout"):  # the rest re-planned (a lower budget pulled whole) or computed
+        assert report["kv"]["computed_tokens"] > 1 or (len(segments) > 1 and segments[-1]["ended"] == "complete")
     else:
         assert report["kv"]["source"] == "prefill_server", report
 
@@ -181,12 +195,17 @@ def test_over_a_slow_link_the_daemon_asks_a_lower_budget_predicted_to_meet_the_t
     assert first_shaped["kv"]["fetch_ms"] > 1e3 * 0.9 * first_shaped["kv"]["wire_bytes"] / RATE, first_shaped
     assert shaper.bytes_down >= first_shaped["kv"]["wire_bytes"]  # the shaped daemon pulls through the shaper
 
-    # b 1.0 takes > 7 s over 10 Mbit/s; b 0.5 ~4 s, b 0.3 ~2 s (and the server's compute time).
-    target_ms = 4000
+    # b 1.0 takes > 7 s over 10 Mbit/s, b 0.5 ~4 s, b 0.3 ~2 s, plus the server's compute time. The target is
+    # what the shaped daemon learned (round trip, the server's time, goodput) predicts for b 0.4 of a prompt of
+    # PROMPT's length that the server does not hold, so that b 0.5 is predicted ~0.8 s too slow and b 1.0 seconds
+    # too slow, however fast the box's server was
     before = {"shaped": _metrics(shaped), "direct": _metrics(direct)}
-    assert first_shaped["kv"]["fp16_bytes"] / RATE * 1e3 > 1.3 * target_ms
-    slow = _turn(shaped, ttft_target_ms=target_ms)
-    fast = _turn(direct, ttft_target_ms=target_ms)
+    goodput, rtt_s = (_link_sample(before["shaped"], name) for name in ("goodput_bytes_per_second", "rtt_seconds"))
+    server_ms = first_shaped["kv"]["prefill_server_ms"]
+    target_ms = 1e3 * rtt_s + server_ms + 1e3 * 0.4 * first_shaped["kv"]["fp16_bytes"] / goodput + 150
+    slow = _turn(shaped, messages=UNSEEN, ttft_target_ms=target_ms)
+    fast = _turn(direct, messages=UNSEEN, ttft_target_ms=target_ms)
+    assert slow["kv"]["fp16_bytes"] == first_shaped["kv"]["fp16_bytes"] == fast["kv"]["fp16_bytes"]
     # the plan, from what the link taught: a lower budget predicted within the target
     assert slow["kv"]["decision"] == "remote" and 0.2 <= slow["kv"]["budget"] < 1.0, slow
     assert slow["kv"]["predicted_ms"] <= target_ms, slow
@@ -207,16 +226,17 @@ def test_over_a_slow_link_the_daemon_asks_a_lower_budget_predicted_to_meet_the_t
         ):
             assert samples[key] - before[name][key] == added, (name, key)
 
-    def goodput(samples):
-        (value,) = [v for k, v in samples.items() if k.startswith("edgedecode_link_goodput_bytes_per_second{")]
-        return value
+    shaped_goodput, direct_goodput = (
+        _link_sample(m, "goodput_bytes_per_second") for m in (shaped_metrics, direct_metrics)
+    )
+    assert 0.5 * RATE <= shaped_goodput <= 1.5 * RATE, shaped_goodput
+    assert direct_goodput > 5 * shaped_goodput
 
-    assert 0.5 * RATE <= goodput(shaped_metrics) <= 1.5 * RATE, goodput(shaped_metrics)
-    assert goodput(direct_metrics) > 5 * goodput(shaped_metrics)
-
-    # Fixed b 1.0 over the same link misses that target.
+    # Fixed b 1.0 over the same link misses that target: beyond the server's time, it takes more than the target
+    # leaves beyond it (the server's time of this turn and of those the target was set by may differ on a loaded box)
     fixed = _turn(fixed_daemon)
-    assert fixed["kv"]["budget"] == 1.0 and fixed["ttft_ms"] > target_ms, fixed
+    assert fixed["kv"]["budget"] == 1.0, fixed
+    assert fixed["ttft_ms"] - fixed["kv"]["prefill_server_ms"] > target_ms - server_ms, fixed
 
 
 def test_over_a_link_too_slow_for_any_budget_the_daemon_prefills_locally_without_a_pull(servers):
