@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_transfers import scored
 
-from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, block_chain
+from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, block_chain, chain_to_hex
 from edgedecode.kv.wire import TransferRef
 from edgedecode.prefill.fleet.route import Route, route_for
 from edgedecode.prefill.prefix_cache import PrefixCache
@@ -40,6 +40,15 @@ def test_what_no_replica_can_read_routes_anywhere():
     assert _prefill({"token_ids": [1, 2, "x"]}) == Route()
     assert route_for("POST", "/v1/prefill", {}, b"{not json") == Route()
     assert route_for("GET", "/v1/models", {}, b"") == Route()
+
+
+def test_a_held_query_routes_as_its_prompt_would_and_is_not_counted_as_sent():
+    prompt = list(range(1000, 1000 + 3 * DEFAULT_BLOCK_TOKENS + 10))
+    blocks = chain_to_hex(block_chain(np.asarray(prompt, np.int64)))
+    held = route_for("POST", "/v1/prefill/held", {}, json.dumps({"blocks": blocks}).encode())
+    prefill = _prefill({"token_ids": prompt})
+    assert held.blocks == prefill.blocks and held.query_only and not prefill.query_only
+    assert route_for("POST", "/v1/prefill/held", {}, json.dumps({"blocks": ["not hex"]}).encode()) == Route()
 
 
 def test_a_resume_routes_to_the_replica_whose_name_starts_its_transfer_id():

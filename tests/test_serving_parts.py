@@ -12,6 +12,7 @@ from edgedecode.config import ConfigError, load_config
 from edgedecode.daemon.openai_responses import StopText
 from edgedecode.daemon.pull.breaker import CircuitBreaker
 from edgedecode.daemon.slots import QueueFullError, SlotPool
+from edgedecode.kv.prefix import block_chain, chain_from_hex, chain_to_hex
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.model.spec import DECODER_KV_LAYOUT, KVContract
 from edgedecode.prefill.prefix_cache import PrefixCache
@@ -94,6 +95,29 @@ def test_prefix_cache_finds_the_longest_block_aligned_shared_prefix():
     assert cache.lookup(np.array([0, 1, 2])) is None  # no complete block
     first.keys[:] = -1  # the cache holds its own copy
     assert cache.lookup(np.arange(9)).kv.keys.min() >= 0
+
+
+def test_prefix_cache_counts_the_leading_blocks_of_a_chain_it_holds():
+    cache = PrefixCache(1 << 20, block_tokens=4)
+    cache.store(_snapshot(range(10)))
+    assert cache.held_blocks(block_chain(np.arange(10), 4)) == 2
+    assert cache.held_blocks(block_chain(np.array([0, 1, 2, 3, 9, 9, 9, 9, 9]), 4)) == 1
+    assert cache.held_blocks(block_chain(np.arange(100, 110), 4)) == 0
+    assert cache.held_blocks([]) == 0
+
+
+def test_a_block_chain_travels_as_hex_and_anything_else_is_refused():
+    chain = block_chain(np.arange(300), 64)
+    assert chain_from_hex(chain_to_hex(chain), max_blocks=4) == chain
+    for bad, message in (
+        ("ab", "a list"),
+        (["ab"], "hex digits"),
+        (["g" * 32], "hex digits"),
+        ([7], "hex digits"),
+        (chain_to_hex(chain) * 2, "at most 4"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            chain_from_hex(bad, max_blocks=4)
 
 
 def test_prefix_cache_evicts_least_recently_used_within_its_bytes():

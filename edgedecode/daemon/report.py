@@ -38,6 +38,7 @@ class TurnReport:
     slot: int = -1
     decision: str | None = None  # the KV plan: "remote", "local" or "split" (None: no plan, e.g. no server)
     head_tokens: int = 0  # a split's leading tokens computed here while the rest was pulled
+    server_held_tokens: int = 0  # leading prompt tokens the plan priced as held in the prefill server's prefix cache
     predicted_seconds: float | None = None  # the plan's predicted time to have the KV
     why: str | None = None  # what decided the plan
     ttft_target_seconds: float | None = None
@@ -64,6 +65,7 @@ class TurnReport:
             )
         self.budget = pull.budget
         self.fallback_reason = pull.fallback
+        self.server_held_tokens = pull.server_held
         if pull.fetched is not None:
             self.fetched(pull.fetched)
 
@@ -104,6 +106,7 @@ class TurnReport:
                 "prefill_server_ms": None if self.server_seconds is None else round(self.server_seconds * 1e3, 2),
                 "decision": self.decision,
                 "head_tokens": self.head_tokens,
+                "server_held_tokens": self.server_held_tokens,
                 "predicted_ms": None if self.predicted_seconds is None else round(self.predicted_seconds * 1e3, 2),
                 "why": self.why,
             },

@@ -13,6 +13,7 @@ import hashlib
 import numpy as np
 
 DEFAULT_BLOCK_TOKENS = 64
+BLOCK_HASH_BYTES = 16
 
 
 def block_chain(token_ids: np.ndarray, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[bytes]:
@@ -21,6 +22,29 @@ def block_chain(token_ids: np.ndarray, block_tokens: int = DEFAULT_BLOCK_TOKENS)
     hashes, previous = [], b""
     for end in range(block_tokens, len(tokens) + 1, block_tokens):
         block = tokens[end - block_tokens : end].tobytes()
-        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+        previous = hashlib.blake2b(previous + block, digest_size=BLOCK_HASH_BYTES).digest()
         hashes.append(previous)
+    return hashes
+
+
+def chain_to_hex(hashes: list[bytes]) -> list[str]:
+    """A block chain as JSON can carry it (the held query, ``POST /v1/prefill/held``): lowercase hex."""
+    return [block_hash.hex() for block_hash in hashes]
+
+
+def chain_from_hex(values: object, max_blocks: int) -> list[bytes]:
+    """The block chain ``chain_to_hex`` wrote; ValueError (saying what is wrong) for anything else or longer than
+    ``max_blocks``."""
+    if not isinstance(values, list):
+        raise ValueError("blocks must be a list of block-chain hashes (hex strings)")
+    if len(values) > max_blocks:
+        raise ValueError(f"blocks has {len(values)} hashes; a prompt this server takes has at most {max_blocks}")
+    hashes = []
+    for value in values:
+        if not isinstance(value, str) or len(value) != 2 * BLOCK_HASH_BYTES:
+            raise ValueError(f"each block hash is {2 * BLOCK_HASH_BYTES} hex digits")
+        try:
+            hashes.append(bytes.fromhex(value))
+        except ValueError:
+            raise ValueError(f"each block hash is {2 * BLOCK_HASH_BYTES} hex digits") from None
     return hashes

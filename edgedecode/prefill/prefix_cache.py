@@ -56,6 +56,16 @@ class PrefixCache:
         prefill servers learns each one's cache from)."""
         return list(self._blocks)
 
+    def held_blocks(self, chain: list[bytes]) -> int:
+        """How many leading blocks of a prompt whose block chain is ``chain`` some entry holds (what ``lookup``
+        would find of it, counted in blocks; membership tests only, safe beside the thread that stores)."""
+        count = 0
+        for block_hash in chain:
+            if block_hash not in self._blocks:
+                break
+            count += 1
+        return count
+
     def lookup(self, token_ids: np.ndarray) -> PrefixHit | None:
         """The cached KV of the longest block-aligned prefix of ``token_ids`` held by any entry."""
         found, blocks = None, 0

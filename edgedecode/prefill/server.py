@@ -9,6 +9,9 @@
   ``held_tokens`` the receiver has, a budget for the rest), the payload of the kept prefill's
   positions from there on, as above; nothing is computed again. 404 ``transfer_not_found`` once
   the transfer expired.
+* ``POST /v1/prefill/held`` — JSON ``{"blocks": [...]}`` in (a prompt's block-chain hashes, ``kv.prefix``),
+  ``{"held_tokens": N, "block_tokens": B}`` out: how many leading tokens of that prompt the prefix cache holds
+  now, answered at once (not queued behind prefills), so that a daemon can price a pull before asking for it.
 * ``GET /v1/models`` — the served model with its KV contract and producer fingerprint.
 * ``GET /healthz``, ``GET /metrics``.
 """
@@ -38,6 +41,7 @@ from edgedecode.serving.http import (
 logger = logging.getLogger(__name__)
 EDKV_CONTENT_TYPE = "application/x-edkv"
 SERVICE_KEY = web.AppKey("prefill_service", PrefillService)
+HELD_PATH = "/v1/prefill/held"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -48,6 +52,12 @@ class PrefillMetrics:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter(
             "edgedecode_prefill_requests_total", "Prefill requests by HTTP status.", ["status"], registry=registry
+        )
+        self.held_queries = Counter(
+            "edgedecode_prefill_held_queries_total",
+            "Held queries (POST /v1/prefill/held: what the prefix cache holds of a prompt) by HTTP status.",
+            ["status"],
+            registry=registry,
         )
         self.seconds = Histogram(
             "edgedecode_prefill_seconds",
@@ -93,7 +103,9 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
     metrics = PrefillMetrics(service)
 
     def count(request: web.Request, status: str) -> None:
-        if request.path.startswith("/v1/prefill"):
+        if request.path == HELD_PATH:
+            metrics.held_queries.labels(status).inc()
+        elif request.path.startswith("/v1/prefill"):
             metrics.requests.labels(status).inc()
 
     app = web.Application(
@@ -168,11 +180,16 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
         metrics.fp16_bytes.inc(encoded.fp16_bytes)
         return response
 
+    async def held(request: web.Request) -> web.Response:
+        held_tokens = service.held_tokens(await read_json(request, settings.client_timeout_s))
+        return web.json_response({"held_tokens": held_tokens, "block_tokens": service.cache.block_tokens})
+
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [model_card(service)]})
 
     app.router.add_post("/v1/prefill", queued(_prefill))
     app.router.add_post("/v1/prefill/transfers/{transfer_id}", queued(resume))
+    app.router.add_post(HELD_PATH, held)
     app.router.add_get("/v1/models", models)
     add_common_routes(app, metrics.registry)
     return app

@@ -18,6 +18,7 @@ import numpy as np
 
 from edgedecode.errors import RequestError
 from edgedecode.kv.policy import POLICIES, TierProfile, profile_path
+from edgedecode.kv.prefix import chain_from_hex
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.stage_clock import StageClock
 from edgedecode.kv.tiers import Tier, parse_tiers
@@ -246,6 +247,21 @@ class PrefillService:
     def parse(self, body: dict) -> PrefillRequest:
         """A validated request (PrefillRequestError names the field at fault)."""
         return PrefillRequest.parse(body, self.model, self.max_prompt_tokens, self.allow_special_tokens)
+
+    def held_tokens(self, body: dict) -> int:
+        """The held query's answer (``POST /v1/prefill/held``): how many leading tokens of the prompt whose block
+        chain ``body["blocks"]`` names (``kv.prefix.chain_to_hex``) the prefix cache holds, at once and without the
+        worker (PrefillRequestError names the field at fault)."""
+        _check_known(body, {"model", "blocks"})
+        if body.get("model") not in (None, self.model.record.name):
+            raise PrefillRequestError(
+                f"this server prefills {self.model.record.name!r}, not {body['model']!r}", "model"
+            )
+        try:
+            chain = chain_from_hex(body.get("blocks"), self.max_prompt_tokens // self.cache.block_tokens)
+        except ValueError as exc:
+            raise PrefillRequestError(str(exc), "blocks") from None
+        return self.cache.held_blocks(chain) * self.cache.block_tokens
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         """Run ``request`` on the worker thread; a budget that no payload can meet is refused first

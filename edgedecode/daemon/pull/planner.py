@@ -90,6 +90,20 @@ class KVPlanner:
         self.prefixes = ServerPrefixes()  # what each prefill server's prefix cache holds, as its answers said
         self._unanswered: dict[str, float] = {}  # endpoint -> when a pull from it last got no answer in time
 
+    def plans(self, kv_deadline: Deadline) -> bool:
+        """Whether a turn with ``kv_deadline`` is planned from the link and the server (a target, or the default
+        objective), not pulled at the pinned budget whatever they are."""
+        return kv_deadline.target_s is not None or self.near_fastest is not None
+
+    def pull_could_win(self, url: str, keep: int, prompt_tokens: int) -> bool:
+        """Whether pulling the prompt after ``keep`` from ``url`` could beat computing it here were the server to
+        compute none of it: the link known, and its round trip and the smallest budget's bytes predicted faster
+        than the local prefill (else no answer about the server's prefix cache can make a pull the plan)."""
+        tokens = max(prompt_tokens - keep, 1)
+        wire_bytes = int(self.budget_for(tokens, self.min_budget) * tokens * self.fp16_bytes_per_token)
+        best_s = self.links.get(url).predict_fetch_s(wire_bytes, 0)
+        return best_s is not None and best_s * self.corrections()[0] < self.local_speed.predict_seconds(tokens)
+
     def kv_deadline(self, deadline: Deadline) -> Deadline:
         """When a turn's KV must be in: before its prompt's last token runs and is sampled."""
         return deadline.earlier(self.local_speed.predict_seconds(1) if self.local_speed.ready else 0.0)

@@ -27,6 +27,7 @@ from edgedecode.daemon.pull.adaptive import KVPlan
 from edgedecode.daemon.pull.breaker import CircuitBreaker
 from edgedecode.daemon.pull.deadline import Deadline
 from edgedecode.daemon.pull.fetch import FetchOutcome, KVFetch
+from edgedecode.daemon.pull.held_query import HeldQuery
 from edgedecode.daemon.pull.planner import KVPlanner
 from edgedecode.daemon.pull.segment import PullSettings
 from edgedecode.daemon.slots import DecodeEngine
@@ -63,6 +64,7 @@ class Pull:
     budget: float | None = None  # first asked of the prefill server
     fetched: Fetched | None = None  # what the fetch brought (a split's comes with its tail)
     fallback: str | None = None  # why no pull was even tried (a KVPullError reason)
+    server_held: int = 0  # leading prompt tokens the plan priced as held in the server's prefix cache
 
 
 class PrefillRemote:
@@ -90,6 +92,7 @@ class PrefillRemote:
             on_transition=lambda to: metrics.breaker_transitions.labels(to).inc(),
         )
         self.ingest = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-ingest")
+        self.held_query = HeldQuery()
         self._http: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -121,11 +124,11 @@ class PrefillRemote:
         if self._http is None:
             raise RuntimeError("the prefill remote was not started (await start() first)")
         kv_deadline = self.planner.kv_deadline(deadline)
-        server_held = self.planner.prefixes.held_tokens(url, prompt_ids)
+        server_held = await self._server_held(url, prompt_ids, keep, kv_deadline)
         plan = self.planner.plan(url, keep, len(prompt_ids), kv_deadline, server_held=server_held)
         if plan.decision == "local" or plan.budget is None:
             logger.info("prefilling %d tokens locally by plan: %s", len(prompt_ids) - keep, plan.why)
-            return Pull(plan=plan)
+            return Pull(plan=plan, server_held=server_held)
         settings = self._settings(url)
         if kv_deadline.target_s is None and plan.deadline_s is not None:  # the default objective's: watched too
             kv_deadline = Deadline.within(plan.deadline_s)
@@ -138,12 +141,27 @@ class PrefillRemote:
                 self._http, settings, self.ingest, self.planner, teach_goodput=False, server_held=server_held
             )
             tail = asyncio.create_task(self._fetch(fetch, stream, budget, kv_deadline, plan))
-            return Pull(stream, tail, plan, budget)
+            return Pull(stream, tail, plan, budget, server_held=server_held)
         fetch = KVFetch(self._http, settings, self.ingest, self.planner, server_held=server_held)
         fetched = await self._fetch(fetch, stream, budget, kv_deadline, plan)
         if plan.deadline_s is not None:  # the default objective's pull, given up on at its deadline or not
             self.planner.learn_unfinished(url, fetched.outcome.segments[-1].result)
-        return Pull(stream if fetched.useful else None, None, plan, budget, fetched)
+        return Pull(stream if fetched.useful else None, None, plan, budget, fetched, server_held=server_held)
+
+    async def _server_held(self, url: str, prompt_ids: np.ndarray, keep: int, kv_deadline: Deadline) -> int:
+        """The leading tokens of ``prompt_ids`` the server at ``url`` holds: what it answers a held query where the
+        answer can move the plan (``held_query``: it plans, and a pull could beat computing here), else what this
+        daemon learned it holds."""
+        planner, n = self.planner, len(prompt_ids)
+        believed = planner.prefixes.held_tokens(url, prompt_ids)
+        rtt_s = planner.links.get(url).estimate().rtt_s
+        if not (planner.plans(kv_deadline) and self.held_query.worth_asking(url, n, believed)):
+            return believed
+        if rtt_s is None or not planner.pull_could_win(url, keep, n):
+            return believed
+        assert self._http is not None  # pull() checked it
+        answered = await self.held_query.ask(self._http, self._settings(url), prompt_ids, rtt_s)
+        return believed if answered is None else answered
 
     def _settings(self, url: str, total_s: float | None = None) -> PullSettings:
         """The pull settings for ``url``; ``total_s`` shortens the whole fetch's timeout."""

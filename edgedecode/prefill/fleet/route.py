@@ -6,6 +6,9 @@ can match it against what each replica holds. Prompts given as ``messages`` or `
 does not tokenize) chain their messages, or 4 KiB blocks of their text, instead: requests sharing
 a system prompt or a conversation's earlier turns still share the head of their chain.
 
+A held query (``/v1/prefill/held``, a prompt's chain as hex) routes as its prompt would, so that the replica
+asked is the one the prefill would reach; the router does not count it as sent there.
+
 A resume (``/v1/prefill/transfers/{id}``) must reach the replica that keeps the transfer: each
 replica starts its transfer ids with its own name (``transfers.TransferStore.id_prefix``). So does
 ``/metrics?replica=NAME``, a replica's own metrics.
@@ -21,12 +24,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.kv.prefix import block_chain
+from edgedecode.kv.prefix import block_chain, chain_from_hex
 from edgedecode.prefill.transfers import ID_PREFIX_END
 from edgedecode.serving.json_body import parse_json_object
 
 TEXT_BLOCK_CHARS = 4096
 TRANSFERS_PATH = "/v1/prefill/transfers/"
+HELD_PATH = "/v1/prefill/held"
+HELD_MAX_BLOCKS = 1 << 14  # a held query routes by at most this many blocks (~1M tokens); the replica checks its own
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class Route:
 
     blocks: tuple[bytes, ...] = ()  # the prompt's prefix chain, block by block (empty: any replica)
     replica: str = ""  # the replica the request must reach, if any (a transfer it keeps, its metrics)
+    query_only: bool = False  # a held query: routed as its prompt would be, the replica not told to hold it
 
 
 def route_for(method: str, path: str, query: Mapping[str, str], body: bytes) -> Route:
@@ -46,12 +52,17 @@ def route_for(method: str, path: str, query: Mapping[str, str], body: bytes) -> 
         return Route(replica=replica if found else "")
     if path == "/metrics":
         return Route(replica=query.get("replica", ""))
-    if method != "POST" or path != "/v1/prefill":
+    if method != "POST" or path not in ("/v1/prefill", HELD_PATH):
         return Route()
     try:
         request = parse_json_object(body)
     except EdgeDecodeError:
         return Route()
+    if path == HELD_PATH:  # to the replica its prompt would reach, which answers what it holds
+        try:
+            return Route(blocks=tuple(chain_from_hex(request.get("blocks"), HELD_MAX_BLOCKS)), query_only=True)
+        except ValueError:
+            return Route()
     return Route(blocks=tuple(prompt_chain(request)))
 
 

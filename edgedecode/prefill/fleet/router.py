@@ -75,9 +75,10 @@ class PrefixAffinityRouter(RequestRouter):
         return count
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        """Remember that ``replica_id`` now holds the routed prompt's blocks."""
-        blocks = _route_of(pending_request).blocks
-        if not blocks:
+        """Remember that ``replica_id`` now holds the routed prompt's blocks (not for a held query's)."""
+        route = _route_of(pending_request)
+        blocks = route.blocks
+        if not blocks or route.query_only:
             return
         routed = self._routed.setdefault(replica_id, OrderedDict())
         for block in blocks:

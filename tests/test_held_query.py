@@ -1,0 +1,144 @@
+"""The held query (``POST /v1/prefill/held``): the prefill server says how much of a prompt its prefix cache holds,
+from the prompt's block-chain hashes, and a planning daemon prices what another client left there before it plans
+(real servers on 127.0.0.1 with the real model; ``daemon/pull/held_query.py``, docs/serving.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+from openai import OpenAI
+from serving_helpers import PREFILL_TOKEN, ServerProcess, ThreadedApp, metric_samples, server_config
+
+from edgedecode.daemon.pull.held_query import HeldQuery
+from edgedecode.daemon.pull.segment import PullSettings
+from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, block_chain, chain_to_hex
+
+B = DEFAULT_BLOCK_TOKENS
+TOKEN = "daemon-secret"
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    """``n`` token ids no other test's prompt shares a block with."""
+    return np.random.default_rng(seed).integers(1000, 40000, n).tolist()
+
+
+def _post(url: str, path: str, body: dict, token: str | None = PREFILL_TOKEN) -> tuple[int, bytes]:
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _held(url: str, ids: list[int]) -> int:
+    status, body = _post(url, "/v1/prefill/held", {"blocks": chain_to_hex(block_chain(np.asarray(ids)))})
+    assert status == 200, body
+    answer = json.loads(body)
+    assert answer["block_tokens"] == B
+    return answer["held_tokens"]
+
+
+def test_the_prefill_server_says_how_much_of_a_prompt_its_prefix_cache_holds(prefill_server):
+    url = prefill_server.url
+    doc = _ids(1, 5 * B + 10)
+    before = metric_samples(url, PREFILL_TOKEN)
+    assert _held(url, doc) == 0
+    status, payload = _post(url, "/v1/prefill", {"token_ids": doc, "budget": 0.3})  # another client's prefill
+    assert status == 200 and payload.startswith(b"EDKV"), payload[:200]
+    assert _held(url, doc) == 5 * B  # its complete blocks
+    assert _held(url, doc + _ids(2, 3 * B)) == 5 * B  # a question after the document
+    assert _held(url, doc[: 2 * B] + _ids(3, 3 * B)) == 2 * B  # sharing its first two blocks
+    assert _held(url, _ids(4, 4 * B)) == 0
+
+    status, body = _post(url, "/v1/prefill/held", {"blocks": ["zz" * 16]})
+    assert status == 400 and json.loads(body)["error"]["param"] == "blocks", body
+    status, body = _post(url, "/v1/prefill/held", {"blocks": chain_to_hex(block_chain(np.asarray(doc))), "x": 1})
+    assert status == 400 and json.loads(body)["error"]["param"] == "x", body
+    assert _post(url, "/v1/prefill/held", {"blocks": []}, token=None)[0] == 401
+
+    after = metric_samples(url, PREFILL_TOKEN)
+
+    def added(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert added("edgedecode_prefill_held_queries_total{status=200}") == 5
+    assert added("edgedecode_prefill_held_queries_total{status=400}") == 2
+    assert added("edgedecode_prefill_requests_total{status=200}") == 1  # the prefill only
+
+
+def _daemon(tmp_path, name: str, url: str, budget: float) -> ServerProcess:
+    # budget 0: not pinned (the default objective plans every turn); local prefill pinned slow, so that a pull
+    # could win whatever the box's speed
+    config = server_config(tmp_path, name, prefill_token=PREFILL_TOKEN, budget=budget, local_prefill_tokens_per_s=50.0)
+    return ServerProcess(
+        ["serve", "--config", config, "--prefill-url", url],
+        tmp_path / f"{name}.log",
+        env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+    )
+
+
+def _complete(server: ServerProcess, ids: list[int]) -> dict:
+    client = OpenAI(base_url=server.url + "/v1", api_key=TOKEN, timeout=120, max_retries=0)
+    completion = client.completions.create(model="smollm2-135m-instruct", prompt=ids, max_tokens=2, temperature=0)
+    return completion.model_extra["edgedecode"]
+
+
+def test_a_planning_daemon_prices_what_another_client_left_in_the_servers_cache(prefill_server, tmp_path):
+    started = []
+    try:
+        for name, budget in (("another", 0.3), ("planning", 0.0), ("pinned", 0.3)):
+            started.append(_daemon(tmp_path, name, prefill_server.url, budget))
+        another, planning, pinned = started
+        for seed, daemon in ((11, planning), (12, pinned)):  # each learns the link (its first pull is its probe)
+            taught = _complete(daemon, _ids(seed, 3 * B))
+            assert taught["kv"]["source"] == "prefill_server", taught
+        doc, question = _ids(13, 6 * B + 5), _ids(14, 20)
+        assert _complete(another, doc)["kv"]["source"] == "prefill_server"  # the server now holds the document
+
+        asked = _complete(planning, doc + question)
+        assert asked["kv"]["server_held_tokens"] == 6 * B, asked  # asked before planning: not seen by this daemon
+        assert asked["kv"]["decision"] == "remote", asked  # its local prefill is pinned at 50 tokens/s
+        # a pinned budget pulls whatever the server holds: nothing asked, nothing believed
+        assert _complete(pinned, doc + _ids(15, 20))["kv"]["server_held_tokens"] == 0
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+def test_an_endpoint_without_the_route_is_not_asked_again():
+    async def not_found(_: web.Request) -> web.Response:
+        raise web.HTTPNotFound()
+
+    served = ThreadedApp.posting("/v1/prefill/held", not_found)
+    try:
+        query = HeldQuery()
+        settings = PullSettings(served.url, "", "ours", 1 << 20, aiohttp.ClientTimeout(total=5))
+        prompt = np.asarray(_ids(21, 8 * B))
+        assert query.worth_asking(served.url, len(prompt), 0)
+
+        async def ask() -> int | None:
+            async with aiohttp.ClientSession() as http:
+                return await query.ask(http, settings, prompt, rtt_s=0.05)
+
+        assert asyncio.run(ask()) is None
+        assert not query.worth_asking(served.url, len(prompt), 0)  # an older server: not asked again
+    finally:
+        served.stop()
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "believed", "worth"),
+    [(4 * B, 0, True), (4 * B - 1, 0, False), (9 * B, 6 * B, False), (10 * B, 6 * B, True)],
+)
+def test_a_held_query_is_worth_asking_only_for_enough_blocks_not_believed_held(prompt_tokens, believed, worth):
+    assert HeldQuery().worth_asking("http://127.0.0.1:1", prompt_tokens, believed) is worth
