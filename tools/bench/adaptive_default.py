@@ -16,8 +16,15 @@ distinct pydoc window of ``--prompt-tokens`` tokens (the same window for the thr
 that the box's load hits all three alike: the ratios default/local and default/min(local, b 0.3) are
 taken per round and summarised by their median (and the medians of the TTFTs beside them).
 
+``--server-holds-tokens N``: a prefill node faster than the box by its prefix cache (a shared document,
+a RAG context). The server's prefix cache is on, and each round's first N tokens are a document it
+already holds: a fourth daemon (b 0.3, not measured) asked for that document alone before the round.
+The measured daemons have never seen it, so the local one computes the whole prompt, and the server
+only the rest (then encodes the whole prompt's KV).
+
     python tools/bench/adaptive_default.py [--mbits 10] [--unshaped] [--prompt-tokens 1024] [--rounds 5]
-        [--rtt-ms 20] [--prefill-device cpu|cuda] [--edge-cpus 0,1] [--threads 2] [--json PATH]
+        [--rtt-ms 20] [--server-holds-tokens 0] [--prefill-device cpu|cuda] [--edge-cpus 0,1] [--threads 2]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ def settings(policy: str, url: str) -> dict:
     """The [daemon] keys of one policy's daemon behind ``url``."""
     if policy == "local":
         return {"local_prefill_only": True}
-    return {"prefill_url": url} | ({"budget": 0.3} if policy == "b0.3" else {})
+    return {"prefill_url": url} | ({"budget": 0.3} if policy in ("b0.3", "warmer") else {})
 
 
 @contextlib.contextmanager
@@ -78,13 +85,16 @@ def request(url: str, prompt, max_tokens: int) -> dict:
 
 
 def run_cell(label: str, target: str, steady: dict[str, str], windows, args, directory: Path) -> dict:
-    """The rounds of one link: a fresh default daemon against the steady ones."""
+    """The rounds of one link: a fresh default daemon against the steady ones (``steady["warmer"]``, if there,
+    asks each round's held document first)."""
     with daemon("default", directory, args, target, label.replace(" ", "_").replace("/", "")) as fresh:
         urls = {"default": fresh, **steady}
         probe = request(fresh, windows[0], args.max_tokens)
         print(f"{label}: the default daemon's first request (the probe): {probe}", file=sys.stderr, flush=True)
         rounds = []
         for i, prompt in enumerate(windows[1:]):
+            if "warmer" in steady:
+                request(steady["warmer"], prompt[: args.server_holds_tokens], args.max_tokens)
             order = POLICIES[i % 3 :] + POLICIES[: i % 3]
             round_ = {policy: request(urls[policy], prompt, args.max_tokens) for policy in order}
             rounds.append(round_)
@@ -117,10 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--rtt-ms", type=float, default=20.0)
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument(
+        "--server-holds-tokens",
+        type=int,
+        default=0,
+        help="each prompt's first N tokens are already in the server's cache",
+    )
     add_placement(p)
     cli.add_threads(p, help="onnxruntime threads of each server")
     cli.add_json_file(p, help="write every request here")
     args = p.parse_args(argv)
+    if not 0 <= args.server_holds_tokens < args.prompt_tokens:
+        p.error("--server-holds-tokens must be >= 0 and below --prompt-tokens")
     args.prompt_tokens = [args.prompt_tokens]  # as write_config takes it
     started = time.time()
     model = load_model()
@@ -129,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         directory = Path(tmp)
-        prefill_config = write_config(directory, "prefill", args)
+        prefill_config = write_config(
+            directory, "prefill", args, prefix_cache_mb=1024 if args.server_holds_tokens else 0
+        )
         _, prefill_url = stack.enter_context(
             running(
                 ["prefill-server", "--config", str(prefill_config)],
@@ -149,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                     target = shaper.url
                 steady = {
                     policy: cell_stack.enter_context(daemon(policy, directory, args, target, f"c{index}"))
-                    for policy in ("b0.3", "local")
+                    for policy in ("b0.3", "local") + (("warmer",) if args.server_holds_tokens else ())
                 }
                 for url in steady.values():  # warm: the servers' first requests are not what is measured
                     request(url, cell_windows[0], args.max_tokens)

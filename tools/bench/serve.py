@@ -62,15 +62,15 @@ def daemon_placement(args) -> dict:
     return {"launcher": launcher, "env": {"EDGEDECODE_MODEL_DEVICE": "cpu"}}
 
 
-def write_config(directory: Path, name: str, args, **daemon) -> Path:
-    """A TOML config for one server of the run."""
+def write_config(directory: Path, name: str, args, *, prefix_cache_mb: int = 0, **daemon) -> Path:
+    """A TOML config for one server of the run (a prefill server's prefix cache off unless ``prefix_cache_mb``)."""
     longest = max(args.prompt_tokens)
     return toml_config(
         directory / f"{name}.toml",
         {
             "model": {"threads": args.threads},
             "daemon": {"slots": 1, "max_context": longest + args.max_tokens + 64, **daemon},
-            "prefill": {"prefix_cache_mb": 0, "max_prompt_tokens": longest + 64},
+            "prefill": {"prefix_cache_mb": prefix_cache_mb, "max_prompt_tokens": longest + 64},
         },
     )
 
