@@ -31,9 +31,11 @@ from ray import serve
 
 from edgedecode.config import load_config
 from edgedecode.kv.policy import TierProfile, profile_path
+from edgedecode.kv.prefix import block_chain, chain_to_hex
 from edgedecode.model.graph import GraphOptions
 from edgedecode.prefill.fleet.app import APP_NAME, build_app, replica_actor, replica_names, start_fleet, stop_fleet
 from edgedecode.prefill.fleet.faults import FAULT_FILE_ENV
+from edgedecode.prefill.fleet.ingress import REPLICA_HEADER
 from edgedecode.prefill.pipeline import prefill_and_score, through_wire
 from edgedecode.runtime.sampler import SamplingParams
 from edgedecode.testing.agreement import divergence_gap
@@ -192,7 +194,19 @@ def test_the_daemon_gets_the_single_server_greedy_answer_through_two_replicas(
     assert report["kv"]["tiers"] == tiers
 
 
-def test_a_conversations_second_turn_lands_on_the_replica_holding_its_prefix(daemon, fleet):
+def _held_by_the_tier(fleet: str, token_ids: list[int]) -> tuple[int, str]:
+    """(what the replica a held query reaches holds of the prompt, that replica's name)."""
+    body = json.dumps({"blocks": chain_to_hex(block_chain(np.asarray(token_ids, np.int64)))}).encode()
+    request = urllib.request.Request(
+        fleet + "/v1/prefill/held",
+        body,
+        {"Content-Type": "application/json", "Authorization": f"Bearer {PREFILL_TOKEN}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())["held_tokens"], response.headers[REPLICA_HEADER]
+
+
+def test_a_conversations_second_turn_lands_on_the_replica_holding_its_prefix(daemon, fleet, smollm2_model):
     turn1 = lighthouse_chat(12)  # ~170 tokens: two whole 64-token blocks for the prefix cache
     before = _replica_tokens(fleet)
     first, _ = _chat(daemon, turn1, "lighthouse")
@@ -200,6 +214,8 @@ def test_a_conversations_second_turn_lands_on_the_replica_holding_its_prefix(dae
     served_first = _changed(before, after_first)
     assert len(served_first) == 1  # one replica computed the first turn
     (holder,) = served_first
+    # a held query reaches the replica the prompt would (the holder), which answers what it holds
+    assert _held_by_the_tier(fleet, smollm2_model.tokenizer.encode_chat(turn1)) == (128, holder)
     turn2 = turn1 + [
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "Who wrote it down?"},
