@@ -18,9 +18,10 @@ taken per round and summarised by their median (and the medians of the TTFTs bes
 
 ``--server-holds-tokens N``: a prefill node faster than the box by its prefix cache (a shared document,
 a RAG context). The server's prefix cache is on, and each round's first N tokens are a document it
-already holds: a fourth daemon (b 0.3, not measured) asked for that document alone before the round.
-The measured daemons have never seen it, so the local one computes the whole prompt, and the server
-only the rest (then encodes the whole prompt's KV).
+already holds: the tool asked the server for that document alone before the round (as another client
+would, straight to ``/v1/prefill``) and checked with ``/v1/prefill/held`` that it holds it. The
+measured daemons have never seen it, so the local one computes the whole prompt, and the server only
+the rest (then encodes the whole prompt's KV).
 
     python tools/bench/adaptive_default.py [--mbits 10] [--unshaped] [--prompt-tokens 1024] [--rounds 5]
         [--rtt-ms 20] [--server-holds-tokens 0] [--prefill-device cpu|cuda] [--edge-cpus 0,1] [--threads 2]
@@ -36,12 +37,17 @@ if not __package__:  # run as a file: import tools.* (and edgedecode) from the r
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import contextlib
+import json
 import statistics
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 
+import numpy as np
+
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
+from edgedecode.kv.prefix import block_chain, chain_to_hex
 from edgedecode.model.loader import load_model
 from edgedecode.testing.link_shaper import LinkShaper
 from edgedecode.testing.link_traces import MBIT
@@ -56,7 +62,7 @@ def settings(policy: str, url: str) -> dict:
     """The [daemon] keys of one policy's daemon behind ``url``."""
     if policy == "local":
         return {"local_prefill_only": True}
-    return {"prefill_url": url} | ({"budget": 0.3} if policy in ("b0.3", "warmer") else {})
+    return {"prefill_url": url} | ({"budget": 0.3} if policy == "b0.3" else {})
 
 
 @contextlib.contextmanager
@@ -77,6 +83,8 @@ def request(url: str, prompt, max_tokens: int) -> dict:
         "source": kv.get("source"),
         "budget": kv.get("budget"),
         "head_tokens": kv.get("head_tokens"),
+        "server_held_tokens": kv.get("server_held_tokens"),
+        "prefill_server_ms": kv.get("prefill_server_ms"),
         "predicted_ms": kv.get("predicted_ms"),
         "fetch_ms": kv.get("fetch_ms"),
         "wire_bytes": kv.get("wire_bytes"),
@@ -84,22 +92,38 @@ def request(url: str, prompt, max_tokens: int) -> dict:
     }
 
 
+def hold_document(prefill_url: str, document: np.ndarray) -> int:
+    """Have the prefill server prefill ``document`` (as another client would) and return how many of its tokens
+    it then says it holds (``/v1/prefill/held``)."""
+    body = json.dumps({"token_ids": document.tolist(), "budget": 0.3}).encode()
+    headers = {"Content-Type": "application/json"}
+    with urllib.request.urlopen(urllib.request.Request(prefill_url + "/v1/prefill", body, headers), timeout=600) as r:
+        r.read()
+    query = json.dumps({"blocks": chain_to_hex(block_chain(document))}).encode()
+    with urllib.request.urlopen(urllib.request.Request(prefill_url + "/v1/prefill/held", query, headers)) as r:
+        return json.loads(r.read())["held_tokens"]
+
+
 def run_cell(label: str, target: str, steady: dict[str, str], windows, args, directory: Path) -> dict:
-    """The rounds of one link: a fresh default daemon against the steady ones (``steady["warmer"]``, if there,
-    asks each round's held document first)."""
+    """The rounds of one link: a fresh default daemon against the steady ones (with ``--server-holds-tokens``,
+    each round's document held by the prefill server at ``args.prefill_url`` first)."""
     with daemon("default", directory, args, target, label.replace(" ", "_").replace("/", "")) as fresh:
         urls = {"default": fresh, **steady}
         probe = request(fresh, windows[0], args.max_tokens)
         print(f"{label}: the default daemon's first request (the probe): {probe}", file=sys.stderr, flush=True)
         rounds = []
         for i, prompt in enumerate(windows[1:]):
-            if "warmer" in steady:
-                request(steady["warmer"], prompt[: args.server_holds_tokens], args.max_tokens)
+            held = (
+                hold_document(args.prefill_url, prompt[: args.server_holds_tokens]) if args.server_holds_tokens else 0
+            )
             order = POLICIES[i % 3 :] + POLICIES[: i % 3]
             round_ = {policy: request(urls[policy], prompt, args.max_tokens) for policy in order}
+            round_["server_held_before"] = held
             rounds.append(round_)
-            line = ", ".join(f"{p} {r['ttft_ms']} ms ({r['decision'] or r['source']})" for p, r in round_.items())
-            print(f"  {label} round {i}: {line}", file=sys.stderr, flush=True)
+            line = ", ".join(
+                f"{p} {round_[p]['ttft_ms']} ms ({round_[p]['decision'] or round_[p]['source']})" for p in order
+            )
+            print(f"  {label} round {i}: {line}; the server held {held} tokens", file=sys.stderr, flush=True)
     return {"cell": label, "probe": probe, "rounds": rounds, "summary": summarise(rounds)}
 
 
@@ -158,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         host, port = prefill_url.removeprefix("http://").rsplit(":", 1)
+        args.prefill_url = prefill_url
         for index, (label, mbits) in enumerate(cells):
             cell_windows = windows[index * (args.rounds + 2) : (index + 1) * (args.rounds + 2)]
             with contextlib.ExitStack() as cell_stack:
@@ -169,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                     target = shaper.url
                 steady = {
                     policy: cell_stack.enter_context(daemon(policy, directory, args, target, f"c{index}"))
-                    for policy in ("b0.3", "local") + (("warmer",) if args.server_holds_tokens else ())
+                    for policy in ("b0.3", "local")
                 }
                 for url in steady.values():  # warm: the servers' first requests are not what is measured
                     request(url, cell_windows[0], args.max_tokens)
