@@ -16,7 +16,8 @@ from aiohttp import web
 from openai import OpenAI
 from serving_helpers import PREFILL_TOKEN, ServerProcess, ThreadedApp, metric_samples, server_config
 
-from edgedecode.daemon.pull.held_query import HeldQuery
+from edgedecode.daemon.pull.held_query import MAX_SILENT, HeldQuery
+from edgedecode.daemon.pull.link import LinkEstimate
 from edgedecode.daemon.pull.segment import PullSettings
 from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, block_chain, chain_to_hex
 
@@ -115,30 +116,62 @@ def test_a_planning_daemon_prices_what_another_client_left_in_the_servers_cache(
             server.stop()
 
 
+LINK = LinkEstimate(goodput_bps=1e8, rtt_s=0.01, server_s_per_token=0.005)  # 64 tokens: 0.32 s to save
+
+
+def _ask(query: HeldQuery, url: str, prompt: np.ndarray) -> int | None:
+    settings = PullSettings(url, "", "ours", 1 << 20, aiohttp.ClientTimeout(total=5))
+
+    async def ask() -> int | None:
+        async with aiohttp.ClientSession() as http:
+            return await query.ask(http, settings, prompt, rtt_s=0.01)
+
+    return asyncio.run(ask())
+
+
 def test_an_endpoint_without_the_route_is_not_asked_again():
     async def not_found(_: web.Request) -> web.Response:
         raise web.HTTPNotFound()
 
     served = ThreadedApp.posting("/v1/prefill/held", not_found)
     try:
-        query = HeldQuery()
-        settings = PullSettings(served.url, "", "ours", 1 << 20, aiohttp.ClientTimeout(total=5))
-        prompt = np.asarray(_ids(21, 8 * B))
-        assert query.worth_asking(served.url, len(prompt), 0)
+        query, prompt = HeldQuery(), np.asarray(_ids(21, 8 * B))
+        assert query.worth_asking(served.url, len(prompt), 0, LINK)
+        assert _ask(query, served.url, prompt) is None
+        assert not query.worth_asking(served.url, len(prompt), 0, LINK)  # an older server: not asked again
+    finally:
+        served.stop()
 
-        async def ask() -> int | None:
-            async with aiohttp.ClientSession() as http:
-                return await query.ask(http, settings, prompt, rtt_s=0.05)
 
-        assert asyncio.run(ask()) is None
-        assert not query.worth_asking(served.url, len(prompt), 0)  # an older server: not asked again
+def test_an_endpoint_that_keeps_answering_too_late_is_not_asked_again():
+    async def late(_: web.Request) -> web.Response:
+        await asyncio.sleep(1.0)  # the wait is 4 round trips of 10 ms, at least 50 ms
+        return web.json_response({"held_tokens": 0, "block_tokens": B})
+
+    served = ThreadedApp.posting("/v1/prefill/held", late)
+    try:
+        query, prompt = HeldQuery(), np.asarray(_ids(22, 8 * B))
+        for _ in range(MAX_SILENT):
+            assert query.worth_asking(served.url, len(prompt), 0, LINK)
+            assert _ask(query, served.url, prompt) is None
+        assert not query.worth_asking(served.url, len(prompt), 0, LINK)
     finally:
         served.stop()
 
 
 @pytest.mark.parametrize(
-    ("prompt_tokens", "believed", "worth"),
-    [(4 * B, 0, True), (4 * B - 1, 0, False), (9 * B, 6 * B, False), (10 * B, 6 * B, True)],
+    ("prompt_tokens", "believed", "server_s_per_token", "worth"),
+    [
+        (4 * B, 0, 0.005, True),
+        (4 * B - 1, 0, 0.005, False),  # fewer than 4 complete blocks unknown
+        (9 * B, 6 * B, 0.005, False),
+        (10 * B, 6 * B, 0.005, True),
+        (4 * B, 0, 0.0001, False),  # 256 tokens' server time (26 ms) is less than the 50 ms wait
+        (4 * B, 0, None, False),  # the server's time unknown
+    ],
 )
-def test_a_held_query_is_worth_asking_only_for_enough_blocks_not_believed_held(prompt_tokens, believed, worth):
-    assert HeldQuery().worth_asking("http://127.0.0.1:1", prompt_tokens, believed) is worth
+def test_a_held_query_is_worth_asking_only_where_the_answer_can_save_more_than_its_wait(
+    prompt_tokens, believed, server_s_per_token, worth
+):
+    link = LinkEstimate(goodput_bps=1e8, rtt_s=0.01, server_s_per_token=server_s_per_token)
+    assert HeldQuery().worth_asking("http://127.0.0.1:1", prompt_tokens, believed, link) is worth

@@ -9,9 +9,10 @@ tokens) and plans with the answer.
 The question costs one round trip, so it is asked only where the answer can move the plan: the planner plans (a
 pinned budget pulls whatever the server holds), the link is known (a probe pulls at the default budget either way),
 even a server that computes nothing could beat computing here (a link too slow for any pull is asked nothing), and
-at least ``MIN_UNKNOWN_BLOCKS`` complete blocks of the prompt are not already believed held. The answer is waited
-on for a few learned round trips at most; an endpoint that does not know the route (an older server: 404 or 405)
-is not asked again, and any other failure leaves the plan to what the daemon believed.
+at least ``MIN_UNKNOWN_BLOCKS`` complete blocks of the prompt are not already believed held, whose server time (at
+the learned time per token) is more than the wait for the answer: ``WAIT_RTTS`` learned round trips. An endpoint
+that does not know the route (an older server: 404 or 405), or let ``MAX_SILENT`` questions in a row go unanswered
+in time, is not asked again; any other failure leaves the plan to what the daemon believed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import aiohttp
 import numpy as np
 
+from edgedecode.daemon.pull.link import LinkEstimate
 from edgedecode.daemon.pull.segment import PullSettings
 from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, block_chain, chain_to_hex
 
@@ -28,8 +30,14 @@ logger = logging.getLogger(__name__)
 
 HELD_PATH = "/v1/prefill/held"
 MIN_UNKNOWN_BLOCKS = 4  # complete 64-token blocks not believed held before the question is worth a round trip
-WAIT_RTTS = 4.0  # the answer is waited on for this many learned round trips, within the bounds below
-MIN_WAIT_S, MAX_WAIT_S = 0.05, 0.5
+WAIT_RTTS = 4.0  # the answer is waited on for this many learned round trips (at least MIN_WAIT_S)
+MIN_WAIT_S = 0.05
+MAX_SILENT = 3  # an endpoint that let this many questions in a row go unanswered in time is not asked again
+
+
+def wait_s(rtt_s: float) -> float:
+    """How long an answer is waited on over a link whose round trip is ``rtt_s``."""
+    return max(WAIT_RTTS * rtt_s, MIN_WAIT_S)
 
 
 class HeldQuery:
@@ -37,14 +45,21 @@ class HeldQuery:
 
     def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> None:
         self.block_tokens = block_tokens
-        self._unsupported: set[str] = set()  # endpoints that answered the route with 404 or 405
+        self._unsupported: set[str] = set()  # endpoints that do not answer (404 or 405, or too often not in time)
+        self._silent: dict[str, int] = {}  # endpoint -> questions in a row it let go unanswered in time
 
-    def worth_asking(self, url: str, prompt_tokens: int, believed_held: int) -> bool:
+    def worth_asking(self, url: str, prompt_tokens: int, believed_held: int, link: LinkEstimate) -> bool:
         """Whether ``url`` may be asked about a prompt of ``prompt_tokens`` tokens whose first ``believed_held``
-        the daemon already believes held: enough complete blocks unknown, and the endpoint knows the question
-        (whether the answer can move the plan is the planner's: ``KVPlanner.plans``, ``pull_could_win``)."""
-        unknown_blocks = prompt_tokens // self.block_tokens - believed_held // self.block_tokens
-        return unknown_blocks >= MIN_UNKNOWN_BLOCKS and url.rstrip("/") not in self._unsupported
+        the daemon already believes held: enough complete blocks unknown, the endpoint answers such questions, and
+        the server time an answer could save (the unknown blocks' at the learned time per token) exceeds the wait
+        for it (whether the answer can move the plan otherwise is the planner's: ``KVPlanner.plans``,
+        ``pull_could_win``)."""
+        unknown_tokens = (prompt_tokens // self.block_tokens - believed_held // self.block_tokens) * self.block_tokens
+        if unknown_tokens < MIN_UNKNOWN_BLOCKS * self.block_tokens or url.rstrip("/") in self._unsupported:
+            return False
+        if link.rtt_s is None or link.server_s_per_token is None:
+            return False
+        return link.server_s_per_token * unknown_tokens > wait_s(link.rtt_s)
 
     async def ask(
         self, http: aiohttp.ClientSession, settings: PullSettings, prompt_ids: np.ndarray, rtt_s: float
@@ -54,13 +69,13 @@ class HeldQuery:
         url = settings.url.rstrip("/")
         headers = {"Authorization": f"Bearer {settings.token}"} if settings.token else {}
         body = {"blocks": chain_to_hex(block_chain(prompt_ids, self.block_tokens))}
-        wait_s = min(max(WAIT_RTTS * rtt_s, MIN_WAIT_S), MAX_WAIT_S)
+        waited = wait_s(rtt_s)
         try:
             async with http.post(
                 url + HELD_PATH,
                 json=body,
                 headers=headers,
-                timeout=aiohttp.ClientTimeout(total=wait_s),
+                timeout=aiohttp.ClientTimeout(total=waited),
                 allow_redirects=False,
             ) as response:
                 if response.status in (404, 405):
@@ -77,14 +92,22 @@ class HeldQuery:
                     )
                     return None
                 answer = await response.json()
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        except TimeoutError:
+            self._silent[url] = silent = self._silent.get(url, 0) + 1
+            if silent >= MAX_SILENT:
+                self._unsupported.add(url)
             logger.info(
-                "held query to %s got no answer within %.0f ms (%s): planned with what was believed",
+                "held query to %s got no answer within %.0f ms (%d in a row%s): planned with what was believed",
                 url,
-                1e3 * wait_s,
-                exc,
+                1e3 * waited,
+                silent,
+                "; not asked again" if silent >= MAX_SILENT else "",
             )
             return None
+        except (aiohttp.ClientError, ValueError) as exc:
+            logger.info("held query to %s failed (%s): planned with what was believed", url, exc)
+            return None
+        self._silent.pop(url, None)
         return self._held(url, answer, len(prompt_ids))
 
     def _held(self, url: str, answer: object, prompt_tokens: int) -> int | None:

@@ -154,13 +154,13 @@ class PrefillRemote:
         daemon learned it holds."""
         planner, n = self.planner, len(prompt_ids)
         believed = planner.prefixes.held_tokens(url, prompt_ids)
-        rtt_s = planner.links.get(url).estimate().rtt_s
-        if not (planner.plans(kv_deadline) and self.held_query.worth_asking(url, n, believed)):
+        link = planner.links.get(url).estimate()
+        if not (planner.plans(kv_deadline) and self.held_query.worth_asking(url, n, believed, link)):
             return believed
-        if rtt_s is None or not planner.pull_could_win(url, keep, n):
+        if link.rtt_s is None or not planner.pull_could_win(url, keep, n):
             return believed
         assert self._http is not None  # pull() checked it
-        answered = await self.held_query.ask(self._http, self._settings(url), prompt_ids, rtt_s)
+        answered = await self.held_query.ask(self._http, self._settings(url), prompt_ids, link.rtt_s)
         return believed if answered is None else answered
 
     def _settings(self, url: str, total_s: float | None = None) -> PullSettings:
