@@ -30,19 +30,19 @@ def _ids(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(1000, 40000, n).tolist()
 
 
-def _post(url: str, path: str, body: dict, token: str | None = PREFILL_TOKEN) -> tuple[int, bytes]:
+def _post(url: str, path: str, body: dict, token: str | None = PREFILL_TOKEN) -> tuple[int, bytes, dict]:
     request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, response.read()
+            return response.status, response.read(), dict(response.headers)
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+        return exc.code, exc.read(), dict(exc.headers)
 
 
 def _held(url: str, ids: list[int]) -> int:
-    status, body = _post(url, "/v1/prefill/held", {"blocks": chain_to_hex(block_chain(np.asarray(ids)))})
+    status, body, _ = _post(url, "/v1/prefill/held", {"blocks": chain_to_hex(block_chain(np.asarray(ids)))})
     assert status == 200, body
     answer = json.loads(body)
     assert answer["block_tokens"] == B
@@ -54,16 +54,18 @@ def test_the_prefill_server_says_how_much_of_a_prompt_its_prefix_cache_holds(pre
     doc = _ids(1, 5 * B + 10)
     before = metric_samples(url, PREFILL_TOKEN)
     assert _held(url, doc) == 0
-    status, payload = _post(url, "/v1/prefill", {"token_ids": doc, "budget": 0.3})  # another client's prefill
+    status, payload, headers = _post(url, "/v1/prefill", {"token_ids": doc, "budget": 0.3})  # another client's
     assert status == 200 and payload.startswith(b"EDKV"), payload[:200]
+    # its time, and the prefill pass's part of it (the rest: observation, scoring, encoding)
+    assert 0 < float(headers["X-Prefill-Compute-Seconds"]) <= float(headers["X-Prefill-Seconds"])
     assert _held(url, doc) == 5 * B  # its complete blocks
     assert _held(url, doc + _ids(2, 3 * B)) == 5 * B  # a question after the document
     assert _held(url, doc[: 2 * B] + _ids(3, 3 * B)) == 2 * B  # sharing its first two blocks
     assert _held(url, _ids(4, 4 * B)) == 0
 
-    status, body = _post(url, "/v1/prefill/held", {"blocks": ["zz" * 16]})
+    status, body, _ = _post(url, "/v1/prefill/held", {"blocks": ["zz" * 16]})
     assert status == 400 and json.loads(body)["error"]["param"] == "blocks", body
-    status, body = _post(url, "/v1/prefill/held", {"blocks": chain_to_hex(block_chain(np.asarray(doc))), "x": 1})
+    status, body, _ = _post(url, "/v1/prefill/held", {"blocks": chain_to_hex(block_chain(np.asarray(doc))), "x": 1})
     assert status == 400 and json.loads(body)["error"]["param"] == "x", body
     assert _post(url, "/v1/prefill/held", {"blocks": []}, token=None)[0] == 401
 

@@ -6,6 +6,7 @@ own timings against a real aiohttp endpoint on 127.0.0.1 sending a real EDKV pay
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
@@ -186,6 +187,42 @@ def test_predict_fetch_s_adds_round_trip_server_compute_and_transfer(clock):
     unreported = LinkModel("http://q", clock=clock)
     unreported.observe(pull(1 * MB, 0.02, server=None), tokens=1000)
     assert unreported.predict_fetch_s(MB, 500) == pytest.approx(0.02 + 1.0)  # compute counts as 0
+
+
+def test_a_server_that_splits_its_time_teaches_compute_per_computed_token_and_the_rest_per_token_sent(clock):
+    link = LinkModel("http://p", clock=clock)
+    whole = dataclasses.replace(pull(1 * MB, 0.02, server=0.5), server_compute_seconds=0.4)
+    link.observe(whole, tokens=1000, sent_tokens=1000)  # 0.4 ms a computed token, 0.1 ms a token sent
+    estimate = link.estimate()
+    assert estimate.server_s_per_token == pytest.approx(4e-4)
+    assert estimate.server_s_per_sent_token == pytest.approx(1e-4)
+    # a prefix-cache hit: 64 tokens computed, 1000 sent; the encoding is priced, not only the 64 tokens
+    assert link.predict_fetch_s(MB, 64, 1000) == pytest.approx(0.02 + 64 * 4e-4 + 0.1 + 1.0)
+    hit = dataclasses.replace(pull(1 * MB, 0.02, server=0.13), server_compute_seconds=0.03)
+    clock.now += 1.0
+    link.observe(hit, tokens=64, sent_tokens=1000)  # a hit teaches both parts too
+    assert link.estimate().server_s_per_sent_token == pytest.approx(1e-4)
+    assert 4e-4 < link.estimate().server_s_per_token < 0.03 / 64
+    # a report that does not add up (compute beyond the whole) teaches neither part
+    before = link.estimate()
+    link.observe(dataclasses.replace(pull(1 * MB, 0.02, server=0.1), server_compute_seconds=0.2), 10, sent_tokens=10)
+    assert (link.estimate().server_s_per_token, link.estimate().server_s_per_sent_token) == (
+        before.server_s_per_token,
+        before.server_s_per_sent_token,
+    )
+
+
+def test_a_stored_estimate_from_before_the_split_server_time_is_still_loaded(clock, tmp_path):
+    store = LinkStore(tmp_path)
+    store.path("http://p").write_text(
+        '{"version": 1, "endpoint": "http://p", "seconds_per_byte": 1e-6, "rtt_s": 0.02, "server_s_per_token": 1e-4}'
+    )
+    assert store.load("http://p") == {
+        "seconds_per_byte": 1e-6,
+        "rtt_s": 0.02,
+        "server_s_per_token": 1e-4,
+        "server_s_per_sent_token": None,
+    }
 
 
 def test_link_models_export_goodput_and_rtt_per_endpoint(clock):

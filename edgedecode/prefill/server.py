@@ -2,7 +2,8 @@
 
 * ``POST /v1/prefill`` — JSON in (see ``PrefillRequest.parse``), a streamed EDKV payload out
   (chunked, ``application/x-edkv``), frame by frame. Response headers summarise it
-  (``X-EDKV-Tokens``, ``X-EDKV-Wire-Bytes``, ``X-EDKV-FP16-Bytes``, ``X-Prefix-Reused-Tokens``);
+  (``X-EDKV-Tokens``, ``X-EDKV-Wire-Bytes``, ``X-EDKV-FP16-Bytes``, ``X-Prefix-Reused-Tokens``; ``X-Prefill-Seconds``,
+  the server's time, and ``X-Prefill-Compute-Seconds``, its prefill pass's part: 0 for a resume);
   the receiver trusts only the payload itself. Its header names the transfer the prefill is kept
   under for a while (EDKV 1.1 ``transfer``), when the transfer store has room.
 * ``POST /v1/prefill/transfers/{transfer_id}`` — JSON in (see ``ResumeRequest.parse``: the
@@ -162,6 +163,7 @@ def create_app(service: PrefillService, config: Config) -> web.Application:
                 "X-EDKV-FP16-Bytes": str(encoded.fp16_bytes),
                 "X-Prefix-Reused-Tokens": str(result.reused_tokens),
                 "X-Prefill-Seconds": f"{result.seconds:.4f}",
+                "X-Prefill-Compute-Seconds": f"{result.stages.get('prefill', 0.0):.4f}",
             }
         )
         response.enable_chunked_encoding()

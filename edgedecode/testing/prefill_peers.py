@@ -37,7 +37,14 @@ from edgedecode.model.spec import KVContract
 FAULTS = ("relay", "hang", "stall", "drip", "reset", "reset_mid_stream", "errors", "other_model", "other_prompt")
 DRIP_INTERVAL_S = 0.05  # one byte per interval: 20 B/s, a body that never idles but never ends
 HOLD_POLL_S = 0.05  # how often a held connection checks whether the daemon hung up
-_RELAYED_HEADERS = ("Content-Type", "X-EDKV-Tokens", "X-EDKV-Wire-Bytes", "X-EDKV-FP16-Bytes", "X-Prefill-Seconds")
+_RELAYED_HEADERS = (
+    "Content-Type",
+    "X-EDKV-Tokens",
+    "X-EDKV-Wire-Bytes",
+    "X-EDKV-FP16-Bytes",
+    "X-Prefill-Seconds",
+    "X-Prefill-Compute-Seconds",
+)
 
 
 class PrefillPeer:

@@ -151,11 +151,13 @@ class KVFetch:
                 asked = 0  # a resume computes nothing
                 if request.path == "/v1/prefill":
                     reused = result.server_reused_tokens
-                    # the server's time per token is learned from pulls it computed whole: its time
-                    # also encodes every token sent, which a prefix-cache hit does not save
-                    asked = 0 if reused else computed
+                    if result.server_compute_seconds is not None:  # its time split: a hit teaches both parts
+                        asked = n - (reused or 0)
+                    else:  # all its time per computed token: learned from pulls it computed whole (its time also
+                        asked = 0 if reused else computed  # encodes every token sent, which a hit does not save)
                     self.planner.prefixes.learn(url, prompt_ids, self.server_held, reused)
-                self.planner.learn_segment(url, result, asked, goodput=self.teach_goodput)
+                sent = n - int(request.body["held_tokens"])
+                self.planner.learn_segment(url, result, asked, sent_tokens=sent, goodput=self.teach_goodput)
             if result.failure is not None:
                 logger.warning("KV segment at budget %.3g ended: %s", request.budget, result.failure)
             elif result.cut_reason:

@@ -11,7 +11,10 @@ For one endpoint a ``LinkModel`` keeps three moving averages across pulls:
 * round-trip time: from sending the request to the response headers, less the server's own
   compute time as it reports it (``X-Prefill-Seconds``), floored at 0. A server that does not
   report its time has it folded into the round trip (and its compute time per token stays unknown);
-* the server's compute time per prompt token it was asked for.
+* the server's compute time per prompt token it was asked for, and — from a server that says which part of its
+  time was the prefill itself (``X-Prefill-Compute-Seconds``) — apart from it, the rest of its time (observation
+  pass, scoring, encoding) per token sent. Then a prefix-cache hit, which saves the compute but not the encoding,
+  is priced as such; from a server that does not say, its whole time counts per computed token.
 
 A pull cut short (by the daemon's watch, or broken off) teaches all three from what it measured
 before the cut; a split's pull (``observe(..., goodput=False)``) teaches the round trip and the
@@ -48,7 +51,7 @@ from edgedecode.daemon.pull.segment import PullResult
 
 MIN_TRANSFER_BYTES = 64 << 10
 STALE_MARGIN = 1.5  # daemon.link_stale_margin: a stale estimate's times, against the remembered ones
-STATE_KEYS = ("seconds_per_byte", "rtt_s", "server_s_per_token")  # LinkModel.state()
+STATE_KEYS = ("seconds_per_byte", "rtt_s", "server_s_per_token", "server_s_per_sent_token")  # LinkModel.state()
 
 
 class LinkStoreLike(Protocol):
@@ -68,6 +71,7 @@ class LinkEstimate:
     rtt_s: float | None  # request sent to response headers, less the server's compute time
     server_s_per_token: float | None  # the prefill server's compute time per prompt token asked
     stale: bool = False
+    server_s_per_sent_token: float | None = None  # the rest of the server's time per token sent (see the module)
 
 
 class DecayingMean:
@@ -150,13 +154,14 @@ class LinkModel:
         self._seconds_per_byte = DecayingMean(alpha, half_life_s, min_weight)
         self._rtt = DecayingMean(alpha, half_life_s, min_weight)
         self._server_per_token = DecayingMean(alpha, half_life_s, min_weight)
+        self._server_per_sent_token = DecayingMean(alpha, half_life_s, min_weight)
         self._observed_at = clock()  # the clock at the last observation, or when this model was made
 
-    def observe(self, result: PullResult, tokens: int, *, goodput: bool = True) -> None:
-        """Learn from a pull of ``tokens`` prompt tokens' KV (those the server computed for it: the
-        prompt less the held tokens) that got its response headers, whole or cut short (by the
-        watch, or a failure): a cut pull's bytes and time teach the goodput as a whole pull's do.
-        ``goodput`` False: its transfer is not the link's (a split's pull shares the cores with the
+    def observe(self, result: PullResult, tokens: int, *, sent_tokens: int = 0, goodput: bool = True) -> None:
+        """Learn from a pull whose server computed ``tokens`` prompt tokens (the prompt less what its prefix cache
+        held) and encoded ``sent_tokens`` (the prompt less what the receiver held), that got its response headers,
+        whole or cut short (by the watch, or a failure): a cut pull's bytes and time teach the goodput as a whole
+        pull's do. ``goodput`` False: its transfer is not the link's (a split's pull shares the cores with the
         head's compute, which slows its ingest); only the round trip and the server's time are learned."""
         now = self._observed_at = self.clock()
         if goodput and result.transfer_bytes >= max(self.min_transfer_bytes, 1) and result.transfer_seconds > 0:
@@ -165,7 +170,13 @@ class LinkModel:
         if server is not None and not (math.isfinite(server) and server >= 0):
             server = None  # a nonsensical report teaches nothing about the server
         self._rtt.add(max(result.headers_seconds - (server or 0.0), 0.0), now)
-        if server is not None and tokens > 0:
+        compute = result.server_compute_seconds
+        if server is not None and compute is not None:  # split: unless it does not add up (then neither part)
+            if math.isfinite(compute) and 0 <= compute <= server and sent_tokens > 0:
+                if tokens > 0:
+                    self._server_per_token.add(compute / tokens, now)
+                self._server_per_sent_token.add((server - compute) / sent_tokens, now)
+        elif server is not None and tokens > 0:  # a server that does not split its time: all of it per computed token
             self._server_per_token.add(server / tokens, now)
         if self.on_update is not None:
             self.on_update(self.estimate())
@@ -178,13 +189,15 @@ class LinkModel:
     def estimate(self) -> LinkEstimate:
         """The estimates now: fresh ones as learned, stale ones worsened by ``stale_margin``."""
         now = self.clock()
-        (seconds_per_byte, rtt, per_token), stale = zip(*(self._timed(mean, now) for mean in self._means), strict=True)
-        return LinkEstimate(None if not seconds_per_byte else 1 / seconds_per_byte, rtt, per_token, any(stale))
+        timed = (self._timed(mean, now) for mean in self._means)
+        (seconds_per_byte, rtt, per_token, per_sent), stale = zip(*timed, strict=True)
+        goodput = None if not seconds_per_byte else 1 / seconds_per_byte
+        return LinkEstimate(goodput, rtt, per_token, any(stale), per_sent)
 
     @property
-    def _means(self) -> tuple[DecayingMean, DecayingMean, DecayingMean]:
+    def _means(self) -> tuple[DecayingMean, DecayingMean, DecayingMean, DecayingMean]:
         """The averages in ``STATE_KEYS`` order."""
-        return self._seconds_per_byte, self._rtt, self._server_per_token
+        return self._seconds_per_byte, self._rtt, self._server_per_token, self._server_per_sent_token
 
     def _timed(self, mean: DecayingMean, now: float) -> tuple[float | None, bool]:
         """(a time the model predicts from ``mean``, whether it is stale)."""
@@ -204,15 +217,16 @@ class LinkModel:
             if value is not None:
                 mean.remember(value)
 
-    def predict_fetch_s(self, wire_bytes: int, tokens: int) -> float | None:
-        """Predicted time of a pull of ``tokens`` prompt tokens whose payload is ``wire_bytes``: round
-        trip + server compute + transfer (``stale_margin`` times slower while the estimate is stale);
-        None while the goodput or the round trip was never learned. The server's compute counts as 0
-        while unknown (a server that does not report it has it in the round trip)."""
+    def predict_fetch_s(self, wire_bytes: int, tokens: int, sent_tokens: int = 0) -> float | None:
+        """Predicted time of a pull whose server computes ``tokens`` prompt tokens and sends ``sent_tokens``' KV in
+        ``wire_bytes``: round trip + server time + transfer (``stale_margin`` times slower while the estimate is
+        stale); None while the goodput or the round trip was never learned. The server's time counts as 0 where
+        unknown (a server that does not report it has it in the round trip)."""
         estimate = self.estimate()
         if estimate.goodput_bps is None or estimate.rtt_s is None:
             return None
-        server = 0.0 if estimate.server_s_per_token is None else estimate.server_s_per_token * max(tokens, 0)
+        server = (estimate.server_s_per_token or 0.0) * max(tokens, 0)
+        server += (estimate.server_s_per_sent_token or 0.0) * max(sent_tokens, 0)
         return estimate.rtt_s + server + max(wire_bytes, 0) / estimate.goodput_bps
 
 

@@ -50,7 +50,7 @@ class LinkStore:
         if problem:
             logger.warning("ignoring the link estimate in %s: %s", path, problem)
             return None
-        return {key: document[key] for key in STATE_KEYS}
+        return {key: document.get(key) for key in STATE_KEYS}  # a key added since the file was written: None
 
     def save(self, endpoint: str, state: Mapping[str, float | None]) -> None:
         """Store ``state`` for ``endpoint``, replacing the file atomically; a failure is logged, not raised."""

@@ -101,7 +101,7 @@ class KVPlanner:
         than the local prefill (else no answer about the server's prefix cache can make a pull the plan)."""
         tokens = max(prompt_tokens - keep, 1)
         wire_bytes = int(self.budget_for(tokens, self.min_budget) * tokens * self.fp16_bytes_per_token)
-        best_s = self.links.get(url).predict_fetch_s(wire_bytes, 0)
+        best_s = self.links.get(url).predict_fetch_s(wire_bytes, 0, tokens)
         return best_s is not None and best_s * self.corrections()[0] < self.local_speed.predict_seconds(tokens)
 
     def kv_deadline(self, deadline: Deadline) -> Deadline:
@@ -183,11 +183,13 @@ class KVPlanner:
         assert left_s is not None, "a segment is watched only under a target"
         return SegmentWatch(left_s, end - stream.covered, rest_s)
 
-    def learn_segment(self, url: str, result: PullResult, tokens: int, *, goodput: bool = True) -> None:
-        """What a segment that got its answer's headers measured teaches the link to ``url``
-        (``LinkModel.observe``: ``tokens`` the server computed for it; ``goodput`` False: not its transfer)."""
+    def learn_segment(
+        self, url: str, result: PullResult, tokens: int, *, sent_tokens: int = 0, goodput: bool = True
+    ) -> None:
+        """What a segment that got its answer's headers measured teaches the link to ``url`` (``LinkModel.observe``:
+        ``tokens`` the server computed for it, ``sent_tokens`` it encoded; ``goodput`` False: not its transfer)."""
         self._unanswered.pop(url.rstrip("/"), None)
-        self.links.get(url).observe(result, tokens, goodput=goodput)
+        self.links.get(url).observe(result, tokens, sent_tokens=sent_tokens, goodput=goodput)
 
     def learn_unfinished(self, url: str, last: PullResult) -> None:
         """A pull from ``url`` under the default objective ended at its deadline without all its KV,
@@ -260,7 +262,7 @@ class KVPlanner:
                 target_s=target_s,
                 fixed_budget=self.budget,
                 wire_bytes=lambda budget: int(self.budget_for(tokens, budget) * fp16_bytes),
-                predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, server_tokens),
+                predict_remote_s=lambda wire_bytes: link.predict_fetch_s(wire_bytes, server_tokens, tokens),
                 local_s=math.inf if reprobe else local.predict_seconds(tokens),
                 min_budget=self.min_budget,
                 quality=self.quality,

@@ -85,6 +85,7 @@ class PullResult:
     cut_reason: str | None = None  # the watch's reason
     failure: KVPullError | None = None  # what ended the segment early, if a failure did
     server_reused_tokens: int | None = None  # prompt tokens the server's prefix cache held (X-Prefix-Reused-Tokens)
+    server_compute_seconds: float | None = None  # the prefill's share of server_seconds (X-Prefill-Compute-Seconds)
 
     @property
     def tokens(self) -> int:
@@ -150,6 +151,7 @@ class _Timing:
     headers_seconds: float = 0.0
     server_seconds: float | None = None
     server_reused_tokens: int | None = None
+    server_compute_seconds: float | None = None
     cut_reason: str | None = None
 
 
@@ -192,6 +194,7 @@ async def pull_segment(
         cut_reason=timing.cut_reason,
         failure=failure,
         server_reused_tokens=timing.server_reused_tokens,
+        server_compute_seconds=timing.server_compute_seconds,
     )
 
 
@@ -231,6 +234,7 @@ async def _transfer(
             timing.headers_seconds = time.perf_counter() - sent
             timing.server_seconds = _header_float(response.headers.get("X-Prefill-Seconds"))
             timing.server_reused_tokens = _header_int(response.headers.get("X-Prefix-Reused-Tokens"))
+            timing.server_compute_seconds = _header_float(response.headers.get("X-Prefill-Compute-Seconds"))
             announced = _header_int(response.headers.get("X-EDKV-Wire-Bytes"))
             while True:
                 data = await _read(response.content, WATCH_TICK_S if watch is not None else None)
