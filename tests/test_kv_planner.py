@@ -69,6 +69,27 @@ def test_a_shared_document_is_pulled_once_the_server_holds_it():
     assert second.predicted_s < planner.local_speed.predict_seconds(len(_question(2))) / 2
 
 
+def test_a_held_query_is_worth_its_round_trip_only_where_some_pull_could_beat_local_prefill():
+    planner = _planner()  # 1 Gbit/s: a whole pull of 3040 tokens at b 0.2 takes ~0.1 s against 3 s here
+    assert planner.plans(Deadline())  # no adaptive key: the default objective plans every turn
+    assert planner.pull_could_win(URL, 0, len(_question(1)))
+    slow = _planner()
+    mb = 1 << 20
+    collapsed = PullResult(mb, 4 * mb, {"FP16": 10}, 52.0, 1.0, 1.005, 51.0, mb)  # 20 kB/s
+    for _ in range(10):  # the link collapsed: even a split's shortest tail (380 tokens at b 0.2) takes ~80 s
+        slow.links.get(URL).observe(collapsed, 0)
+    assert not slow.pull_could_win(URL, 0, len(_question(1)))
+    middling = _planner()
+    two_mb_s = PullResult(20 * mb, 80 * mb, {"FP16": 10}, 11.5, 1.0, 1.005, 10.0, 20 * mb)  # ~2 MB/s
+    for _ in range(10):  # a whole pull at b 0.2 (14 MB) takes ~7 s, more than local; a split's tail (1.75 MB) ~1 s
+        middling.links.get(URL).observe(two_mb_s, 0)
+    assert middling.pull_could_win(URL, 0, len(_question(1)))
+    pinned = KVPlanner(
+        DaemonConfig(budget=0.3), FP16_BYTES_PER_TOKEN, CONTRACT, DaemonMetrics(), shipped()[DEFAULT_MODEL]
+    )
+    assert not pinned.plans(Deadline())  # a pinned budget pulls whatever the server holds
+
+
 def test_a_server_that_missed_what_was_believed_held_is_not_believed_again_until_it_reports_a_hit():
     prefixes = ServerPrefixes()
     prompt = _question(1)

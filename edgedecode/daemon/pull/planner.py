@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from edgedecode.config import DaemonConfig
 from edgedecode.daemon.metrics import DaemonMetrics
-from edgedecode.daemon.pull.adaptive import KVPlan, PlanInputs, SegmentWatch, plan_kv
+from edgedecode.daemon.pull.adaptive import SPLIT_FRACTIONS, KVPlan, PlanInputs, SegmentWatch, plan_kv
 from edgedecode.daemon.pull.calibration import ModelCalibration
 from edgedecode.daemon.pull.deadline import Deadline
 from edgedecode.daemon.pull.link import DecayingMean, LinkModels, Reprobes
@@ -96,12 +96,14 @@ class KVPlanner:
         return kv_deadline.target_s is not None or self.near_fastest is not None
 
     def pull_could_win(self, url: str, keep: int, prompt_tokens: int) -> bool:
-        """Whether pulling the prompt after ``keep`` from ``url`` could beat computing it here were the server to
-        compute none of it: the link known, and its round trip and the smallest budget's bytes predicted faster
-        than the local prefill (else no answer about the server's prefix cache can make a pull the plan)."""
+        """Whether pulling some of the prompt after ``keep`` from ``url`` could beat computing it all here were the
+        server to compute none of it: the link known, and the round trip, the encoding and the smallest budget's
+        bytes of the least a plan pulls (a split's shortest tail, or the whole) predicted faster than the local
+        prefill (else no answer about the server's prefix cache can make a pull part of the plan)."""
         tokens = max(prompt_tokens - keep, 1)
-        wire_bytes = int(self.budget_for(tokens, self.min_budget) * tokens * self.fp16_bytes_per_token)
-        best_s = self.links.get(url).predict_fetch_s(wire_bytes, 0, tokens)
+        pulled = tokens - int(tokens * max(SPLIT_FRACTIONS)) if self.local_speed.ready and tokens > 1 else tokens
+        wire_bytes = int(self.budget_for(pulled, self.min_budget) * pulled * self.fp16_bytes_per_token)
+        best_s = self.links.get(url).predict_fetch_s(wire_bytes, 0, pulled)
         return best_s is not None and best_s * self.corrections()[0] < self.local_speed.predict_seconds(tokens)
 
     def kv_deadline(self, deadline: Deadline) -> Deadline:
