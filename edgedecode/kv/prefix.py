@@ -14,6 +14,7 @@ import numpy as np
 
 DEFAULT_BLOCK_TOKENS = 64
 BLOCK_HASH_BYTES = 16
+HELD_PATH = "/v1/prefill/held"  # the prefill server's held query: what its cache holds of a chain (chain_to_hex)
 
 
 def block_chain(token_ids: np.ndarray, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[bytes]:

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from edgedecode.config import Config
 from edgedecode.errors import ServerBusyError
+from edgedecode.kv.prefix import HELD_PATH
 from edgedecode.kv.tiers import Tier
 from edgedecode.prefill.service import PrefillResult, PrefillService, ResumeRequest
 from edgedecode.serving.http import (
@@ -42,7 +43,6 @@ from edgedecode.serving.http import (
 logger = logging.getLogger(__name__)
 EDKV_CONTENT_TYPE = "application/x-edkv"
 SERVICE_KEY = web.AppKey("prefill_service", PrefillService)
-HELD_PATH = "/v1/prefill/held"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 

@@ -24,11 +24,10 @@ import numpy as np
 
 from edgedecode.daemon.pull.link import LinkEstimate
 from edgedecode.daemon.pull.segment import PullSettings
-from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, block_chain, chain_to_hex
+from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, HELD_PATH, block_chain, chain_to_hex
 
 logger = logging.getLogger(__name__)
 
-HELD_PATH = "/v1/prefill/held"
 MIN_UNKNOWN_BLOCKS = 4  # complete 64-token blocks not believed held before the question is worth a round trip
 WAIT_RTTS = 4.0  # the answer is waited on for this many learned round trips (at least MIN_WAIT_S)
 MIN_WAIT_S = 0.05

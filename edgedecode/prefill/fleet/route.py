@@ -24,13 +24,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.kv.prefix import block_chain, chain_from_hex
+from edgedecode.kv.prefix import HELD_PATH, block_chain, chain_from_hex
 from edgedecode.prefill.transfers import ID_PREFIX_END
 from edgedecode.serving.json_body import parse_json_object
 
 TEXT_BLOCK_CHARS = 4096
 TRANSFERS_PATH = "/v1/prefill/transfers/"
-HELD_PATH = "/v1/prefill/held"
 HELD_MAX_BLOCKS = 1 << 14  # a held query routes by at most this many blocks (~1M tokens); the replica checks its own
 
 
