@@ -105,11 +105,14 @@ def test_a_planning_daemon_prices_what_another_client_left_in_the_servers_cache(
         for seed, daemon in ((11, planning), (12, pinned)):  # each learns the link (its first pull is its probe)
             taught = _complete(daemon, _ids(seed, 3 * B))
             assert taught["kv"]["source"] == "prefill_server", taught
-        doc, question = _ids(13, 6 * B + 5), _ids(14, 20)
+        # 16 blocks (47 MB of fp32 KV: within the server's 64 MB prefix cache): the compute a held answer saves (1024
+        # tokens' prefill) outweighs the question's 50 ms wait however fast the box (it would need over 20k tokens/s
+        # of fp32 prefill on the CPU not to)
+        doc, question = _ids(13, 16 * B + 5), _ids(14, 20)
         assert _complete(another, doc)["kv"]["source"] == "prefill_server"  # the server now holds the document
 
         asked = _complete(planning, doc + question)
-        assert asked["kv"]["server_held_tokens"] == 6 * B, asked  # asked before planning: not seen by this daemon
+        assert asked["kv"]["server_held_tokens"] == 16 * B, asked  # asked before planning: not seen by this daemon
         assert asked["kv"]["decision"] == "remote", asked  # its local prefill is pinned at 50 tokens/s
         # a pinned budget pulls whatever the server holds: nothing asked, nothing believed
         assert _complete(pinned, doc + _ids(15, 20))["kv"]["server_held_tokens"] == 0
