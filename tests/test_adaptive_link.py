@@ -292,7 +292,8 @@ def test_a_restarted_daemon_plans_from_the_link_it_remembers(tier, tmp_path):
         restarted.stop()
     assert report["kv"]["decision"] == "local" and report["kv"]["pulled_tokens"] == 0, report
     assert report["kv"]["predicted_ms"] is not None, report  # planned, not the unknown link's configured budget
-    assert _prefill_requests(prefill) == requests and shaper.bytes_down == forwarded  # nothing asked
+    # no pull asked: at most a held query's answer (a few hundred bytes, no payload) crossed the link
+    assert _prefill_requests(prefill) == requests and shaper.bytes_down - forwarded < 1024
 
 
 def test_with_no_adaptive_key_every_turn_is_planned_and_a_slow_link_falls_back_to_local(tier, tmp_path):
