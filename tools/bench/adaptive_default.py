@@ -11,10 +11,13 @@ Each cell is a link: ``--mbits`` through the project's link shaper (one-way dela
 ``unshaped`` (straight to the prefill server). The default daemon is started afresh per cell (it
 knows nothing of the link; its first request is the probe, reported apart) and the others once per
 cell, each warmed by one request first (the prefill server's first requests are slower).
-Requests go round by round, one of each policy per round in a rotating order, each round on its own
-distinct pydoc window of ``--prompt-tokens`` tokens (the same window for the three policies), so
-that the box's load hits all three alike: the ratios default/local and default/min(local, b 0.3) are
-taken per round and summarised by their median (and the medians of the TTFTs beside them).
+Requests go round by round, one of each policy per round, each round on its own distinct pydoc window of
+``--prompt-tokens`` tokens (the same window for the three policies), the rounds' orders cycling through all six
+permutations of the three (``ORDERS``), so that the box's load hits all three alike and, over every six rounds, each
+policy goes before each other one as often as after it (with ``--server-holds-tokens`` the first pull of a round
+pays the server's compute of the rest of the prompt, which the server then holds for the pulls after it): the
+ratios default/local and default/min(local, b 0.3) are taken per round and summarised by their median (and the
+medians of the TTFTs beside them).
 
 ``--server-holds-tokens N``: a prefill node faster than the box by its prefix cache (a shared document,
 a RAG context). The server's prefix cache is on, and each round's first N tokens are a document it
@@ -37,6 +40,7 @@ if not __package__:  # run as a file: import tools.* (and edgedecode) from the r
     sys.path[0] = str(Path(__file__).resolve().parents[2])
 
 import contextlib
+import itertools
 import json
 import statistics
 import tempfile
@@ -56,6 +60,7 @@ from tools.common import cli
 from tools.common.servers import running, streamed_completion
 
 POLICIES = ("default", "b0.3", "local")
+ORDERS = list(itertools.permutations(POLICIES))  # the rounds' orders, in turn
 
 
 def settings(policy: str, url: str) -> dict:
@@ -116,7 +121,7 @@ def run_cell(label: str, target: str, steady: dict[str, str], windows, args, dir
             held = (
                 hold_document(args.prefill_url, prompt[: args.server_holds_tokens]) if args.server_holds_tokens else 0
             )
-            order = POLICIES[i % 3 :] + POLICIES[: i % 3]
+            order = ORDERS[i % len(ORDERS)]
             round_ = {policy: request(urls[policy], prompt, args.max_tokens) for policy in order}
             round_["server_held_before"] = held
             rounds.append(round_)
