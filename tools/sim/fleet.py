@@ -44,14 +44,22 @@ Service seconds come from measurements of the real server (``ServiceModel.from_b
 ``tools/bench/serve.py``'s ``server_ms``, the prefill server's own prefill + scoring + encoding
 time, prefix cache off), interpolated in tokens and budget. The payload (b × FP16 bytes of the
 tokens sent; measured b_wire is within 0.001 of b) follows after the whole prefill (the server
-encodes every frame before the first is sent), over the box's link.
-TTFT = round trip + queue + service + transfer + one decode step.
+encodes every frame before the first is sent), over the box's link, and through the tier's relay
+(``--relay-ms-per-mb``: Ray Serve's ingress and proxy read each frame and pass it on, ~17 ms a MB on 2
+cores, docs/scale.md): the payload flows at the slower of the two, the relay keeping up with any link
+it outpaces. TTFT = round trip + queue + service + transfer + one decode step.
+
+**The model** (``--model-size``, ``tools/sim/sizes.py``): the real SmolLM2-135M (the default), or the
+1B and 3B shapes (replica and edge speeds measured on those shapes, quality costs the generic
+calibration's) and an 8B on paper: its KV bytes per token, its replica service times, its edge box's
+local prefill and decode speeds and the quality costs its daemons plan with.
 
 Reported per (replicas, policy): requests/s at the tier, egress Gbit/s, p50/p95 TTFT over all
 turns and p95 per link class, the p95 of the wait for a replica, mean replica utilisation, and the
 share of turns prefilled locally.
 
     python tools/sim/fleet.py [--boxes 10000] [--replicas 4 6 8 10 12 16] [--device gpu|cpu]
+                              [--model-size 135m|1b|3b|8b] [--relay-ms-per-mb 0]
                               [--policies fixed-0.3 fixed-1.0 adaptive] [--seeds 0 1 2] [--jobs 2]
                               [--write-docs] [--json]
                               [--json-out docs/bench/sim-fleet-....json]
@@ -80,22 +88,18 @@ import numpy as np
 import tools.sim.fleet_report as report
 from edgedecode.config import DaemonConfig
 from edgedecode.daemon.pull.adaptive import PlanInputs, plan_kv
-from edgedecode.daemon.pull.calibration import shipped
 from edgedecode.daemon.pull.link import LinkModel, Reprobes
 from edgedecode.daemon.pull.local_speed import LocalPrefillModel
 from edgedecode.daemon.pull.segment import PullResult
-from edgedecode.model.registry import DEFAULT_MODEL
 from tools.common import cli
+from tools.sim.sizes import LOCAL_BENCH, SERVE_BENCH, SMOLLM2_DECODE_TOK_S, ModelSize, sizes
 
-FP16_BYTES_PER_TOKEN = 23040  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x (K, V) x 2 bytes
 BENCH = {
-    "gpu": cli.ROOT / "docs/bench/serve-h200-edge2cpu-2026-11-26.json",  # H200, EDKV encoded on 16 threads
-    "cpu": cli.ROOT / "docs/bench/serve-cpu-vm-2026-11-26.json",  # 2 onnxruntime threads on the 2-core VM
+    "gpu": SERVE_BENCH,  # H200, EDKV encoded on 16 threads
+    "cpu": LOCAL_BENCH,  # 2 onnxruntime threads on the 2-core VM
 }
-LOCAL_BENCH = cli.ROOT / "docs/bench/serve-cpu-vm-2026-11-26.json"  # the 2-core edge box's own prefill
+DEFAULT_SIZE = "135m"
 MIN_WIRE_BYTES = 64 << 10  # daemon.min_wire_bytes
-CALIBRATION = shipped()[DEFAULT_MODEL]  # the simulated boxes serve the default model: its measured costs
-MIN_BUDGET = CALIBRATION.min_budget  # daemon.min_budget's default (0: the calibration's)
 SPLIT_SLOWDOWN = DaemonConfig.split_slowdown  # the daemon's prior, before a split was measured
 HISTORY_MIN_S = 300.0  # each box's one pull before the simulation was at least this long before it starts
 REPROBE_S = 3600.0  # daemon.link_reprobe_s
@@ -122,7 +126,7 @@ class Workload:
     user_median_tokens: float = 60.0
     answer_median_tokens: float = 150.0
     max_context: int = 4096
-    decode_tok_s: float = 40.0  # the 2-core edge box's decode speed (docs/serving.md's report: 43)
+    decode_tok_s: float = SMOLLM2_DECODE_TOK_S  # the 2-core edge box's decode speed (tools/sim/sizes.py)
     first_step_s: float = 0.025  # the first token's own decode step
     links: tuple[Link, ...] = (
         Link(5, 0.080, 0.10),
@@ -144,15 +148,16 @@ class ServiceModel:
     residuals: tuple[float, ...] = ()
 
     @classmethod
-    def from_bench(cls, path: Path) -> ServiceModel:
-        """From a ``tools/bench/serve.py --json`` report: each ``pull b=B`` mode's ``server_ms``."""
+    def from_bench(cls, path: Path, size: ModelSize | None = None) -> ServiceModel:
+        """From a ``tools/bench/serve.py --json`` report: each ``pull b=B`` mode's ``server_ms`` (as ``size``'s,
+        ``ModelSize.replica_seconds``, when given)."""
         results = json.loads(path.read_text())["results"]
         points = {}
         for mode, by_length in results.items():
             found = re.fullmatch(r"pull b=([\d.]+)", mode)
             if found:
                 points[float(found.group(1))] = sorted((int(n), row["server_ms"] / 1e3) for n, row in by_length.items())
-        return cls(points)
+        return cls(points if size is None else size.replica_seconds(points))
 
     def seconds(self, tokens: int, budget: float, rng: np.random.Generator | None = None) -> float:
         """The service time of a request computing ``tokens`` at ``budget`` (``rng`` draws its spread)."""
@@ -179,12 +184,6 @@ class ServiceModel:
             return float(np.interp(tokens, ns, ss))
         slope = (ss[-1] - ss[-2]) / (ns[-1] - ns[-2])
         return ss[-1] + slope * (tokens - ns[-1])
-
-
-def local_model(path: Path = LOCAL_BENCH) -> LocalPrefillModel:
-    """The edge box's local prefill time, from tools/bench/serve.py's local-prefill TTFTs."""
-    rows = json.loads(path.read_text())["results"]["local prefill"]
-    return LocalPrefillModel([(int(n), row["ttft_ms"] / 1e3) for n, row in rows.items()])
 
 
 @dataclass
@@ -247,11 +246,16 @@ def simulate(
     target_s: float = 1.0,
     routing: str = "affinity",
     seed: int = 0,
-    local: LocalPrefillModel | None = None,
+    size: ModelSize | None = None,
+    relay_s_per_mb: float = 0.0,
 ) -> dict:
-    """Run the fleet for ``warmup_s + sim_s`` seconds; figures over turns starting after the warm-up."""
+    """Run the fleet for ``warmup_s + sim_s`` seconds; figures over turns starting after the warm-up. ``size``:
+    the model (its KV bytes, quality costs and the edge box's local prefill; the 135M model when None), whose
+    replica times ``service`` must already be; ``relay_s_per_mb``: the tier's relay (0: none)."""
     rng = np.random.default_rng(seed)
-    local = local or local_model()
+    size = size or sizes()[DEFAULT_SIZE]
+    local = size.local_model()
+    kv_bytes = size.kv_bytes_per_token
     now = [0.0]
     shares = np.array([link.share for link in workload.links])
     picks = rng.choice(len(workload.links), workload.boxes, p=shares / shares.sum())
@@ -262,7 +266,7 @@ def simulate(
     if policy == "adaptive":
         for box in boxes:
             now[0] = -float(rng.uniform(HISTORY_MIN_S, REPROBE_S))
-            _teach_history(box, service)
+            _teach_history(box, service, kv_bytes)
         now[0] = 0.0
     tier = Tier(replicas, routing)
     events = [(float(rng.exponential(workload.conversation_gap_s)), i) for i in range(workload.boxes)]
@@ -287,8 +291,8 @@ def simulate(
             new = user  # the box decoded the answer: its KV is there; the server's cache holds the prompts only
         prompt = box.held + new
         uncached = box.last_answer + new  # what the replica holding the conversation computes
-        fp16 = new * FP16_BYTES_PER_TOKEN
-        decision, budget, head = _plan(box, policy, new, prompt, fp16, local, target_s - workload.first_step_s)
+        fp16 = new * kv_bytes
+        decision, budget, head = _plan(box, policy, new, prompt, fp16, local, target_s - workload.first_step_s, size)
         counted = t >= warmup_s
         local_s = local.predict_seconds(new)
         if decision == "local":
@@ -296,7 +300,7 @@ def simulate(
             local_turns += counted
         else:
             sent = new - head
-            wire = int(min(1.0, max(budget, MIN_WIRE_BYTES / max(fp16, 1))) * sent * FP16_BYTES_PER_TOKEN)
+            wire = int(min(1.0, max(budget, MIN_WIRE_BYTES / max(fp16, 1))) * sent * kv_bytes)
             half_rtt = box.link.rtt_s / 2
             chosen, done, seconds = tier.submit(
                 box.home,
@@ -305,7 +309,7 @@ def simulate(
             )
             box.home = chosen
             headers_s = done + half_rtt - t
-            transfer_s = wire * 8 / (box.link.mbit_s * 1e6)
+            transfer_s = wire * max(8 / (box.link.mbit_s * 1e6), relay_s_per_mb / 1e6)
             ttft = headers_s + transfer_s
             if head:
                 ttft = max(ttft, local.predict_between(box.held, box.held + head))
@@ -314,7 +318,7 @@ def simulate(
                 wire = int(WATCH_S * box.link.mbit_s * 1e6 / 8)
             # as the daemon: a split's pull teaches no goodput (the head's compute shares its cores)
             box.model.observe(
-                PullResult(wire, sent * FP16_BYTES_PER_TOKEN, {}, ttft, seconds, headers_s, transfer_s, wire),
+                PullResult(wire, sent * kv_bytes, {}, ttft, seconds, headers_s, transfer_s, wire),
                 new,
                 goodput=not head,
             )
@@ -356,9 +360,9 @@ def simulate(
     }
 
 
-def _teach_history(box: Box, service: ServiceModel) -> None:
+def _teach_history(box: Box, service: ServiceModel, kv_bytes: int) -> None:
     """The box's pull before the simulation: a 256-token prompt at b 0.3 over its link, to an idle tier."""
-    wire, server = int(0.3 * 256 * FP16_BYTES_PER_TOKEN), service.seconds(256, 0.3)
+    wire, server = int(0.3 * 256 * kv_bytes), service.seconds(256, 0.3)
     transfer = wire * 8 / (box.link.mbit_s * 1e6)
     box.model.observe(PullResult(wire, 0, {}, 0.0, server, box.link.rtt_s + server, transfer, wire), 256)
 
@@ -369,9 +373,17 @@ def lognormal(rng: np.random.Generator, median: float, sigma: float) -> float:
 
 
 def _plan(
-    box: Box, policy: str, new: int, prompt: int, fp16: int, local: LocalPrefillModel, target_s: float
+    box: Box,
+    policy: str,
+    new: int,
+    prompt: int,
+    fp16: int,
+    local: LocalPrefillModel,
+    target_s: float,
+    size: ModelSize,
 ) -> tuple[str, float, int]:
-    """(decision, budget, head tokens computed here) for one turn under ``policy``."""
+    """(decision, budget, head tokens computed here) for one turn under ``policy`` (the daemon's default
+    ``min_budget``: the calibration's)."""
     if policy.startswith("fixed-"):
         return "remote", float(policy.removeprefix("fixed-")), 0
     held = box.held
@@ -384,8 +396,8 @@ def _plan(
                 wire_bytes=lambda b: int(min(1.0, max(b, MIN_WIRE_BYTES / max(fp16, 1))) * fp16),
                 predict_remote_s=lambda wire: box.model.predict_fetch_s(wire, new),
                 local_s=math.inf if reprobe else local.predict_seconds(new),
-                min_budget=MIN_BUDGET,
-                quality=CALIBRATION.quality(),
+                min_budget=size.calibration.min_budget,
+                quality=size.calibration.quality(),
                 tokens=new,
                 context_tokens=prompt,
                 local_head_s=None if reprobe else lambda h: local.predict_between(held, held + h),
@@ -405,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = cli.parser(__doc__)
     parser.add_argument("--boxes", type=int, default=Workload.boxes)
     parser.add_argument("--device", choices=sorted(BENCH), default="gpu")
+    parser.add_argument("--model-size", choices=sorted(sizes()), default=DEFAULT_SIZE, help="tools/sim/sizes.py")
+    parser.add_argument("--relay-ms-per-mb", type=float, default=0.0, help="the tier's relay (0: none)")
     parser.add_argument("--replicas", type=int, nargs="+", default=[4, 6, 8, 10, 12, 16])
     parser.add_argument("--policies", nargs="+", default=["fixed-0.3", "fixed-1.0", "adaptive"])
     parser.add_argument("--routing", choices=("affinity", "round_robin"), default="affinity")
@@ -417,8 +431,11 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_json_flag(parser, help="print the rows as JSON instead of the table")
     cli.add_json_file(parser, "--json-out", help="also write the rows as JSON to this file")
     args = parser.parse_args(argv)
-    workload = Workload(boxes=args.boxes)
-    service = ServiceModel.from_bench(BENCH[args.device])
+    if args.model_size != DEFAULT_SIZE and args.device != "gpu":
+        parser.error("the other model sizes are scaled from the H200 server's measurements: --device gpu")
+    size = sizes()[args.model_size]
+    workload = Workload(boxes=args.boxes, decode_tok_s=size.edge_decode_tok_s)
+    service = ServiceModel.from_bench(BENCH[args.device], size)
     cells = [(policy, r) for policy in args.policies for r in args.replicas]
     run = functools.partial(
         simulate,
@@ -428,6 +445,8 @@ def main(argv: list[str] | None = None) -> None:
         warmup_s=args.warmup_s,
         target_s=args.target_s,
         routing=args.routing,
+        size=size,
+        relay_s_per_mb=args.relay_ms_per_mb / 1e3,
     )  # each process makes its own local prefill model (it holds a lock)
     with ProcessPoolExecutor(args.jobs) as pool:
         runs = {(policy, r, seed): pool.submit(run, r, policy, seed=seed) for policy, r in cells for seed in args.seeds}

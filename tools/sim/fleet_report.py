@@ -90,8 +90,9 @@ def write_docs(args, rows: list[dict], table_text: str, bench: Path) -> None:
     figure.savefig(ROOT / "docs/scale.png", dpi=110)
     needs = {policy: needed_replicas(rows, policy) for policy in args.policies}
     command = (
-        f"python tools/sim/fleet.py --boxes {args.boxes} --device {args.device} "
-        f"--replicas {' '.join(map(str, args.replicas))} --policies {' '.join(args.policies)} "
+        f"python tools/sim/fleet.py --boxes {args.boxes} --device {args.device} --model-size {args.model_size} "
+        f"--relay-ms-per-mb {args.relay_ms_per_mb:g} --replicas {' '.join(map(str, args.replicas))} "
+        f"--policies {' '.join(args.policies)} "
         f"--warmup-s {args.warmup_s:g} --sim-s {args.sim_s:g} --seeds {' '.join(map(str, args.seeds))} --write-docs"
         + (f" --json-out {_relative(args.json_out)}" if args.json_out else "")
     )
