@@ -14,7 +14,13 @@ tokens are dropped, least important first by each source, with the store's own d
 - ``attention``: the prefill side's attention importance, what a pull can carry (EDKV ``importance``);
 - ``key_norm``: minus the keys' L2 norm, mean over layers and heads (a query-free proxy: tokens
   with small keys draw more attention; Devoto et al., 2024), computable from the stored KV alone;
-- ``none``: nothing dropped (the re-tier rung alone), for scale.
+- ``none``: nothing dropped (the re-tier rung alone), for scale;
+- ``int3``: nothing dropped, the unpinned tokens re-tiered once more, from the stored INT4 to INT3 (the stored
+  conversation decoded and encoded again, as a re-tier rung does): what a rung before dropping would cost;
+- ``int3_rotated``: the same with the INT3 tokens rotated before quantizing (EDKV 1.3's Hadamard rotation, blocks
+  of 32 channels, ``kv.rotation.DEFAULT_ROTATION``'s seed), which the store does not do today.
+
+Each row records the stored payload's chunk bytes, so a share dropped can be set against INT3 at equal bytes.
 
 The KV goes through the store's encoder and ``Engine.restore`` as in the daemon; the next
 ``--continuation`` tokens are teacher-forced after it by the INT4 decode graph at accuracy level 0
@@ -45,15 +51,19 @@ from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.evaluation.scoring import mean_kl, score_continuation, top1_agreement
 from edgedecode.evaluation.texts import pydoc_corpus, token_windows
 from edgedecode.kv.importance import position_importance
+from edgedecode.kv.rotation import DEFAULT_ROTATION, Rotation
 from edgedecode.kv.snapshot import KVSnapshot
 from edgedecode.kv.tiers import Tier
+from edgedecode.kv.wire import encode_payload
 from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.prefill.pipeline import prefill_and_score
 from edgedecode.runtime.engine import Engine
 from tools.common import cli
 
-SOURCES = ("none", "position", "attention", "key_norm")
+SOURCES = ("none", "int3", "int3_rotated", "position", "attention", "key_norm")
+WHOLE = ("none", "int3", "int3_rotated")  # sources that drop nothing
+INT3_ROTATION = Rotation(DEFAULT_ROTATION.kind, DEFAULT_ROTATION.seed, (Tier.INT3,), DEFAULT_ROTATION.block)
 
 
 def key_norm_importance(keys: np.ndarray) -> np.ndarray:
@@ -76,20 +86,43 @@ def stored_tiers(positions: np.ndarray, importance: np.ndarray, fraction: float)
 
 def restored(
     engine: Engine, store: ConversationStore, context: np.ndarray, kv: KVSnapshot, tiers: np.ndarray
-) -> KVSnapshot:
-    """The context's KV after the store held it at ``tiers`` and the engine restored it."""
+) -> tuple[KVSnapshot, int]:
+    """The context's KV after the store held it at ``tiers`` and the engine restored it, and the stored chunk
+    bytes."""
     engine.reset()
     entry = store.compress("drop-quality", kv, None, tiers)
     engine.restore(context, entry.payload)
-    return engine.export_kv()
+    return engine.export_kv(), entry.chunk_nbytes
+
+
+def retiered_int3(
+    engine: Engine,
+    store: ConversationStore,
+    context: np.ndarray,
+    kv: KVSnapshot,
+    tiers: np.ndarray,
+    rotation: Rotation | None = None,
+) -> tuple[KVSnapshot, int]:
+    """The context's KV stored at ``tiers``, then its INT4 tokens re-tiered to INT3 (rotated by ``rotation`` if
+    given) from what the store held (as a rung re-encodes), restored; and the stored chunk bytes."""
+    held, _ = restored(engine, store, context, kv, tiers)
+    lower = np.where(tiers == Tier.INT4, Tier.INT3, tiers).astype(np.uint8)
+    if rotation is None:
+        return restored(engine, store, context, held, lower)
+    engine.reset()
+    frames = list(encode_payload(held, lower, rotation=rotation))
+    engine.restore(context, b"".join(frames))
+    return engine.export_kv(), sum(len(frame) for frame in frames[1:-1])  # the chunks: less header and trailer
 
 
 def table(rows: list[dict], fractions: list[float]) -> list[str]:
     """The markdown table of ``rows`` (scores per text, source and fraction), one line per source and fraction."""
     lines = [
-        "| dropped share | source | Δ PPL % mean (min … max) | Δ PPL % median | KL mean | KL median | top-1 mean |",
-        "|---:|---|---|---:|---:|---:|---:|",
+        "| dropped share | source | Δ PPL % mean (min … max) | Δ PPL % median | KL mean | KL median | top-1 mean "
+        "| stored bytes ÷ none's |",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
+    stored = [r["chunk_bytes"] for r in rows if r["source"] == "none" and "chunk_bytes" in r]
     for fraction in [0.0, *fractions]:
         for source in SOURCES:
             picked = [r for r in rows if r["fraction"] == fraction and r["source"] == source]
@@ -100,9 +133,16 @@ def table(rows: list[dict], fractions: list[float]) -> list[str]:
             lines.append(
                 f"| {fraction:.1%} | {source} | {statistics.mean(d):+.2f} ({min(d):+.2f} … {max(d):+.2f}) | "
                 f"{statistics.median(d):+.2f} | {statistics.mean(kl):.4f} | {statistics.median(kl):.4f} | "
-                f"{statistics.mean(r['top1'] for r in picked):.3f} |"
+                f"{statistics.mean(r['top1'] for r in picked):.3f} | {_bytes_ratio(picked, stored)} |"
             )
     return lines
+
+
+def _bytes_ratio(picked: list[dict], stored: list[int]) -> str:
+    """The rows' mean stored chunk bytes over the unchanged conversations' ("—" for a run that kept none)."""
+    if not stored or any("chunk_bytes" not in r for r in picked):
+        return "—"
+    return f"{statistics.mean(r['chunk_bytes'] for r in picked) / statistics.mean(stored):.3f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,18 +179,24 @@ def main(argv: list[str] | None = None) -> int:
         reference = score_continuation(scorer, context, continuation, kv)
         for fraction in args.fractions:
             for source in SOURCES:
-                if source == "none" and fraction != args.fractions[0]:
+                whole = source in WHOLE
+                if whole and fraction != args.fractions[0]:
                     continue
-                tiers = stored_tiers(
-                    kv.positions, importance.get(source, importance["position"]), 0.0 if source == "none" else fraction
-                )
-                score = score_continuation(scorer, context, continuation, restored(restorer, store, context, kv, tiers))
+                ranking = importance.get(source, importance["position"])
+                tiers = stored_tiers(kv.positions, ranking, 0.0 if whole else fraction)
+                if source.startswith("int3"):
+                    rotation = INT3_ROTATION if source == "int3_rotated" else None
+                    held, chunk_bytes = retiered_int3(restorer, store, context, kv, tiers, rotation)
+                else:
+                    held, chunk_bytes = restored(restorer, store, context, kv, tiers)
+                score = score_continuation(scorer, context, continuation, held)
                 rows.append(
                     {
                         "text": index,
                         "source": source,
-                        "fraction": 0.0 if source == "none" else fraction,
+                        "fraction": 0.0 if whole else fraction,
                         "dropped": int(np.count_nonzero(tiers == Tier.DROP)),
+                        "chunk_bytes": chunk_bytes,
                         "dppl_pct": 100 * math.expm1(score.mean_nll - reference.mean_nll),
                         "kl": mean_kl(reference, score),
                         "top1": top1_agreement(reference, score),
