@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from edgedecode.config import ConfigError, load_config
-from edgedecode.daemon.memory.conversation import StoredConversation, store_pins
+from edgedecode.daemon.memory.conversation import RETIER_TIERS, StoredConversation, store_pins
 from edgedecode.daemon.memory.ledger import KVMemoryError, MemoryLedger
 from edgedecode.daemon.memory.store import ConversationStore
 from edgedecode.daemon.metrics import ConversationMetrics, DaemonMetrics
@@ -164,12 +164,56 @@ def test_the_ladder_re_tiers_the_least_recently_put_first_and_only_as_far_as_nee
     assert decode_snapshot(a.payload, CONTRACT).n_tokens == 300
 
 
+def retiered_fully(store: ConversationStore, session_id: str) -> int:
+    """Take the stored conversation through both re-tier rungs (INT4, then INT3); its bytes then."""
+    for tier in RETIER_TIERS:
+        assert store.retier(session_id, tier) is not None
+    return store.nbytes
+
+
+def test_the_int3_rung_comes_after_int4_over_every_conversation_and_before_any_drop():
+    registry = CollectorRegistry()
+    store = ConversationStore(4, ConversationMetrics(registry))
+    ledger = budgeted(store, BIG)
+    originals = {"a": snapshot(300), "b": snapshot(300, seed=1)}
+    for session, kv in originals.items():
+        store.add(store.compress(session, kv))
+    for session in originals:
+        store.retier(session, Tier.INT4)
+    at_int4 = {session: stored(store, session) for session in originals}
+
+    steps = ledger.make_room(BIG - store.nbytes * 9 // 10)  # 10 %: less than INT4 -> INT3 frees over both
+
+    assert [(s.action, s.session_id) for s in steps] in ([("retier", "a")], [("retier", "a"), ("retier", "b")])
+    a = stored(store, "a")
+    np.testing.assert_array_equal(a.tiers, np.where(a.pinned, Tier.INT8, Tier.INT3))  # the pins keep INT8
+    assert steps[0].freed_nbytes > 0.1 * at_int4["a"].nbytes  # INT3's codes: 3 bits where INT4 had 4
+    assert sample(registry, "edgedecode_kv_retier_total", **{"from": "INT4", "to": "INT3"}) == sum(
+        s.tokens for s in steps
+    )
+    header = header_of(a)
+    assert (header.major, header.minor) == (1, 3) and header.rotation is not None
+    assert header.rotation.tiers == (Tier.INT3,)  # rotated before quantizing, undone by the reader
+    held, before = decode_snapshot(a.payload, CONTRACT), decode_snapshot(at_int4["a"].payload, CONTRACT)
+    unpinned = ~a.pinned
+    for kv in ("keys", "values"):
+        exact = getattr(originals["a"], kv)[:, :, unpinned]
+        int3_error = np.abs(getattr(held, kv)[:, :, unpinned] - exact).mean()
+        int4_error = np.abs(getattr(before, kv)[:, :, unpinned] - exact).mean()
+        assert int4_error < int3_error < 3 * int4_error  # INT3 of what INT4 held (steps 15/7 as wide), not noise
+        np.testing.assert_array_equal(getattr(held, kv)[:, :, a.pinned], getattr(before, kv)[:, :, a.pinned])
+
+    store.retier("b", Tier.INT3)  # (None if the ladder took it already)
+    steps = ledger.make_room(BIG - store.nbytes * 9 // 10)
+    assert steps and {s.action for s in steps} == {"drop"}  # both at INT3: dropping is next
+
+
 def test_the_drop_rung_keeps_the_pins_and_the_most_important_tokens_and_every_position():
     importance = np.random.default_rng(5).random(400).astype(np.float32)
     store = ConversationStore(4)
     ledger = budgeted(store, BIG)
     store.add(store.compress("a", snapshot(400, first_position=3), importance))
-    retiered = store.nbytes - ledger.make_room(BIG - store.nbytes + 1)[0].freed_nbytes
+    retiered = retiered_fully(store, "a")
 
     steps = ledger.make_room(BIG - retiered * 3 // 4)
 
@@ -188,7 +232,7 @@ def test_without_importance_the_oldest_tokens_after_the_sinks_are_dropped_first(
     store = ConversationStore(4)
     ledger = budgeted(store, BIG)
     store.add(store.compress("a", snapshot(400)))
-    retiered = store.nbytes - ledger.make_room(BIG - store.nbytes + 1)[0].freed_nbytes
+    retiered = retiered_fully(store, "a")
     ledger.make_room(BIG - retiered * 3 // 4)
     dropped = np.flatnonzero(stored(store, "a").tiers == Tier.DROP)
     assert len(dropped) > 0
@@ -206,12 +250,12 @@ def test_rungs_go_in_order_over_all_conversations_and_eviction_takes_the_least_r
 
     rungs = [s.action for s in steps]
     assert rungs == sorted(rungs, key=["retier", "drop", "evict"].index)
-    assert [s.session_id for s in steps if s.action == "retier"] == ["a", "b"]
+    assert [s.session_id for s in steps if s.action == "retier"] == ["a", "b", "a", "b"]  # INT4, then INT3
     assert [s.session_id for s in steps if s.action == "evict"] == ["a"]
     b = stored(store, "b")
     assert b.n_kept == math.ceil(0.5 * 300) and len(store) == 1
     assert sample(registry, "edgedecode_session_evictions_total", reason="memory") == 1
-    assert sample(registry, "edgedecode_kv_retier_total", **{"from": "INT4", "to": "DROP"}) == sum(
+    assert sample(registry, "edgedecode_kv_retier_total", **{"from": "INT3", "to": "DROP"}) == sum(
         s.tokens for s in steps if s.action == "drop"
     )
     assert sample(registry, "edgedecode_sessions", state="compressed") == 1
@@ -266,8 +310,8 @@ def test_a_re_tier_whose_conversation_was_taken_while_it_encoded_changes_nothing
     store.add(store.compress("b", snapshot(300, seed=1)))
     encode = store_module.retiered
 
-    def taken_meanwhile(entry, *, workers):
-        smaller = encode(entry, workers=workers)
+    def taken_meanwhile(entry, tier, *, workers):
+        smaller = encode(entry, tier, workers=workers)
         store.take(entry.session_id)
         return smaller
 
@@ -416,7 +460,8 @@ def test_a_trimmed_conversation_rehydrates_with_its_true_positions(decoder, seco
     store = ConversationStore(1)
     ledger = budgeted(store, BIG)
     store.add(store.compress("s", kv))
-    assert [s.action for s in ledger.make_room(BIG - store.nbytes // 2)] == ["retier", "drop"]
+    actions = [s.action for s in ledger.make_room(BIG - store.nbytes // 2)]
+    assert actions[:2] == ["retier", "retier"] and set(actions[2:]) == {"drop"}  # INT4, INT3, then drops
     entry = store.take("s")
     assert entry is not None and 0 < entry.n_kept < entry.n_tokens == kv.n_tokens
 

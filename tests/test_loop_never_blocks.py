@@ -27,11 +27,11 @@ IDLE = 32  # conversations kept compressed when the pressure turn comes
 SLOTS = 2
 CONVERSATION_TOKENS = 96
 # SmolLM2 keeps ~11.5 KB of KV a token at INT8 in the store: 32 stored conversations of ~100 tokens and
-# 2 resident ones fit 48 MiB; the pressure turn's 32 MiB of slot KV (720 tokens of float32, 1440 of
-# float16: pressure_tokens) do not fit beside them even with every one re-tiered to INT4 and trimmed to
-# half: some are evicted.
+# 2 resident ones fit 48 MiB; the pressure turn's 40 MiB of slot KV (900 tokens of float32, 1800 of
+# float16: pressure_tokens) do not fit beside them even with every one re-tiered to INT4, then INT3, and
+# trimmed to half: some are evicted.
 KV_MEMORY_MB = 48
-PRESSURE_MB = 32
+PRESSURE_MB = 40
 
 
 class SlowCallbacks(logging.Handler):
@@ -113,7 +113,8 @@ def test_turns_under_memory_pressure_never_block_the_event_loop(smollm2_model):
     assert stored == IDLE
     assert report["kv"]["computed_tokens"] == pressure_tokens  # the pressure turn was served
     retiered = sample(service, "edgedecode_kv_retier_total", **{"from": "INT8", "to": "INT4"})
-    dropped = sample(service, "edgedecode_kv_retier_total", **{"from": "INT4", "to": "DROP"})
+    to_int3 = sample(service, "edgedecode_kv_retier_total", **{"from": "INT4", "to": "INT3"})
+    dropped = sample(service, "edgedecode_kv_retier_total", **{"from": "INT3", "to": "DROP"})
     evicted = sample(service, "edgedecode_session_evictions_total", reason="memory")
-    assert retiered > 0 and dropped > 0 and evicted > 0  # every rung over the stored conversations ran
+    assert retiered > 0 and to_int3 > 0 and dropped > 0 and evicted > 0  # every rung over the stored ones ran
     assert slow.seen == []

@@ -64,6 +64,10 @@ def test_the_replayed_store_tiers_keep_the_pins_and_drop_the_oldest_after_the_si
     assert (tiers[:4] == Tier.INT8).all() and (tiers[-10:] == Tier.INT8).all()  # sinks; a quarter of 40 recent
     assert np.flatnonzero(tiers == Tier.DROP).tolist() == [4, 5, 6, 7, 8, 9]
     assert quality.tier_class({"INT8": 14, "INT4": 20}) == "INT4" and quality.tier_class({"INT8": 3}) == "INT8"
+    assert quality.tier_class({"INT8": 14, "INT3": 20}) == "INT3"
+    assert quality.tier_class({"INT3": 4, "DROP": 1}) == "dropped"
+    tiers = quality.stored_tiers(positions, held, {"INT8": 14, "INT3": 20, "DROP": 6})  # the INT3 rung, then drops
+    assert quality.tier_counts(tiers) == {"INT8": 14, "INT3": 20, "DROP": 6}
 
 
 def _record(conversation: int, turn: int, resume: str, tiers: dict | None = None, **kv) -> dict:

@@ -97,7 +97,11 @@ def summarise(cell: dict, quality: list[dict]) -> dict:
             for reason in ("memory", "max_sessions")
         },
         "retiered": counter(cell, "edgedecode_kv_retier_total", **{"from": "INT8", "to": "INT4"}),
-        "dropped": counter(cell, "edgedecode_kv_retier_total", **{"from": "INT4", "to": "DROP"}),
+        "retiered_int3": counter(cell, "edgedecode_kv_retier_total", **{"from": "INT4", "to": "INT3"}),
+        "dropped": sum(
+            counter(cell, "edgedecode_kv_retier_total", **{"from": tier, "to": "DROP"})
+            for tier in ("INT8", "INT4", "INT3")
+        ),
         "own_evicted": counter(cell, "edgedecode_active_kv_evicted_tokens_total"),
         "quality": quality_by_class(scored),
     }
@@ -229,7 +233,7 @@ def memory_table(rows: list[dict]) -> list[str]:
         "| conversations | tokens each | budget | budget MiB (exact bytes) | largest turn MiB | turns done "
         "| max KV ÷ budget (peak; sampled) | RSS start → max MiB | RSS growth ÷ (budget + allowance) MiB "
         "| working memory peak MiB | RSS ÷ (weights + budget) "
-        "| evictions (memory; max_sessions) | tokens re-tiered INT8→INT4; dropped | own tokens evicted "
+        "| evictions (memory; max_sessions) | tokens re-tiered INT8→INT4; INT4→INT3; dropped | own tokens evicted "
         "| samples/s KV; RSS | wall s |",
         "|---:|---:|---:|---|---:|---:|---|---|---|---:|---:|---|---|---:|---|---:|",
     ]
@@ -245,7 +249,8 @@ def memory_table(rows: list[dict]) -> list[str]:
             f"| {_mib(r['rss_growth'])} ÷ {_mib(r['growth_bound'])} = {r['rss_growth'] / r['growth_bound']:.2f} "
             f"| {_mib(r['working_peak'])} | {r['rss_ratio']:.2f} "
             f"| {r['evictions']['memory']:.0f}; {r['evictions']['max_sessions']:.0f} "
-            f"| {r['retiered']:.0f}; {r['dropped']:.0f} | {r['own_evicted']:.0f} | {r['kv_hz']:.1f}; {r['rss_hz']:.1f} "
+            f"| {r['retiered']:.0f}; {r.get('retiered_int3', 0):.0f}; {r['dropped']:.0f} | {r['own_evicted']:.0f} "
+            f"| {r['kv_hz']:.1f}; {r['rss_hz']:.1f} "
             f"| {c['wall_s']:.0f} |"
         )
     return lines

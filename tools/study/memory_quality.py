@@ -39,24 +39,30 @@ from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
 from tools.bench.memory_workload import Conversation
 
-TIER_CLASSES = ("INT8", "INT4", "dropped")  # how a compressed resume came back: its lowest tier
+TIER_CLASSES = ("INT8", "INT4", "INT3", "dropped")  # how a compressed resume came back: its lowest tier
 
 
 def tier_class(tiers: dict[str, int]) -> str:
-    """``dropped`` when some tokens were dropped, else ``INT4`` when some were re-tiered, else ``INT8``."""
-    return "dropped" if tiers.get(Tier.DROP.name) else "INT4" if tiers.get(Tier.INT4.name) else "INT8"
+    """``dropped`` when some tokens were dropped, else the lowest tier some were re-tiered to (``INT3``, ``INT4``),
+    else ``INT8``."""
+    if tiers.get(Tier.DROP.name):
+        return "dropped"
+    return next((tier.name for tier in (Tier.INT3, Tier.INT4) if tiers.get(tier.name)), "INT8")
 
 
 def stored_tiers(positions: np.ndarray, held: np.ndarray, restored: dict[str, int]) -> np.ndarray:
     """uint8 [n]: each token's tier as the daemon's store held the conversation when it came back,
     from the turn's ``kv.restored_tiers`` counts: INT8 as put (DROP where the slot held none); every
-    token but the store's pins at INT4 when it shows INT4 (the re-tier rung); and as many more
-    dropped as it shows, least important first (the drop rung's order without importance from the
-    prefill side: position importance, the oldest after the sinks first)."""
+    token but the store's pins at INT4 when it shows INT4 (the re-tier rung), or at INT3 when it shows INT3 (the
+    second re-tier rung; the replay encodes them at INT3 from the float KV in one step, where the rung re-quantizes
+    what INT4 held: tools/study/drop_quality.py measures that); and as many more dropped as it shows, least
+    important first (the drop rung's order without importance from the prefill side: position importance, the
+    oldest after the sinks first)."""
     tiers = np.where(held, Tier.INT8, Tier.DROP).astype(np.uint8)
     pins = store_pins(positions)
-    if restored.get(Tier.INT4.name):
-        tiers[~pins & (tiers < Tier.INT4)] = Tier.INT4
+    for tier in (Tier.INT4, Tier.INT3):
+        if restored.get(tier.name):
+            tiers[~pins & (tiers < tier)] = tier
     more = restored.get(Tier.DROP.name, 0) - int(np.count_nonzero(tiers == Tier.DROP))
     if more > 0:
         droppable = np.flatnonzero((tiers != Tier.DROP) & ~pins)

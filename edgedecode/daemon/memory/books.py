@@ -4,7 +4,8 @@ the store keeps compressed and every decode slot's reservation (``MemoryLedger``
 Bytes that do not fit make room through the pressure ladder's rungs over the stored conversations, in
 order, each only as far as needed (the ledger's module docstring numbers the whole ladder):
 
-2. re-tier the stored conversations, least recently stored first (``ConversationStore.retier``);
+2. re-tier the stored conversations, least recently stored first (``ConversationStore.retier``): to INT4
+   over all of them, then from INT4 to INT3 (rotated) over all of them;
 3. drop their least important tokens (``ConversationStore.drop``);
 4. evict them (``ConversationStore.evict``), counted.
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from edgedecode.daemon.memory.conversation import (
     DEFAULT_TIER,
+    RETIER_TIERS,
     LadderStep,
     StoredConversation,
     reencode_scratch_nbytes,
@@ -191,8 +193,12 @@ class MemoryBooks:
         """Rungs 2 to 4, each over the stored conversations, least recently put first, repeated while
         it frees something, until ``nbytes`` more fit."""
         store = self.store
+
+        def retier_to(tier: Tier) -> Callable[[str, int], LadderStep | None]:
+            return lambda session, _: self._reencoding(session, lambda: store.retier(session, tier))
+
         rungs: tuple[Callable[[str, int], LadderStep | None], ...] = (
-            lambda session, _: self._reencoding(session, lambda: store.retier(session)),
+            *(retier_to(tier) for tier in RETIER_TIERS),
             lambda session, shortfall: self._reencoding(session, lambda: store.drop(session, shortfall)),
             lambda session, _: store.evict(session, "memory"),
         )

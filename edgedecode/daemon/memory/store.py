@@ -130,13 +130,13 @@ class ConversationStore:
         with self._lock:
             return self._entries.get(session_id)
 
-    def retier(self, session_id: str) -> LadderStep | None:
-        """Re-tier the conversation's unpinned tokens to INT4 (``memory.conversation.retiered``), in
-        its place; None when it frees nothing (or the store no longer holds it)."""
+    def retier(self, session_id: str, tier: Tier = Tier.INT4) -> LadderStep | None:
+        """Re-tier the conversation's unpinned tokens to ``tier`` (``memory.conversation.retiered``: INT4, then
+        INT3), in its place; None when it frees nothing (or the store no longer holds it)."""
         entry = self.peek(session_id)
         if entry is None:
             return None
-        return self._replace(entry, retiered(entry, workers=self.workers), "retier")
+        return self._replace(entry, retiered(entry, tier, workers=self.workers), "retier")
 
     def drop(self, session_id: str, shortfall: int) -> LadderStep | None:
         """DROP the conversation's least important droppable tokens, about as many as free
