@@ -157,9 +157,9 @@ class PrefillRemote:
         link = planner.links.get(url).estimate()
         if not (planner.plans(kv_deadline) and self.held_query.worth_asking(url, n, believed, link)):
             return believed
-        if link.rtt_s is None or not planner.pull_could_win(url, keep, n):
+        if not planner.pull_could_win(url, keep, n):
             return believed
-        assert self._http is not None  # pull() checked it
+        assert self._http is not None and link.rtt_s is not None  # pull() checked the first, worth_asking the second
         answered = await self.held_query.ask(self._http, self._settings(url), prompt_ids, link.rtt_s)
         return believed if answered is None else answered
 
