@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +77,7 @@ class ModelSize:
         """The edge box's local prefill time: the measured 135M TTFTs, or tokens at the measured rates (the
         model goes on past the longest at no less than its time per token)."""
         if self.name == "135m":
-            rows = json.loads(LOCAL_BENCH.read_text())["results"]["local prefill"]
+            rows = _bench(LOCAL_BENCH)["results"]["local prefill"]
             return LocalPrefillModel([(int(n), row["ttft_ms"] / 1e3) for n, row in rows.items()])
         return LocalPrefillModel([(n, n / tok_s) for n, tok_s in self.edge_prefill])
 
@@ -100,9 +100,15 @@ class ModelSize:
         return float(np.interp(tokens, lengths, rates))
 
 
+@cache
+def _bench(path: Path) -> dict:
+    """A benchmark's raw JSON, read once."""
+    return json.loads(path.read_text())
+
+
 def smollm2_bare_prefill_s(tokens: int) -> float:
     """The 135M model's float16 prefill alone on the H200, interpolated from its measured prompts (0 at 0)."""
-    cells = json.loads(BARE_PREFILL_BENCH.read_text())["cells"]
+    cells = _bench(BARE_PREFILL_BENCH)["cells"]
     measured = sorted((cell["tokens"], cell["bare_prefill_wall_s"]) for cell in cells)
     lengths, seconds = zip(*[(0, 0.0), *measured])
     return float(np.interp(tokens, lengths, seconds))
@@ -110,7 +116,7 @@ def smollm2_bare_prefill_s(tokens: int) -> float:
 
 def _engine_rows(path: Path, shape: str, kind: str, engine: str) -> dict[int, dict]:
     """The ``past`` rows (prompt length -> figures) of one shape, GGUF type and engine in a shapes benchmark."""
-    for row in json.loads(path.read_text())["results"]:
+    for row in _bench(path)["results"]:
         if row["shape"] == shape and row["type"] == kind:
             return {int(n): figures for n, figures in row["engines"][engine]["past"].items()}
     raise LookupError(f"{path.name} has no {shape} {kind} row")
@@ -120,7 +126,7 @@ def measured_shape(name: str, shape: str) -> ModelSize:
     """A synthetic shape's size from the GPU and CPU shape benchmarks."""
     replica = _engine_rows(GPU_SHAPES_BENCH, shape, REPLICA_TYPE, "edgedecode-stock")
     edge = _engine_rows(CPU_SHAPES_BENCH[shape], shape, EDGE_TYPE, "edgedecode")
-    rows = json.loads(GPU_SHAPES_BENCH.read_text())["results"]
+    rows = _bench(GPU_SHAPES_BENCH)["results"]
     kv_bytes = next(row for row in rows if row["shape"] == shape)["engines"]["edgedecode"]["kv_bytes_per_past_token"]
     return ModelSize(
         name=name,
