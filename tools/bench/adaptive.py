@@ -27,9 +27,10 @@ daemons' ``fetch_timeout_s`` is the cap, so the pull is cut there and the daemon
 local prefill (its circuit breaker is set never to open, so later pulls are still tried); the
 request is still recorded with its report, and medians and p95 count it as > cap.
 
-Quality cost: for every (prompt, budget) a request used, and for local prefill (the decode graph's
-own prefill), Δ perplexity and KL of a teacher-forced continuation (``--continuation-tokens``)
-against FP16 transfer, with the quality harness's functions (tools/study/adaptive_quality.py).
+Quality cost: for every (prompt, KV source) a request used — a budget, local prefill (the decode
+graph's own prefill), or a composite of a split, a re-planned or a cut pull — Δ perplexity and KL of a
+teacher-forced continuation (``--continuation-tokens``) against FP16 transfer, with the quality
+harness's functions (tools/study/adaptive_quality.py).
 
 The default target, 1.5 s, lies between a 2-core edge's own prefill of 1k tokens (about 1 s) and of
 2k (2–5 s): local prefill meets it for short prompts only, a pull only over links fast enough for
@@ -40,6 +41,7 @@ its payload.
         [--prefill-device cpu|cuda] [--edge-cpus 0,1] [--threads 2] [--json PATH]
         [--write-docs] [--docs-dir docs] [--quick]
     python tools/bench/adaptive.py --report RUN.json [--write-docs --docs-dir DIR]   # a saved run's report
+    python tools/bench/adaptive.py --report RUN.json --rescore --json OUT.json   # its quality scored again
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from tools.bench.adaptive_report import LOCAL, POLICIES, print_summary, write_do
 from tools.bench.serve import add_placement, daemon_placement, prefill_placement, write_config
 from tools.common import cli
 from tools.common.servers import running, streamed_completion
-from tools.study.adaptive_quality import Prompt, quality_costs
+from tools.study.adaptive_quality import Prompt, kv_used, quality_costs
 
 PRIME_MBITS = 1000.0  # the rate the stateless daemons' one warm-up request runs at
 WALK_EVERY_S = 0.1
@@ -113,7 +115,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--docs-dir", type=Path, default=Path("docs"))
     p.add_argument("--quick", action="store_true", help="20 and 100 Mbit/s, constant + step, 1024 tokens, 1 run")
     p.add_argument("--report", type=Path, default=None, help="report a saved run (its --json) instead of running")
+    p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="with --report: score the quality of the saved run's KV again (split and cut turns included), "
+        "write the run to --json",
+    )
     args = p.parse_args(argv)
+    if args.rescore and args.report is None:
+        p.error("--rescore scores a saved run: name it with --report")
     if args.quick:
         args.mbits, args.traces, args.prompt_tokens, args.runs = [20, 100], ["constant", "step"], [1024], 1
     if args.runs < 1 or args.warmups < 0 or args.cell_timeout_s <= 0 or args.target_ms <= 0:
@@ -199,19 +209,6 @@ def timed_request(url: str, prompt: Prompt, player: TracePlayer, args: argparse.
     }
 
 
-def kv_used(report: dict | None) -> str | None:
-    """Where the turn's KV came from, as the quality table names it: ``local`` or ``b<budget>``
-    (None: no report, or a turn with no single budget)."""
-    if report is None:
-        return None
-    kv = report["kv"]
-    if kv["source"] == "local":
-        return LOCAL
-    if kv.get("decision") == "split" or len(kv.get("segments") or ()) > 1:
-        return None  # KV of several parts: the harness scores one source at a time
-    return None if kv.get("budget") is None else f"b{round(kv['budget'], 4)!r}"
-
-
 def cell_request(
     cell: Cell, policy: str, url: str, prompt: Prompt, player: TracePlayer, args, fp16_per_token: int
 ) -> dict:
@@ -290,6 +287,10 @@ def run_grid(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run = cli.saved_or_measured(args, lambda: measure(args, argv))
+    if args.rescore:
+        run = rescored(run, args.threads)
+        if args.json:
+            cli.write_json(run, args.json)
     print_summary(run)
     if args.write_docs:
         write_docs(run, args.docs_dir)
@@ -312,6 +313,20 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict:
         "quality": quality_costs(model, prompts, results, args.continuation_tokens, args.threads),
         "wall_s": round(time.time() - started, 1),
     }
+
+
+def rescored(run: dict, threads: int) -> dict:
+    """A saved run with every request's KV label taken again from its report and the quality of those scored
+    again (on ``threads``), with the prompts its arguments chose."""
+    model = load_model()
+    if model.record.name != run["model"]:
+        raise SystemExit(f"the run is of {run['model']}; this checkout's default model is {model.record.name}")
+    saved = argparse.Namespace(**run["args"])
+    prompts, _ = load_prompts(model, saved)
+    results = [r | {"kv_used": kv_used(r["report"])} for r in run["results"]]
+    print("scoring the quality cost of the KV each request used", file=sys.stderr, flush=True)
+    quality = quality_costs(model, prompts, results, saved.continuation_tokens, threads)
+    return run | {"results": results, "quality": quality, "rescored": cli.record(__file__, None, time.time())}
 
 
 if __name__ == "__main__":

@@ -173,7 +173,8 @@ def _four_k_goal(run: dict, rows: list[dict]) -> str:
     fast = None if speedup.op == "?" else (speedup.value >= 4 if speedup.op in ("=", ">") else None)
     dppl = adaptive["dppl_pct"]
     quality = (
-        "adaptive Δ PPL not scored (a split or cut turn's KV is mixed; the harness scores one source)"
+        "adaptive Δ PPL not scored (its turns' KV has no scored source: a run from before composites were scored "
+        "is scored by --report RUN --rescore)"
         if math.isnan(dppl)
         else f"adaptive Δ PPL {dppl:+.2f} % (goal ≤ +1 %: {_verdict(dppl <= 1.0, f'by {dppl - 1:.2f} points')})"
     )
