@@ -64,7 +64,7 @@ class DaemonConfig:
     max_context: int = 4096  # KV buffer length per slot, tokens
     max_queue: int = 32  # requests waiting for a slot; more are refused with 429
     # KV wire bytes / FP16 bytes asked of the prefill server while no TTFT target applies: pinned, every turn asks
-    # it; 0 (not pinned): every turn is planned (the best quality within 1.1x of the fastest way to get the KV)
+    # it; 0 (not pinned): every turn is planned (the best quality within 1.1x or 0.1 s of the fastest way to the KV)
     budget: float = 0.0
     ttft_target_ms: float = 0.0  # time-to-first-token target the KV plan adapts to; 0: none (see budget)
     min_budget: float = 0.0  # quality floor of planned budgets; 0: the model's calibration's (docs/adaptive.md)

@@ -2,22 +2,22 @@
 time, computed on this box, or both (a split) — whichever costs the least quality among those that
 make it, the fastest of them where they cost the same.
 
-Every option has a quality cost, the Δ perplexity the served model's calibration measured for it at
-the prompt's length (``QualityCosts``, from ``pull.calibration``). "In time" is the turn's target
-when it has one (``daemon.ttft_target_ms``, or the request's). Without one, a daemon whose budget is
-not pinned plans with its default objective: the best quality whose predicted time is within
-``PlanInputs.near_fastest`` (1.1) of the fastest option's; with ``daemon.budget`` pinned and no
-target, the pinned budget is asked for, as before. The plan is, among the options predicted in time,
-those within ``QUALITY_TIE_PCT`` of the best cost, the fastest; when none is in time, the fastest of
-all. The quality floor: no option costing more than ``QUALITY_FLOOR_PCT`` (+2 %) at the prompt's
-length is planned, and no budget below ``min_budget`` (by default the calibration's lowest measured
-budget within the floor) is asked for. Every remote prediction is the link model's times the learned
-``remote_correction`` (how much longer pulls took than predicted). While the link is unknown (no pull
-from this endpoint yet) the default budget is asked for — and that pull teaches the link model; under
-the default objective it carries a deadline (local prefill's predicted time, ``near_fastest`` times)
-so that the segment watch cuts it and computes the rest here if the link turns out slow. A link idle
-long enough for its estimate to go stale is still planned for, from the remembered estimate worsened
-by the link model's ``stale_margin`` (``pull.link``).
+Every option has a quality cost, the Δ perplexity the served model's calibration measured for it at the
+prompt's length (``QualityCosts``, from ``pull.calibration``). "In time" is the turn's target when it has one
+(``daemon.ttft_target_ms``, or the request's). Without one, a daemon whose budget is not pinned plans with its
+default objective: the best quality whose predicted time is within ``PlanInputs.near_fastest`` (1.1) of the
+fastest option's, or within ``near_fastest_s`` (0.1 s) of it where that is more (so that a turn of a fraction
+of a second does not trade quality for a few tens of milliseconds); with ``daemon.budget`` pinned and no
+target, the pinned budget is asked for, as before. The plan is, among the options predicted in time, those
+within ``QUALITY_TIE_PCT`` of the best cost, the fastest; when none is in time, the fastest of all. The
+quality floor: no option costing more than ``QUALITY_FLOOR_PCT`` (+2 %) at the prompt's length is planned, and
+no budget below ``min_budget`` (by default the calibration's lowest measured budget within the floor) is asked
+for. Every remote prediction is the link model's times the learned ``remote_correction`` (how much longer
+pulls took than predicted). While the link is unknown (no pull from this endpoint yet) the default budget is
+asked for — and that pull teaches the link model; under the default objective it carries a deadline (local
+prefill's predicted time, with the same slack) so that the segment watch cuts it and computes the rest here if
+the link turns out slow. A link idle long enough for its estimate to go stale is still planned for, from the
+remembered estimate worsened by the link model's ``stale_margin`` (``pull.link``).
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ class PlanInputs:
     local_head_s: Callable[[int], float] | None = None  # seconds to compute the first n of them here
     split_slowdown: float = 1.0  # a split's pull takes this much longer than alone (the head's compute competes)
     near_fastest: float | None = None  # no target: plan the best quality within this factor of the fastest
+    near_fastest_s: float = 0.0  # ... or within this many seconds of it, where that is more
     remote_correction: float = 1.0  # pulls take this much longer than the link model predicts (learned)
 
 
@@ -115,7 +116,7 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
         if budget >= inputs.min_budget
     ]
     if not predicted or any(seconds is None for _, seconds in predicted):
-        deadline_s = None if target_s is not None or near is None else near * inputs.local_s
+        deadline_s = None if target_s is not None or near is None else _near(inputs, inputs.local_s)
         return KVPlan("remote", fixed, None, "link unknown: the default budget", deadline_s=deadline_s)
     correction = inputs.remote_correction
     predicted = [(budget, None if seconds is None else seconds * correction) for budget, seconds in predicted]
@@ -145,8 +146,8 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
     goal = "meets the target"
     if target_s is None:
         assert near is not None
-        target_s = near * min(seconds(option) for option in options)
-        goal = f"is within {near:g}x of the fastest"
+        target_s = _near(inputs, min(seconds(option) for option in options))
+        goal = f"is within {near:g}x or {1e3 * inputs.near_fastest_s:.0f} ms of the fastest"
     meeting = [option for option in options if seconds(option) <= target_s]
     if meeting:
         best = min(cost(option) for option in meeting)
@@ -157,6 +158,12 @@ def plan_kv(inputs: PlanInputs) -> KVPlan:
         why = f"{chosen.why}: nothing meets the target; the fastest"
     deadline_s = target_s if inputs.target_s is None and math.isfinite(target_s) else None
     return KVPlan(chosen.decision, chosen.budget, chosen.predicted_s, why, chosen.head, chosen.pull_s, deadline_s)
+
+
+def _near(inputs: PlanInputs, fastest_s: float) -> float:
+    """The latest a plan may be predicted under the default objective, the fastest option taking ``fastest_s``."""
+    assert inputs.near_fastest is not None
+    return max(inputs.near_fastest * fastest_s, fastest_s + inputs.near_fastest_s)
 
 
 def _splits(inputs: PlanInputs, predicted: list[tuple[float, float | None]]) -> list[KVPlan]:

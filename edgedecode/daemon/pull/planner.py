@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from edgedecode.runtime.engine import Engine
 
 NEAR_FASTEST = 1.1  # the default objective: the best quality within this factor of the fastest option
+NEAR_FASTEST_S = 0.1  # ... or within this many seconds of it, where that is more (tools/bench/adaptive_default.py)
 REMOTE_CORRECTION_BOUNDS = (0.8, 3.0)  # a learned correction of the link model's predictions stays within these
 
 
@@ -273,6 +274,7 @@ class KVPlanner:
                 local_head_s=None if reprobe else lambda head: local.predict_between(keep, keep + head),
                 split_slowdown=split_slowdown,
                 near_fastest=self.near_fastest,
+                near_fastest_s=NEAR_FASTEST_S,
                 remote_correction=remote_correction,
             )
         )
