@@ -8,11 +8,14 @@ computed here before."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from edgedecode.config import DaemonConfig
 from edgedecode.daemon.metrics import DaemonMetrics
+from edgedecode.daemon.pull.adaptive import BUDGET_LADDER, QUALITY_FLOOR_PCT
 from edgedecode.daemon.pull.calibration import shipped
 from edgedecode.daemon.pull.deadline import Deadline
 from edgedecode.daemon.pull.local_speed import LocalPrefillModel
@@ -182,3 +185,30 @@ def test_a_probe_that_came_whole_or_failed_is_not_taken_for_an_unanswered_one(la
     planner.learn_unfinished(url, last)
     after = planner.plan(url, 0, len(prompt), Deadline())
     assert after.decision == "remote" and after.predicted_s is None, after
+
+
+def test_a_resume_is_priced_at_the_lowest_budget_the_planner_would_take_at_the_prompt_s_length():
+    planner = _planner()
+    quality = shipped()[DEFAULT_MODEL].quality()
+    for tokens in (1024, 2048, 4096):
+        lowest = planner.resume_budget(tokens, 0.3)
+        assert lowest is not None and quality.of_budget(lowest, tokens) <= QUALITY_FLOOR_PCT
+        below = [b for b in BUDGET_LADDER if planner.min_budget <= b < lowest]
+        assert all(quality.of_budget(b, tokens) > QUALITY_FLOOR_PCT for b in below)
+    assert planner.resume_budget(1024, 0.3) < planner.resume_budget(4096, 0.3)  # longer prompts tolerate less
+
+
+@pytest.mark.parametrize("tokens", [1024, 4096])
+def test_the_watch_cuts_a_steady_segment_only_for_a_resume_the_planner_would_make(tokens):
+    # 10 Mbit/s from the start, the box too slow to compute the rest: only a cheaper resume could end sooner
+    planner = _planner()
+    planner.local_speed = LocalPrefillModel([(n, n / 50) for n in (128, 512, 2048, 4096)])
+    stream = SimpleNamespace(prompt_ids=np.arange(tokens), header=None, keep=0, head=0, covered=0)
+    watch = planner.watch(URL, stream, 0.3, Deadline.within(1.0))  # type: ignore[arg-type]  # what watch reads
+    announced = int(0.3 * tokens * FP16_BYTES_PER_TOKEN)
+    cuts = [watch(t / 100, int(1.25e6 * t / 100), announced) for t in range(1, 300)]
+    cut = next((reason for reason in cuts if reason), None)
+    resumable = planner.resume_budget(tokens, 0.3)
+    assert resumable is not None
+    # a resume at a lower budget than 0.3 is what would end sooner; where the planner would not plan one, no cut
+    assert (cut is not None) == (resumable < 0.3), (tokens, resumable, cut)

@@ -141,7 +141,7 @@ class KVFetch:
         request: SegmentRequest | None = first_segment(prompt_ids, stream.covered, budget, self.settings.policy)
         computed = n - stream.keep  # what the server prefills for the first segment (a split's head too)
         while request is not None:
-            watch = self.planner.watch(url, stream, deadline) if deadline.target_s is not None else None
+            watch = self.planner.watch(url, stream, request.budget, deadline) if deadline.target_s is not None else None
             settings = self.settings if give_up is None else self._until(give_up)
             result = await pull_segment(
                 self.http, settings, request, stream, self.ingest, self.planner.fp16_bytes_per_token, watch

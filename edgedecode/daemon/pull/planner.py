@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING
 
 from edgedecode.config import DaemonConfig
 from edgedecode.daemon.metrics import DaemonMetrics
-from edgedecode.daemon.pull.adaptive import SPLIT_FRACTIONS, KVPlan, PlanInputs, SegmentWatch, plan_kv
+from edgedecode.daemon.pull.adaptive import (
+    BUDGET_LADDER,
+    QUALITY_FLOOR_PCT,
+    SPLIT_FRACTIONS,
+    KVPlan,
+    PlanInputs,
+    SegmentWatch,
+    plan_kv,
+)
 from edgedecode.daemon.pull.calibration import ModelCalibration
 from edgedecode.daemon.pull.deadline import Deadline
 from edgedecode.daemon.pull.link import DecayingMean, LinkModels, Reprobes
@@ -163,20 +171,33 @@ class KVPlanner:
             )
         )
 
-    def watch(self, url: str, stream: StreamedKV, deadline: Deadline) -> SegmentWatch:
-        """The watch of the segment of ``stream``'s positions from those it covers to the prompt's end,
-        which should end by ``deadline`` (it has a target)."""
+    def resume_budget(self, prompt_tokens: int, budget: float) -> float | None:
+        """The lowest budget the rest of a segment asked at ``budget`` could be resumed at (``plan_rest``): of the
+        ladder's budgets from ``min_budget`` (or ``budget``, if lower) up, the lowest whose quality cost at the
+        prompt's length is within the planner's floor; None where none is (the rest would be computed here)."""
+        low = min(self.min_budget, budget)
+        within = [
+            b for b in BUDGET_LADDER if b >= low and self.quality.of_budget(b, prompt_tokens) <= QUALITY_FLOOR_PCT
+        ]
+        return min(within, default=None)
+
+    def watch(self, url: str, stream: StreamedKV, budget: float, deadline: Deadline) -> SegmentWatch:
+        """The watch of the segment of ``stream``'s positions from those it covers to the prompt's end, asked at
+        ``budget``, which should end by ``deadline`` (it has a target)."""
         end = len(stream.prompt_ids)
         link = self.links.get(url)
-        min_budget = self.min_budget
+        floor_budget = self.resume_budget(end, budget)
 
         def rest_s(goodput: float, tokens_left: int) -> float:
             """Seconds to get the segment's last ``tokens_left`` tokens another way: resumed at the
-            floor budget at this goodput, or computed here (all the segment's positions, where its EDKV window
-            leaves the windowed layers of the part before the cut out: kv.window)."""
+            lowest budget a resume may take at this goodput (``resume_budget``: never the one the planner
+            would refuse at this prompt's length), or computed here (all the segment's positions, where its
+            EDKV window leaves the windowed layers of the part before the cut out: kv.window)."""
             rtt = link.estimate().rtt_s or 0.0
-            wire = self.budget_for(tokens_left, min_budget) * tokens_left * self.fp16_bytes_per_token
-            remote = rtt + wire / goodput if goodput > 0 else float("inf")
+            remote = float("inf")
+            if floor_budget is not None and goodput > 0:
+                wire = self.budget_for(tokens_left, floor_budget) * tokens_left * self.fp16_bytes_per_token
+                remote = rtt + wire / goodput
             header = stream.header
             windowed = header is not None and header.window is not None and header.window.start > 0
             local_start = stream.keep + stream.head if windowed else end - tokens_left
