@@ -26,7 +26,6 @@ def test_a_token_prompt_routes_by_the_prefix_caches_own_block_hashes():
     route1, route2 = _prefill({"token_ids": first}), _prefill({"token_ids": second, "held_tokens": 100})
     assert list(route1.blocks) == block_chain(np.asarray(first, np.int64))
     assert len(route1.blocks) == 3 and route2.blocks[:3] == route1.blocks and len(route2.blocks) == 4
-    assert route1.block_tokens == DEFAULT_BLOCK_TOKENS  # what the router prices a held block at
     assert not route1.replica
 
 
@@ -35,7 +34,6 @@ def test_chat_prompts_sharing_a_system_message_share_the_head_of_their_route():
     one = _prefill({"messages": [system, {"role": "user", "content": "Hi"}]})
     two = _prefill({"messages": [system, {"role": "user", "content": "Bye"}]})
     assert one.blocks[0] == two.blocks[0] and one.blocks[1] != two.blocks[1]
-    assert one.block_tokens == 0  # a message is no fixed number of tokens
 
 
 def test_what_no_replica_can_read_routes_anywhere():
@@ -50,7 +48,6 @@ def test_a_held_query_routes_as_its_prompt_would_and_is_not_counted_as_sent():
     held = route_for("POST", "/v1/prefill/held", {}, json.dumps({"blocks": blocks}).encode())
     prefill = _prefill({"token_ids": prompt})
     assert held.blocks == prefill.blocks and held.query_only and not prefill.query_only
-    assert held.block_tokens == prefill.block_tokens
     assert route_for("POST", "/v1/prefill/held", {}, json.dumps({"blocks": ["not hex"]}).encode()) == Route()
 
 

@@ -132,8 +132,6 @@ def test_the_same_prompt_twice_gives_the_same_payload_bytes(service, texts):
     second, reused_second = _payload(service, ids)
     assert (reused_first, reused_second) == (0, len(ids) - W)
     assert second == first
-    speed = service.speed.speed()  # what a prefill tier's router reads of this server
-    assert speed is not None and speed.request_s > 0 and speed.prefill_s_per_token > 0
     third, _ = _payload(service, ids, held_tokens=100)  # and again, for a client holding a prefix
     assert third == _cold(service, ids, held_tokens=100)
 

@@ -37,7 +37,6 @@ from edgedecode.prefill.pipeline import (
     smallest_payload,
 )
 from edgedecode.prefill.prefix_cache import PrefixCache
-from edgedecode.prefill.speed import SpeedMeter
 from edgedecode.prefill.transfers import TransferStore
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.session import default_threads
@@ -244,7 +243,6 @@ class PrefillService:
         self.kv_device = KVDevice(device, threads or default_threads())
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="edgedecode-prefill")
         self._busy_since: float | None = None  # when the running prefill started (monotonic)
-        self.speed = SpeedMeter()  # its requests' seconds and its prefill's per token (what a tier routes by)
 
     def parse(self, body: dict) -> PrefillRequest:
         """A validated request (PrefillRequestError names the field at fault)."""
@@ -329,9 +327,7 @@ class PrefillService:
         self.cache.store(scored.snapshot)
         encoded = self._encode(scored, request, self.transfers.put(scored), clock)
         seconds = time.perf_counter() - started
-        stages = _stage_walls(clock)
-        self.speed.add(seconds, stages.get("prefill", 0.0), len(ids) - reused)
-        return PrefillResult(encoded, len(ids), reused, seconds, len(ids) - reused, stages)
+        return PrefillResult(encoded, len(ids), reused, seconds, len(ids) - reused, _stage_walls(clock))
 
     def _resume(self, resume: ResumeRequest) -> PrefillResult:
         started, clock = time.perf_counter(), StageClock()

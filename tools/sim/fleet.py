@@ -34,11 +34,9 @@ part not yet verified, and may resume instead: this overstates the cut turn's ti
 pull teaches what it measured.
 
 **The tier**: R replicas, each one worker in FIFO order (the prefill service runs one request at
-a time). Routing as ``prefill.fleet.router`` does (``prefill.fleet.affinity.prefer_holder``): a
-conversation stays on the replica that served it unless that one has more than ``imbalance`` requests
-outstanding beyond the least busy, or its extra requests, at the tier's running mean of a request's
-seconds, would make it wait longer than the hit saves (then the least busy, which becomes its home);
-``round_robin`` for comparison. A replica that
+a time). Routing as ``prefill.fleet.router`` does: a conversation stays on the replica that
+served it unless that one has ``imbalance`` more requests outstanding than the least busy
+(then the least busy, which becomes its home); ``round_robin`` for comparison. A replica that
 holds the conversation computes only what its prefix cache lacks, the previous answer and the new
 tokens (the cache is assumed big enough to keep its conversations' prompts: the measured
 affinity hit rate is near the best possible, docs/scale.md); another computes the whole prompt.
@@ -93,8 +91,6 @@ from edgedecode.daemon.pull.adaptive import PlanInputs, plan_kv
 from edgedecode.daemon.pull.link import LinkModel, Reprobes
 from edgedecode.daemon.pull.local_speed import LocalPrefillModel
 from edgedecode.daemon.pull.segment import PullResult
-from edgedecode.prefill.fleet.affinity import prefer_holder
-from edgedecode.prefill.speed import running_mean
 from tools.common import cli
 from tools.sim.sizes import LOCAL_BENCH, SERVE_BENCH, SMOLLM2_DECODE_TOK_S, ModelSize, sizes
 
@@ -207,26 +203,21 @@ class Tier:
     def __init__(self, replicas: int, routing: str = "affinity", imbalance: int = 2) -> None:
         self.replicas = [Replica() for _ in range(replicas)]
         self.routing, self.imbalance = routing, imbalance
-        self.request_s: float | None = None  # a request's seconds, as the replicas report it (a running mean)
         self._turn = 0
 
-    def submit(
-        self, home: int | None, arrival: float, service: Callable[[bool], float], saved_s: float | None = None
-    ) -> tuple[int, float, float]:
-        """Route a request arriving at ``arrival`` from a conversation whose KV ``home`` holds, which saves
-        ``saved_s`` there (the router's rule, ``prefill/fleet/affinity.py``); ``service(hit)`` is its service
-        time. Returns (replica, completion time, service time)."""
+    def submit(self, home: int | None, arrival: float, service: Callable[[bool], float]) -> tuple[int, float, float]:
+        """Route a request arriving at ``arrival`` from a conversation whose KV ``home`` holds;
+        ``service(hit)`` is its service time. Returns (replica, completion time, service time)."""
         loads = [r.outstanding(arrival) for r in self.replicas]
         least = min(range(len(loads)), key=loads.__getitem__)
         if self.routing == "round_robin":
             chosen = self._turn % len(self.replicas)
             self._turn += 1
-        elif home is not None and prefer_holder(loads[home] - loads[least], self.imbalance, self.request_s, saved_s):
+        elif home is not None and loads[home] - loads[least] <= self.imbalance:
             chosen = home
         else:
             chosen = least
         seconds = service(chosen == home)
-        self.request_s = running_mean(self.request_s, seconds)
         replica = self.replicas[chosen]
         replica.free_at = max(arrival, replica.free_at) + seconds
         replica.pending.append(replica.free_at)
@@ -315,7 +306,6 @@ def simulate(
                 box.home,
                 t + half_rtt,
                 lambda hit, n=uncached, p=prompt, b=budget: service.seconds(n if hit else p, b, rng),
-                service.seconds(prompt, budget) - service.seconds(uncached, budget),
             )
             box.home = chosen
             headers_s = done + half_rtt - t

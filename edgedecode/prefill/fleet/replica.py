@@ -21,7 +21,7 @@ from edgedecode.config import Config
 from edgedecode.model.loader import load_model
 from edgedecode.prefill.fleet.faults import relay_stall_bytes
 from edgedecode.prefill.fleet.route import Route
-from edgedecode.prefill.fleet.router import STATS_BLOCKS_KEY, STATS_SPEED_KEY
+from edgedecode.prefill.fleet.router import STATS_BLOCKS_KEY
 from edgedecode.prefill.run import build_service
 from edgedecode.prefill.server import create_app
 from edgedecode.serving.header_deadline import start_site
@@ -105,12 +105,9 @@ class PrefillReplica:
             raise RuntimeError(f"prefill replica {self.name}: one prefill has been running too long")
 
     def record_routing_stats(self) -> dict:
-        """What the router learns of this replica: the prefixes its cache holds, and its speeds."""
+        """What the router learns of this replica: the prefixes its cache holds."""
         # list() of a dict copies it without releasing the GIL: safe beside the worker thread's updates
-        return {
-            STATS_BLOCKS_KEY: frozenset(self.service.cache.block_hashes()),
-            STATS_SPEED_KEY: self.service.speed.speed(),
-        }
+        return {STATS_BLOCKS_KEY: frozenset(self.service.cache.block_hashes())}
 
     async def __del__(self) -> None:
         """Serve stops the replica (after its requests finished, within the graceful timeout), maybe

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgedecode.errors import EdgeDecodeError
-from edgedecode.kv.prefix import DEFAULT_BLOCK_TOKENS, HELD_PATH, block_chain, chain_from_hex
+from edgedecode.kv.prefix import HELD_PATH, block_chain, chain_from_hex
 from edgedecode.prefill.transfers import ID_PREFIX_END
 from edgedecode.serving.json_body import parse_json_object
 
@@ -38,7 +38,6 @@ class Route:
     """What the router needs to know of one request."""
 
     blocks: tuple[bytes, ...] = ()  # the prompt's prefix chain, block by block (empty: any replica)
-    block_tokens: int = 0  # prompt tokens a block of ``blocks`` stands for (0: blocks of messages or text)
     replica: str = ""  # the replica the request must reach, if any (a transfer it keeps, its metrics)
     query_only: bool = False  # a held query: routed as its prompt would be, the replica not told to hold it
 
@@ -60,13 +59,10 @@ def route_for(method: str, path: str, query: Mapping[str, str], body: bytes) -> 
         return Route()
     if path == HELD_PATH:  # to the replica its prompt would reach, which answers what it holds
         try:
-            blocks = tuple(chain_from_hex(request.get("blocks"), HELD_MAX_BLOCKS))
+            return Route(blocks=tuple(chain_from_hex(request.get("blocks"), HELD_MAX_BLOCKS)), query_only=True)
         except ValueError:
             return Route()
-        return Route(blocks=blocks, block_tokens=DEFAULT_BLOCK_TOKENS if blocks else 0, query_only=True)
-    blocks = tuple(prompt_chain(request))
-    of_tokens = bool(blocks) and isinstance(request.get("token_ids"), list)
-    return Route(blocks=blocks, block_tokens=DEFAULT_BLOCK_TOKENS if of_tokens else 0)
+    return Route(blocks=tuple(prompt_chain(request)))
 
 
 def prompt_chain(request: dict) -> list[bytes]:

@@ -9,10 +9,8 @@ replica reports of its own prefix cache (``record_routing_stats``, every few sec
 routers sent it, minus what it evicted).
 
 The answer is Serve's ranking: ``[[preferred], [the others]]`` when a replica holds a prefix of
-the prompt and ``affinity.prefer_holder`` says the hit is worth its queue — it is at most ``imbalance``
-requests busier than the least busy and, once it has reported its speeds (``STATS_SPEED_KEY``), the
-wait those extra requests add is no more than the prefill the held tokens save — (Serve then takes
-the preferred one unless its queue is full, in which case the next rank), otherwise every replica in
+the prompt and is at most ``imbalance`` requests busier than the least busy (Serve then takes the
+preferred one unless its queue is full, in which case the next rank), otherwise every replica in
 one rank (Serve takes the least busy). ``policy="round_robin"`` is the baseline the affinity is
 measured against: replicas in turn, whatever they hold.
 """
@@ -26,13 +24,10 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from edgedecode.prefill.fleet.affinity import prefer_holder
 from edgedecode.prefill.fleet.route import Route
-from edgedecode.prefill.speed import ServerSpeed
 
 ROUTED_BLOCKS_PER_REPLICA = 1 << 16  # block hashes remembered per replica from routing (LRU)
 STATS_BLOCKS_KEY = "prefix_blocks"  # the replicas' routing stats: their cache's block hashes
-STATS_SPEED_KEY = "speed"  # ... and their ``ServerSpeed`` (None until one request computed tokens)
 
 
 class PrefixAffinityRouter(RequestRouter):
@@ -64,12 +59,7 @@ class PrefixAffinityRouter(RequestRouter):
             held = {r.replica_id: self.held_blocks(r, route.blocks) for r in candidate_replicas}
             best = max(candidate_replicas, key=lambda r: (held[r.replica_id], -self._load(r)))
             least = min(self._load(r) for r in candidate_replicas)
-            speed: ServerSpeed | None = best.routing_stats.get(STATS_SPEED_KEY)
-            request_s = saved_s = None
-            if speed is not None and route.block_tokens > 0:
-                request_s = speed.request_s
-                saved_s = held[best.replica_id] * route.block_tokens * speed.prefill_s_per_token
-            if held[best.replica_id] and prefer_holder(self._load(best) - least, self.imbalance, request_s, saved_s):
+            if held[best.replica_id] and self._load(best) - least <= self.imbalance:
                 return [[best], [r for r in candidate_replicas if r is not best]]
         return [candidate_replicas]
 
