@@ -317,7 +317,8 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict:
 
 def rescored(run: dict, threads: int) -> dict:
     """A saved run with every request's KV label taken again from its report and the quality of those scored
-    again (on ``threads``), with the prompts its arguments chose."""
+    again (on ``threads``), with the prompts its arguments chose; the run's own scores kept under
+    ``rescored.quality_before``."""
     model = load_model()
     if model.record.name != run["model"]:
         raise SystemExit(f"the run is of {run['model']}; this checkout's default model is {model.record.name}")
@@ -326,7 +327,8 @@ def rescored(run: dict, threads: int) -> dict:
     results = [r | {"kv_used": kv_used(r["report"])} for r in run["results"]]
     print("scoring the quality cost of the KV each request used", file=sys.stderr, flush=True)
     quality = quality_costs(model, prompts, results, saved.continuation_tokens, threads)
-    return run | {"results": results, "quality": quality, "rescored": cli.record(__file__, None, time.time())}
+    rescore = cli.record(__file__, None, time.time()) | {"quality_before": run["quality"]}
+    return run | {"results": results, "quality": quality, "rescored": rescore}
 
 
 if __name__ == "__main__":
