@@ -95,7 +95,7 @@ from tools.common import cli
 from tools.sim.sizes import LOCAL_BENCH, SERVE_BENCH, SMOLLM2_DECODE_TOK_S, ModelSize, sizes
 
 BENCH = {
-    "gpu": SERVE_BENCH,  # H200, EDKV encoded on 16 threads
+    "gpu": SERVE_BENCH,  # H100, EDKV encoded on 16 threads
     "cpu": LOCAL_BENCH,  # 2 onnxruntime threads on the 2-core VM
 }
 DEFAULT_SIZE = "135m"
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     cli.add_json_file(parser, "--json-out", help="also write the rows as JSON to this file")
     args = parser.parse_args(argv)
     if args.model_size != DEFAULT_SIZE and args.device != "gpu":
-        parser.error("the other model sizes are scaled from the H200 server's measurements: --device gpu")
+        parser.error("the other model sizes are scaled from the GPU server's measurements: --device gpu")
     size = sizes()[args.model_size]
     workload = Workload(boxes=args.boxes, decode_tok_s=size.edge_decode_tok_s)
     service = ServiceModel.from_bench(BENCH[args.device], size)

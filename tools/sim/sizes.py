@@ -2,14 +2,16 @@
 
 Each ``ModelSize`` says where its figures come from (``source``). SmolLM2-135M (``135m``, the default model) is
 the real model: its replica service times are the prefill server's measured ``server_ms``
-(``tools/bench/serve.py`` on an H200), its edge box's local prefill the same benchmark's local-prefill TTFTs on the
-2-core VM, its quality costs its own calibration. The 1B and 3B rows are the synthetic GGUF shapes of Llama-3.2-1B
-and -3B (``tools/bench/synth_gguf.py``: the real tensor shapes, random weights), measured for speed only:
+(``tools/bench/serve.py --prefill-device cuda`` on an H100, with the device encoder), its edge box's local prefill
+the CPU benchmark's local-prefill TTFTs on the 2-core VM, its quality costs its own calibration. The 1B and 3B rows
+are the synthetic GGUF shapes of Llama-3.2-1B and -3B (``tools/bench/synth_gguf.py``: the real tensor shapes,
+random weights), measured for speed only:
 
 * **replica**: the 135M server's measured time less its bare float16 prefill (the scoring, the EDKV encoding and
   the rest, which grow with the KV bytes: scaled by the shape's FP16 KV bytes per token) plus the shape's prompt at
-  its measured prefill throughput on the same card (onnxruntime's stock INT4 graph, Q4_0: the fastest type measured
-  there, a stand-in for the float16 prefill graph, which was not measured at these sizes);
+  its measured prefill throughput on an H200 (onnxruntime's stock INT4 graph, Q4_0: the fastest type measured
+  there, a stand-in for the float16 prefill graph, which was not measured at these sizes; an H100 has the same
+  compute, which a prompt's prefill is bound by);
 * **edge box**: the own kernels' prompt and decode throughput on 2 pinned Xeon cores (Q4_K_M, the file people
   download), at 16 and 512 prompt tokens (longer prompts at the 512-token rate);
 * **quality**: the generic calibration (the worst measured model's costs), as the daemon plans for a model it has no
@@ -34,9 +36,9 @@ from edgedecode.model.registry import DEFAULT_MODEL
 from tools.common.cli import ROOT
 
 BENCH_DIR = ROOT / "docs/bench"
-SERVE_BENCH = BENCH_DIR / "serve-h200-edge2cpu-2026-11-26.json"  # the 135M prefill server on an H200, 16 threads
+SERVE_BENCH = BENCH_DIR / "serve-h100-edge2cpu-2026-12-07.json"  # the 135M prefill server on an H100, 16 threads
 LOCAL_BENCH = BENCH_DIR / "serve-cpu-vm-2026-11-26.json"  # the 135M model's local prefill on the 2-core VM
-BARE_PREFILL_BENCH = BENCH_DIR / "prefill-stages-cuda-h200-2026-11-27.json"  # the 135M float16 prefill alone, H200
+BARE_PREFILL_BENCH = BENCH_DIR / "prefill-stages-cuda-h100-2026-12-07.json"  # the 135M float16 prefill alone, H100
 GPU_SHAPES_BENCH = BENCH_DIR / "cuda-shapes-h200-own-2026-11-27.json"  # the shapes on an H200
 CPU_SHAPES_BENCH = {
     "llama3.2-1b": BENCH_DIR / "cpu-shapes-xeon-2pinned-own-2026-11-27.json",
@@ -107,7 +109,7 @@ def _bench(path: Path) -> dict:
 
 
 def smollm2_bare_prefill_s(tokens: int) -> float:
-    """The 135M model's float16 prefill alone on the H200, interpolated from its measured prompts (0 at 0)."""
+    """The 135M model's float16 prefill alone on the H100, interpolated from its measured prompts (0 at 0)."""
     cells = _bench(BARE_PREFILL_BENCH)["cells"]
     measured = sorted((cell["tokens"], cell["bare_prefill_wall_s"]) for cell in cells)
     lengths, seconds = zip(*[(0, 0.0), *measured])
