@@ -10,7 +10,7 @@ from edgedecode.kv.policy import TierProfile
 from edgedecode.kv.snapshot import KVProducer, KVSnapshot
 from edgedecode.model.spec import KVContract, KVLayout
 from edgedecode.prefill.pipeline import ScoredPrefill, through_wire
-from tools.study.adaptive_quality import KVSource, kv_used
+from tools.study.adaptive_quality import KVOrigin, kv_used
 
 CONTRACT = KVContract("llama", 2, 2, 64, 10000.0, KVLayout(), "tok")
 N_TOKENS = 200
@@ -37,16 +37,16 @@ def _segment(budget: float, tokens: int, ended: str = "complete") -> dict:
 @pytest.mark.parametrize(
     ("source", "label"),
     [
-        (KVSource(0, ()), "local"),
-        (KVSource(0, ((0.3, None),)), "b0.3"),
-        (KVSource(1024, ((0.25, None),)), "h1024 b0.25"),
-        (KVSource(0, ((0.3, 1800), (0.15, 2296))), "b0.3x1800 b0.15x2296"),
-        (KVSource(0, ((0.3, 1800),)), "b0.3x1800"),
+        (KVOrigin(0, ()), "local"),
+        (KVOrigin(0, ((0.3, None),)), "b0.3"),
+        (KVOrigin(1024, ((0.25, None),)), "h1024 b0.25"),
+        (KVOrigin(0, ((0.3, 1800), (0.15, 2296))), "b0.3x1800 b0.15x2296"),
+        (KVOrigin(0, ((0.3, 1800),)), "b0.3x1800"),
     ],
 )
-def test_a_source_is_named_by_a_label_that_parses_back_to_it(source: KVSource, label: str) -> None:
+def test_a_source_is_named_by_a_label_that_parses_back_to_it(source: KVOrigin, label: str) -> None:
     assert source.label == label
-    assert KVSource.parse(label) == source
+    assert KVOrigin.parse(label) == source
 
 
 def test_a_turn_report_names_the_kv_it_used() -> None:
@@ -64,18 +64,18 @@ def test_a_turn_report_names_the_kv_it_used() -> None:
 
 def test_a_whole_pull_scores_the_payload_at_its_budget(scored: ScoredPrefill) -> None:
     fp16 = through_wire(scored, 1.0, "ours", CONTRACT)[0]
-    kv = KVSource(0, ((0.3, None),)).kv(scored, fp16, CONTRACT, TierProfile())
+    kv = KVOrigin(0, ((0.3, None),)).kv(scored, fp16, CONTRACT, TierProfile())
     pulled = through_wire(scored, 0.3, "ours", CONTRACT, profile=TierProfile())[0]
     assert kv is not None
     np.testing.assert_array_equal(kv.positions, pulled.positions)
     np.testing.assert_array_equal(kv.keys, pulled.keys)
     np.testing.assert_array_equal(kv.values, pulled.values)
-    assert KVSource(0, ()).kv(scored, fp16, CONTRACT, TierProfile()) is None  # local: the scorer's own prefill
+    assert KVOrigin(0, ()).kv(scored, fp16, CONTRACT, TierProfile()) is None  # local: the scorer's own prefill
 
 
 def test_a_composite_joins_the_head_each_segment_as_the_server_encoded_it_and_the_rest(scored: ScoredPrefill) -> None:
     fp16 = through_wire(scored, 1.0, "ours", CONTRACT)[0]
-    kv = KVSource(50, ((0.2, 80), (0.5, 30))).kv(scored, fp16, CONTRACT, TierProfile())
+    kv = KVOrigin(50, ((0.2, 80), (0.5, 30))).kv(scored, fp16, CONTRACT, TierProfile())
     assert kv is not None
     assert np.all(np.diff(kv.positions) > 0) and kv.positions[-1] == N_TOKENS - 1
     first = through_wire(scored.from_position(50), 0.2, "ours", CONTRACT, profile=TierProfile())[0]

@@ -5,7 +5,7 @@ the INT4 graph at accuracy level 0); local prefill is the scoring graph's own pr
 
 A turn whose KV came from several parts — a split (a head computed here, the rest pulled), a pull
 re-planned mid-transfer (segments at different budgets) or a pull cut with its rest computed here —
-is scored as that composite (``KVSource``): each pulled range is the payload the server encodes for
+is scored as that composite (``KVOrigin``): each pulled range is the payload the server encodes for
 it (``from_position``, as for a split's tail or a resume) cut to the tokens the segment delivered,
 and each range computed here is FP16 transfer's KV, the local prefill's stand-in (the ranges after a
 cut attended to the pulled KV when the daemon computed them: this counts them as exact).
@@ -45,7 +45,7 @@ class Prompt:
 
 
 @dataclass(frozen=True)
-class KVSource:
+class KVOrigin:
     """Where a turn's KV came from, in prompt order: ``head`` tokens computed here, then each segment's
     ``(budget, tokens)`` pulled, then whatever is left computed here. Its ``label`` names it in a run's
     records: ``local``, ``b0.3`` (one whole pull), or e.g. ``h1024 b0.25x3072`` / ``b0.3x1800 b0.15x2296``."""
@@ -63,7 +63,7 @@ class KVSource:
         return " ".join(parts + [f"b{b!r}" if t is None else f"b{b!r}x{t}" for b, t in self.segments])
 
     @classmethod
-    def parse(cls, label: str) -> KVSource:
+    def parse(cls, label: str) -> KVOrigin:
         """The source a ``label`` names."""
         if label == LOCAL:
             return cls(0, ())
@@ -77,7 +77,7 @@ class KVSource:
         return cls(head, tuple(segments))
 
     @classmethod
-    def of_report(cls, report: dict | None) -> KVSource | None:
+    def of_report(cls, report: dict | None) -> KVOrigin | None:
         """The source a daemon's turn report describes; None without a report, or for KV restored from a
         conversation (not a fresh prompt's)."""
         if report is None:
@@ -118,8 +118,8 @@ class KVSource:
 
 
 def kv_used(report: dict | None) -> str | None:
-    """The label of the KV a turn used (``KVSource``), None where it cannot be scored."""
-    source = KVSource.of_report(report)
+    """The label of the KV a turn used (``KVOrigin``), None where it cannot be scored."""
+    source = KVOrigin.of_report(report)
     return None if source is None else source.label
 
 
@@ -145,7 +145,7 @@ def quality_costs(
         fp16 = through_wire(scored, 1.0, "ours", contract)[0]
         reference = score_continuation(scorer, prompt.ids, prompt.continuation, fp16)
         for source in sorted(sources):
-            kv = KVSource.parse(source).kv(scored, fp16, contract, profile)
+            kv = KVOrigin.parse(source).kv(scored, fp16, contract, profile)
             score = score_continuation(scorer, prompt.ids, prompt.continuation, kv)
             costs.setdefault(key, {})[source] = {
                 "dppl_pct": 100 * math.expm1(score.mean_nll - reference.mean_nll),
