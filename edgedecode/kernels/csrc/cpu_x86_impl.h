@@ -15,6 +15,8 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "cpu_kernels.h"
 
@@ -460,11 +462,262 @@ KERNEL void q6k_row(const uint8_t *w, size_t nb, const act_q8 *a, const int mt, 
         out[i] = sum_f32x8(acc[i]);
 }
 
+/* ---- accuracy level 0 and dequantization ---- */
+
+/* 32 codes -> 32 float weights scale * code + bias (codes 0..15 with s0, b0; 16..31 with s1, b1) in w[0..3], each
+ * rounded once by the fused multiply-add: the very values the portable decoders (dequant_blocks.h) compute, whose
+ * products of a float16-derived scale and a small code are exact. */
+KERNEL void weights_32(__m256i codes, int is_signed, __m256 s0, __m256 b0, __m256 s1, __m256 b1, __m256 w[4]) {
+    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
+    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int g = 0; g < 4; g++) {
+        const __m256i c = is_signed ? _mm256_cvtepi8_epi32(part[g]) : _mm256_cvtepu8_epi32(part[g]);
+        w[g] = _mm256_fmadd_ps(g < 2 ? s0 : s1, _mm256_cvtepi32_ps(c), g < 2 ? b0 : b1);
+    }
+}
+
+/* The codes of chunk `sub` (0 for the 32-element types; 0..7 for the K-quants, 32 elements each) of a block, in
+ * element order, with what turns them into weights: w = scale * code + bias for codes 0..15 and scale1 * code +
+ * bias1 for 16..31 (Q6_K's two 16-element groups; the same pair otherwise). Q8_0's codes are signed (*is_signed). */
+typedef struct {
+    __m256i codes;
+    float scale, bias, scale1, bias1;
+    int is_signed;
+} chunk_codes;
+
+KERNEL chunk_codes block_codes(int qi, const uint8_t *w, int sub) {
+    chunk_codes c = {.is_signed = 0};
+    switch (qi) {
+    case QI_Q4_0:
+    case QI_Q5_0:
+        c.scale = f16(w);
+        c.codes = qi == QI_Q4_0 ? nibbles_32(w + 2) : fifth_bit(nibbles_32(w + 6), load_u32(w + 2));
+        c.bias = c.scale * (qi == QI_Q4_0 ? -8.0f : -16.0f); /* exact: a float16 times a power of two */
+        break;
+    case QI_Q4_1:
+    case QI_Q5_1:
+        c.scale = f16(w);
+        c.bias = f16(w + 2);
+        c.codes = qi == QI_Q4_1 ? nibbles_32(w + 4) : fifth_bit(nibbles_32(w + 8), load_u32(w + 4));
+        break;
+    case QI_Q8_0:
+        c.scale = f16(w);
+        c.bias = 0.0f;
+        c.codes = load256(w + 2);
+        c.is_signed = 1;
+        break;
+    case QI_Q4_K:
+    case QI_Q5_K: {
+        int sc, m;
+        k_scale_min(w + 4, sub, &sc, &m);
+        c.scale = f16(w) * (float)sc;
+        c.bias = -(f16(w + 2) * (float)m);
+        const uint8_t *qs = w + (qi == QI_Q5_K ? 48 : 16) + 32 * (sub / 2);
+        const __m256i x = load256(qs);
+        c.codes = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(x, 4) : x, _mm256_set1_epi8(15));
+        if (qi == QI_Q5_K) /* bit `sub` of qh[l] is element l's fifth bit */
+            c.codes = _mm256_or_si256(
+                c.codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load256(w + 16), sub), _mm256_set1_epi8(1)),
+                                           4));
+        break;
+    }
+    default: { /* Q6_K: chunk sub = quarter t of half h; its two 16-element groups have their own scales */
+        const int h = sub / 4, t = sub % 4;
+        const int8_t *sc = (const int8_t *)(w + 192);
+        const float d = f16(w + 208);
+        c.scale = d * (float)sc[8 * h + 2 * t];
+        c.scale1 = d * (float)sc[8 * h + 2 * t + 1];
+        c.bias = -32.0f * c.scale;
+        c.bias1 = -32.0f * c.scale1;
+        const __m256i low = load256(w + 64 * h + 32 * (t & 1)), qh = load256(w + 128 + 32 * h);
+        const __m256i nibbles = _mm256_and_si256(t < 2 ? low : _mm256_srli_epi16(low, 4), _mm256_set1_epi8(15));
+        const __m256i two = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
+        c.codes = _mm256_or_si256(nibbles, _mm256_slli_epi16(two, 4));
+        return c;
+    }
+    }
+    c.scale1 = c.scale;
+    c.bias1 = c.bias;
+    return c;
+}
+
+/* The 32 weights of chunk `sub` of a block. */
+KERNEL void block_weights(int qi, const uint8_t *w, int sub, __m256 out[4]) {
+    const chunk_codes c = block_codes(qi, w, sub);
+    weights_32(c.codes, c.is_signed, _mm256_set1_ps(c.scale), _mm256_set1_ps(c.bias), _mm256_set1_ps(c.scale1),
+               _mm256_set1_ps(c.bias1), out);
+}
+
+/* ---- accuracy level 4, many activation rows (prompts): weight rows packed 16 at a time (AVX-512 only) ---- */
+#if X86_VNNI
+/* A prompt's product is bound by arithmetic, not memory: the one-row kernels above spend most of their instructions
+ * turning each block's integer dot product into a float (horizontal adds, one per block and activation row). Here a
+ * tile of 16 weight rows is first unpacked into a scratch buffer, in L2, with the rows side by side (int32 lane r of
+ * a 512-bit vector holds four codes of row r), so every dpbusd serves 16 rows and the float work is per 16 rows.
+ * The scratch is per call and the GGUF stays the only copy of the weights. */
+enum { PACK_ROWS = 16, PACK_ACTS = 8, PACK_MIN_M = 32 }; /* below 32 rows the packing costs more than it saves */
+
+/* One 32-element chunk of a 16-row tile: codes[g], lane r = row r's codes 4g..4g+3 (unsigned bytes); scale[h] and
+ * bias[h], lane r = the scale and bias of row r's codes 16h..16h+15. Signed codes (Q8_0) are stored + 128. */
+typedef struct {
+    __m512i codes[8];
+    __m512 scale[2], bias[2];
+} packed_chunk;
+
+/* Index vectors of the three rounds of two-source permutes that turn 8 vectors of two rows each (row 2p's 8 dwords,
+ * then row 2p+1's) into 8 vectors of one column each (lane r = row r's dword g). Source lanes 16..31 are the second
+ * operand, which holds the rows after the first's, so each index is (row within the pair of sources) * width +
+ * column: round A, rows 4q..4q+3 of columns 4h..4h+3 (lane L: row L/4, width 8); round B, rows 8s..8s+7 of columns
+ * 2j, 2j+1 of those four (lane L: row L/2, width 4); round C, all 16 rows of one column (lane L: row L, width 2). */
+typedef struct {
+    __m512i a[2], b[2], c[2];
+} transpose_index;
+
+KERNEL transpose_index transpose_indices(void) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    transpose_index t;
+    for (int h = 0; h < 2; h++) {
+        t.a[h] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(lane, 2), 3),
+                                  _mm512_add_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(3)), _mm512_set1_epi32(4 * h)));
+        t.b[h] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(lane, 1), 2),
+                                  _mm512_add_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(1)), _mm512_set1_epi32(2 * h)));
+        t.c[h] = _mm512_add_epi32(_mm512_slli_epi32(lane, 1), _mm512_set1_epi32(h));
+    }
+    return t;
+}
+
+/* Rows [0, nrows) of the tile at `rows` (rows past nrows: zero codes and scales), every chunk of K. */
+KERNEL void pack_tile(int qi, int elements, int bytes, const uint8_t *rows, size_t row_bytes, size_t nrows,
+                      size_t chunks, packed_chunk *out) {
+    float scale[2][PACK_ROWS], bias[2][PACK_ROWS];
+    memset(scale, 0, sizeof scale);
+    memset(bias, 0, sizeof bias);
+    const int subs = elements / 32;
+    const transpose_index t = transpose_indices();
+    for (size_t c = 0; c < chunks; c++) {
+        const uint8_t *block = rows + c / (size_t)subs * (size_t)bytes;
+        __m256i codes[PACK_ROWS];
+        for (size_t r = 0; r < PACK_ROWS; r++) {
+            if (r >= nrows) {
+                codes[r] = _mm256_setzero_si256();
+                continue;
+            }
+            const chunk_codes cc = block_codes(qi, block + r * row_bytes, (int)(c % (size_t)subs));
+            codes[r] = cc.is_signed ? _mm256_xor_si256(cc.codes, _mm256_set1_epi8(-128)) : cc.codes;
+            scale[0][r] = cc.scale;
+            scale[1][r] = cc.scale1;
+            bias[0][r] = cc.bias;
+            bias[1][r] = cc.bias1;
+        }
+        __m512i z[8], a[8], b[8];
+        for (int p = 0; p < 8; p++)
+            z[p] = _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * p]), codes[2 * p + 1], 1);
+        for (int q = 0; q < 4; q++) /* a[2q + h]: rows 4q..4q+3, columns 4h..4h+3 */
+            for (int h = 0; h < 2; h++)
+                a[2 * q + h] = _mm512_permutex2var_epi32(z[2 * q], t.a[h], z[2 * q + 1]);
+        for (int s = 0; s < 2; s++) /* b[4s + 2h + j]: rows 8s..8s+7, columns 4h + 2j, 4h + 2j + 1 */
+            for (int h = 0; h < 2; h++)
+                for (int j = 0; j < 2; j++)
+                    b[4 * s + 2 * h + j] = _mm512_permutex2var_epi32(a[4 * s + h], t.b[j], a[4 * s + 2 + h]);
+        for (int g = 0; g < 8; g++) /* column g = 4h + 2j + parity */
+            out[c].codes[g] = _mm512_permutex2var_epi32(b[g / 2], t.c[g % 2], b[4 + g / 2]);
+        for (int h = 0; h < 2; h++) {
+            out[c].scale[h] = _mm512_loadu_ps(scale[h]);
+            out[c].bias[h] = _mm512_loadu_ps(bias[h]);
+        }
+    }
+}
+
+/* How a type's integer sums become floats: `offset` (Q4_0 8, Q5_0 16, Q8_0 128 after the shift, Q6_K 32) is
+ * subtracted in integers, per 16 codes where `halves` (Q6_K's two scales a chunk) else per 32; a type without one
+ * adds bias * (sum of the activation codes) in floats. `paired`: the activations are in ACT_PAIRED order. */
+typedef struct {
+    int elements, offset, halves, paired;
+} tiled_form;
+
+/* Activation rows a[0..mt) against a packed tile: y[i * y_stride + r] for the rows `keep` marks. */
+KERNEL void tiled_acts(tiled_form f, const packed_chunk *p, size_t chunks, const act_q8 *a, const int mt, float *y,
+                       size_t y_stride, __mmask16 keep) {
+    __m512 acc[PACK_ACTS];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm512_setzero_ps();
+    const size_t act_block = f.elements == 256 ? 8 : 1; /* chunks per activation scale */
+    for (size_t c = 0; c < chunks; c++) {
+        /* where the chunk's codes 0..15 and 16..31 sit in a row of activation codes */
+        size_t lo = 32 * c, hi = 32 * c + 16;
+        if (f.paired && (c % 2 || c + 1 < chunks)) {
+            lo = 64 * (c / 2) + 16 * (c % 2);
+            hi = lo + 32;
+        }
+        const packed_chunk *pc = p + c;
+        for (int i = 0; i < mt; i++) {
+            const int8_t *q = a[i].q;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int g = 0; g < 4; g++) {
+                s0 = _mm512_dpbusd_epi32(s0, pc->codes[g], _mm512_set1_epi32((int)load_u32((const uint8_t *)q + lo + 4 * g)));
+                s1 = _mm512_dpbusd_epi32(s1, pc->codes[4 + g], _mm512_set1_epi32((int)load_u32((const uint8_t *)q + hi + 4 * g)));
+            }
+            const __m512 da = _mm512_set1_ps(a[i].d[c / act_block]);
+            if (f.halves) {
+                s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(f.offset * a[i].sum16[2 * c]));
+                s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(f.offset * a[i].sum16[2 * c + 1]));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(pc->scale[0], da), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(pc->scale[1], da), acc[i]);
+            } else if (f.offset) {
+                const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(f.offset * a[i].sum32[c]));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(pc->scale[0], da), acc[i]);
+            } else {
+                const __m512 bias = _mm512_mul_ps(pc->bias[0], _mm512_set1_ps((float)a[i].sum32[c]));
+                const __m512 t = _mm512_fmadd_ps(pc->scale[0], _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), bias);
+                acc[i] = _mm512_fmadd_ps(t, da, acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        _mm512_mask_storeu_ps(y + (size_t)i * y_stride, keep, acc[i]);
+}
+
+/* All n weight rows against m activation rows, 16 weight rows at a time. 0 when the scratch cannot be had. */
+KERNEL int gemm_tiled(tiled_form f, int qi, int bytes, const uint8_t *rows, size_t row_bytes, size_t n, size_t k,
+                      const act_q8 *a, size_t m, float *y, size_t y_stride) {
+    const size_t chunks = k / 32;
+    packed_chunk *tile = aligned_alloc(64, chunks * sizeof *tile);
+    if (!tile)
+        return 0;
+    for (size_t r0 = 0; r0 < n; r0 += PACK_ROWS) {
+        const size_t nrows = n - r0 < PACK_ROWS ? n - r0 : PACK_ROWS;
+        const __mmask16 keep = (__mmask16)((1u << nrows) - 1);
+        pack_tile(qi, f.elements, bytes, rows + r0 * row_bytes, row_bytes, nrows, chunks, tile);
+        size_t i = 0;
+        for (; i + PACK_ACTS <= m; i += PACK_ACTS)
+            tiled_acts(f, tile, chunks, a + i, PACK_ACTS, y + i * y_stride + r0, y_stride, keep);
+        switch (m - i) { /* the rest, with a constant count so the accumulators stay in registers */
+        case 7: tiled_acts(f, tile, chunks, a + i, 7, y + i * y_stride + r0, y_stride, keep); break;
+        case 6: tiled_acts(f, tile, chunks, a + i, 6, y + i * y_stride + r0, y_stride, keep); break;
+        case 5: tiled_acts(f, tile, chunks, a + i, 5, y + i * y_stride + r0, y_stride, keep); break;
+        case 4: tiled_acts(f, tile, chunks, a + i, 4, y + i * y_stride + r0, y_stride, keep); break;
+        case 3: tiled_acts(f, tile, chunks, a + i, 3, y + i * y_stride + r0, y_stride, keep); break;
+        case 2: tiled_acts(f, tile, chunks, a + i, 2, y + i * y_stride + r0, y_stride, keep); break;
+        case 1: tiled_acts(f, tile, chunks, a + i, 1, y + i * y_stride + r0, y_stride, keep); break;
+        default: break;
+        }
+    }
+    free(tile);
+    return 1;
+}
+#define TILED(form, qi, bytes)                                                                                    \
+    if (m >= PACK_MIN_M && gemm_tiled(form, qi, bytes, rows, row_bytes, n, k, a, m, y, y_stride))                \
+        return;
+#else
+#define TILED(form, qi, bytes)
+#endif
+
 /* The entry points: all weight rows against activation rows in tiles of X86_TILE (the weights' codes unpacked once
- * per tile), then one at a time. */
-#define GEMM_ENTRY(name, call)                                                                                     \
+ * per tile), then one at a time; with many activation rows, 16 weight rows at a time where the path can. */
+#define GEMM_ENTRY(name, tiled, call)                                                                              \
     ENTRY void gemm_q8_##name(const uint8_t *rows, size_t row_bytes, size_t n, size_t k, const act_q8 *a,        \
                               size_t m, float *y, size_t y_stride) {                                              \
+        tiled                                                                                                    \
         float out[X86_TILE];                                                                                     \
         size_t i = 0;                                                                                            \
         for (; i + X86_TILE <= m; i += X86_TILE)                                                                 \
@@ -487,90 +740,14 @@ KERNEL void q6k_row(const uint8_t *w, size_t nb, const act_q8 *a, const int mt, 
     }
 
 /*                                          type         bytes codes qh offset min */
-GEMM_ENTRY(q4_0, legacy_row((legacy_layout){LEGACY_Q4_0, 18, 2, 0, 8, 0}, w, k / 32, acts, mt, out))
-GEMM_ENTRY(q4_1, legacy_row((legacy_layout){LEGACY_Q4_1, 20, 4, 0, 0, 1}, w, k / 32, acts, mt, out))
-GEMM_ENTRY(q5_0, legacy_row((legacy_layout){LEGACY_Q5_0, 22, 6, 2, 16, 0}, w, k / 32, acts, mt, out))
-GEMM_ENTRY(q5_1, legacy_row((legacy_layout){LEGACY_Q5_1, 24, 8, 4, 0, 1}, w, k / 32, acts, mt, out))
-GEMM_ENTRY(q8_0, legacy_row((legacy_layout){LEGACY_Q8_0, 34, 2, 0, 0, 0}, w, k / 32, acts, mt, out))
-GEMM_ENTRY(q4_k, k45_row(144, 0, w, k / 256, acts, mt, out))
-GEMM_ENTRY(q5_k, k45_row(176, 1, w, k / 256, acts, mt, out))
-GEMM_ENTRY(q6_k, q6k_row(w, k / 256, acts, mt, out))
-
-/* ---- accuracy level 0 and dequantization ---- */
-
-/* 32 codes -> 32 float weights scale * code + bias (codes 0..15 with s0, b0; 16..31 with s1, b1) in w[0..3], each
- * rounded once by the fused multiply-add: the very values the portable decoders (dequant_blocks.h) compute, whose
- * products of a float16-derived scale and a small code are exact. */
-KERNEL void weights_32(__m256i codes, int is_signed, __m256 s0, __m256 b0, __m256 s1, __m256 b1, __m256 w[4]) {
-    const __m128i lo = _mm256_castsi256_si128(codes), hi = _mm256_extracti128_si256(codes, 1);
-    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    for (int g = 0; g < 4; g++) {
-        const __m256i c = is_signed ? _mm256_cvtepi8_epi32(part[g]) : _mm256_cvtepu8_epi32(part[g]);
-        w[g] = _mm256_fmadd_ps(g < 2 ? s0 : s1, _mm256_cvtepi32_ps(c), g < 2 ? b0 : b1);
-    }
-}
-
-/* The 32 weights of chunk `sub` (0 for the 32-element types; 0..7 for the K-quants, 32 elements each) of a block. */
-KERNEL void block_weights(int qi, const uint8_t *w, int sub, __m256 out[4]) {
-    __m256i codes;
-    float scale, bias, scale1 = 0.0f, bias1 = 0.0f;
-    int is_signed = 0;
-    switch (qi) {
-    case QI_Q4_0:
-    case QI_Q5_0:
-        scale = f16(w);
-        codes = qi == QI_Q4_0 ? nibbles_32(w + 2) : fifth_bit(nibbles_32(w + 6), load_u32(w + 2));
-        bias = scale * (qi == QI_Q4_0 ? -8.0f : -16.0f); /* exact: a float16 times a power of two */
-        break;
-    case QI_Q4_1:
-    case QI_Q5_1:
-        scale = f16(w);
-        bias = f16(w + 2);
-        codes = qi == QI_Q4_1 ? nibbles_32(w + 4) : fifth_bit(nibbles_32(w + 8), load_u32(w + 4));
-        break;
-    case QI_Q8_0:
-        scale = f16(w);
-        bias = 0.0f;
-        codes = load256(w + 2);
-        is_signed = 1;
-        break;
-    case QI_Q4_K:
-    case QI_Q5_K: {
-        int sc, m;
-        k_scale_min(w + 4, sub, &sc, &m);
-        scale = f16(w) * (float)sc;
-        bias = -(f16(w + 2) * (float)m);
-        const uint8_t *qs = w + (qi == QI_Q5_K ? 48 : 16) + 32 * (sub / 2);
-        const __m256i x = load256(qs);
-        codes = _mm256_and_si256(sub & 1 ? _mm256_srli_epi16(x, 4) : x, _mm256_set1_epi8(15));
-        if (qi == QI_Q5_K) /* bit `sub` of qh[l] is element l's fifth bit */
-            codes = _mm256_or_si256(codes, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(load256(w + 16), sub),
-                                                                                _mm256_set1_epi8(1)),
-                                                             4));
-        break;
-    }
-    default: { /* Q6_K: chunk sub = quarter t of half h; its two 16-element groups have their own scales */
-        const int h = sub / 4, t = sub % 4;
-        const int8_t *sc = (const int8_t *)(w + 192);
-        const float d = f16(w + 208);
-        scale = d * (float)sc[8 * h + 2 * t];
-        scale1 = d * (float)sc[8 * h + 2 * t + 1];
-        bias = -32.0f * scale;
-        bias1 = -32.0f * scale1;
-        const __m256i low = load256(w + 64 * h + 32 * (t & 1)), qh = load256(w + 128 + 32 * h);
-        const __m256i nibbles = _mm256_and_si256(t < 2 ? low : _mm256_srli_epi16(low, 4), _mm256_set1_epi8(15));
-        const __m256i two = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * t), _mm256_set1_epi8(3));
-        codes = _mm256_or_si256(nibbles, _mm256_slli_epi16(two, 4));
-        break;
-    }
-    }
-    if (qi != QI_Q6_K) {
-        scale1 = scale;
-        bias1 = bias;
-    }
-    weights_32(codes, is_signed, _mm256_set1_ps(scale), _mm256_set1_ps(bias), _mm256_set1_ps(scale1),
-               _mm256_set1_ps(bias1), out);
-}
+GEMM_ENTRY(q4_0, TILED(((tiled_form){32, 8, 0, 1}), QI_Q4_0, 18), legacy_row((legacy_layout){LEGACY_Q4_0, 18, 2, 0, 8, 0}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q4_1, TILED(((tiled_form){32, 0, 0, 1}), QI_Q4_1, 20), legacy_row((legacy_layout){LEGACY_Q4_1, 20, 4, 0, 0, 1}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q5_0, TILED(((tiled_form){32, 16, 0, 1}), QI_Q5_0, 22), legacy_row((legacy_layout){LEGACY_Q5_0, 22, 6, 2, 16, 0}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q5_1, TILED(((tiled_form){32, 0, 0, 1}), QI_Q5_1, 24), legacy_row((legacy_layout){LEGACY_Q5_1, 24, 8, 4, 0, 1}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q8_0, TILED(((tiled_form){32, 128, 0, 0}), QI_Q8_0, 34), legacy_row((legacy_layout){LEGACY_Q8_0, 34, 2, 0, 0, 0}, w, k / 32, acts, mt, out))
+GEMM_ENTRY(q4_k, TILED(((tiled_form){256, 0, 0, 0}), QI_Q4_K, 144), k45_row(144, 0, w, k / 256, acts, mt, out))
+GEMM_ENTRY(q5_k, TILED(((tiled_form){256, 0, 0, 0}), QI_Q5_K, 176), k45_row(176, 1, w, k / 256, acts, mt, out))
+GEMM_ENTRY(q6_k, TILED(((tiled_form){256, 32, 1, 0}), QI_Q6_K, 210), q6k_row(w, k / 256, acts, mt, out))
 
 KERNEL void gemv_f32_type(int qi, int elements, int bytes, const uint8_t *rows, size_t row_bytes, size_t n, size_t k,
                           const float *x, float *y) {

@@ -5,8 +5,9 @@
  * each thread streams its own contiguous rows of B once. At accuracy level 4 the activations are quantized once per
  * call, before the split, into a buffer sized at kernel creation for one row (M = 1, decode: no allocation per call;
  * a second concurrent call on the same kernel, or M > 1, allocates). For M > 1 every task runs all M rows over its
- * rows of B, which stay in cache meanwhile (32 KiB of B a task); the SIMD paths unpack each weight row once for a
- * tile of activation rows. */
+ * rows of B, which stay in cache meanwhile (32 KiB of B a task, in whole multiples of 16 rows: the AVX-512 path
+ * packs 16 weight rows at a time for a prompt); the SIMD paths unpack each weight row once for a tile of activation
+ * rows. */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +27,7 @@ enum {
     INLINE_BYTES = 16 << 10,
     MIN_TASKS = 8,
     ROW_MULTIPLE = 4,
+    PROMPT_ROW_MULTIPLE = 16, /* the AVX-512 path packs weight rows 16 at a time for many activation rows */
 };
 
 typedef struct {
@@ -134,8 +136,9 @@ static size_t rows_per_task(size_t n, size_t row_bytes, size_t m) {
     const size_t spread = (n + MIN_TASKS - 1) / MIN_TASKS;
     if (rows > spread)
         rows = spread;
-    rows = (rows + ROW_MULTIPLE - 1) / ROW_MULTIPLE * ROW_MULTIPLE;
-    return rows ? rows : ROW_MULTIPLE;
+    const size_t multiple = m == 1 ? ROW_MULTIPLE : PROMPT_ROW_MULTIPLE;
+    rows = (rows + multiple - 1) / multiple * multiple;
+    return rows ? rows : multiple;
 }
 
 static OrtStatus *compute(void *p, OrtKernelContext *context) {
