@@ -62,13 +62,12 @@ def measure(variant: dict, model_name: str | None, sizes: tuple[int, int, int, i
     stages = [("python", rss_mib())]
     import numpy as np
 
-    from edgedecode.model.graph import GraphOptions
     from edgedecode.model.loader import load_model
     from edgedecode.runtime import engine as engine_module
     from edgedecode.runtime import runner as runner_module
     from edgedecode.runtime.engine import Engine
     from edgedecode.runtime.sampler import SamplingParams
-    from edgedecode.runtime.session import import_onnxruntime
+    from edgedecode.runtime.session import decode_options, import_onnxruntime
     from tools.bench.prompts import prompt_tokens as prose
 
     ort = import_onnxruntime()
@@ -78,7 +77,7 @@ def measure(variant: dict, model_name: str | None, sizes: tuple[int, int, int, i
     runner_module.SHRINK_ARENA_AFTER_PROMPT_RUNS = variant.get("shrink", runner_module.SHRINK_ARENA_AFTER_PROMPT_RUNS)
     model = load_model(model_name)
     stages.append(("model spec and tokenizer", rss_mib()))
-    options = GraphOptions.for_device("decode", "cpu")
+    options = decode_options("cpu")  # the graph the daemon ships here: the own kernels' form where they load
     first = Engine(model, options, max_context=max_context, device="cpu", threads=threads)
     engines = [first] + [
         Engine(model, options, max_context=max_context, device="cpu", threads=threads, share=first)
