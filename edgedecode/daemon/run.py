@@ -16,7 +16,7 @@ from edgedecode.daemon.service import DecodeService
 from edgedecode.model.loader import LoadedModel
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.session import decode_options
-from edgedecode.serving.heap import return_freed_buffers
+from edgedecode.serving.heap import release_free_pages, return_freed_buffers
 from edgedecode.serving.lifecycle import serve_as_service
 from edgedecode.tls import server_tls
 
@@ -40,6 +40,7 @@ def run_daemon(model: LoadedModel, config: Config, config_path: Path | None, ann
     """Serve ``model`` per ``config.daemon`` until SIGTERM/SIGINT; ``announce`` gets the bound URL."""
     settings = config.daemon
     return_freed_buffers()  # the daemon's RSS follows its KV budget (serving/heap.py)
+    release_free_pages()  # what parsing the model's vocabulary freed, before the weights are mapped
     ssl_context = server_tls(settings.tls_cert_file, settings.tls_key_file)  # checked by load_config
 
     async def main() -> None:

@@ -64,6 +64,7 @@ from edgedecode.model.loader import load_model
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
 from edgedecode.runtime.session import decode_options, spin_enabled
+from edgedecode.serving.heap import release_free_pages, return_freed_buffers
 from tools.bench.cuda import INGEST_TOKENS, cuda_extras, cuda_machine, gpu_memory_used_mib, gpu_read_bandwidth_gb_s
 from tools.bench.membw import read_bandwidth_gb_s
 from tools.bench.models import gguf_model, synthetic_model
@@ -224,8 +225,15 @@ def engine_memory(engine: str, args) -> dict[str, float | None]:
 
 
 def memory_child(args) -> None:
-    """Run one engine at the largest past length; print its peak RSS and, on CUDA, the card's memory in use."""
+    """Run one engine at the largest past length; print its peak RSS and, on CUDA, the card's memory in use.
+    edgedecode's engines run under the decode daemon's heap settings (serving/heap.py: freed buffers go back to
+    the OS, and what loading the model freed is released before the weights are mapped), as daemon/run.py does."""
+    own = args.memory_child != LlamaCppRunner.name
+    if own:
+        return_freed_buffers()
     model = load_model(args.model)
+    if own:
+        release_free_pages()
     runner = make_runner(args.memory_child, args, model)
     runner.run(prompt_tokens(model.tokenizer, max(args.past)))
     held = gpu_memory_used_mib() if args.device == "cuda" else None
