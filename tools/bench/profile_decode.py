@@ -21,10 +21,10 @@ import json
 import re
 from collections import defaultdict
 
-from edgedecode.model.graph import GraphOptions
 from edgedecode.model.loader import load_model
 from edgedecode.runtime.engine import Engine
 from edgedecode.runtime.sampler import SamplingParams
+from edgedecode.runtime.session import decode_options
 from tools.bench.prompts import prompt_tokens
 from tools.common import cli
 
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     for past in args.past:
         engine = Engine(
             model,
-            GraphOptions("decode", "float32", args.accuracy_level),
+            decode_options("cpu", args.accuracy_level),  # the graph the daemon ships here (the own kernels' form)
             max_context=past + args.steps + 8,
             threads=args.threads,
             profile=True,
