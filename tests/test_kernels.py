@@ -119,7 +119,7 @@ def odd_k(kind: QType) -> int:
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
-# 5: tiles of activation rows (4 or 2 in the one-row SIMD paths) and a remainder; 37 (from 32 rows on): AVX-512's
+# 5: tiles of activation rows (4 or 2 in the one-row SIMD paths) and a remainder; 37 (from 16 rows on): AVX-512's
 # packed tiles of 16 weight rows (37 = two and a part) against 8 activation rows at a time, and a remainder
 @pytest.mark.parametrize("m", [1, 5, 37])
 def test_int8_activations_give_the_integer_block_products(isa, kind, m):
@@ -166,7 +166,7 @@ def test_activation_quantization_follows_the_documented_rule(isa, kind):
     kind=st.sampled_from(TYPES),
     blocks=st.integers(1, 12),
     n=st.integers(1, 45),
-    m=st.sampled_from([1, 2, 3, 5, 8, 9, 31, 32, 33, 40]),
+    m=st.sampled_from([1, 2, 3, 5, 8, 15, 16, 17, 33, 40]),
     accuracy=st.sampled_from([0, 4]),
     seed=st.integers(0, 2**32 - 1),
 )
