@@ -340,3 +340,30 @@ def test_with_no_adaptive_key_every_turn_is_planned_and_a_slow_link_falls_back_t
     finally:
         for server in reversed(started):
             server.stop()
+
+
+def test_a_probe_of_an_unknown_link_waits_out_first_contact_even_when_local_prefill_is_quicker(tier, tmp_path):
+    """A new user's first turn probes the endpoint under a deadline of local prefill's predicted time with slack:
+    here ~0.2 s for a short question (local speed pinned at 400 tokens a second). First contact takes longer (a
+    0.2 s round trip in the shaper, then the server's prefill), so at its bare deadline the probe had no byte and
+    was given up with nothing learned, and every later turn computed here until the re-probe. It is waited on for
+    PROBE_MIN_WAIT_S: it pulls, and the next turn is planned from the link it taught."""
+    prefill, _ = tier
+    question = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    with LinkShaper("127.0.0.1", int(prefill.url.rsplit(":", 1)[1]), rate_bytes_per_s=1e9, delay_s=0.1) as far:
+        config = server_config(
+            tmp_path, "quick-local", prefill_token=PREFILL_TOKEN, budget=0, local_prefill_tokens_per_s=400.0, **PATIENT
+        )
+        daemon = ServerProcess(
+            ["serve", "--config", config, "--prefill-url", far.url],
+            tmp_path / "quick-local.log",
+            env={"EDGEDECODE_DAEMON_AUTH_TOKEN": TOKEN},
+        )
+        try:
+            first = _turn(daemon, messages=question)
+            assert first["kv"]["decision"] == "remote" and first["kv"]["predicted_ms"] is None, first
+            assert first["kv"]["segments"][0]["ended"] == "complete" and first["kv"]["pulled_tokens"] > 0, first
+            second = _turn(daemon, messages=question)
+            assert second["kv"]["predicted_ms"] is not None, second  # planned from the link the probe taught
+        finally:
+            daemon.stop()

@@ -41,6 +41,11 @@ NO_ROUNDING = math.inf
 # a probe of an unknown link under the default objective is given up after this many times its deadline
 # (1.1x local prefill's predicted time); what arrived by then is kept, the rest computed here
 PROBE_WAIT = 1.0
+# ... but not before this: first contact (a connection, the server's first prefill) can outlast a short prompt's
+# local prefill, and a probe given up with nothing learned leaves every later turn computing here until the
+# re-probe (with the own kernels' packed prompts, README's 41-token turn got 0 bytes from the embedded server by its
+# ~0.2 s deadline). Once bytes flow the segment watch judges the link by its goodput as before.
+PROBE_MIN_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ class PrefillRemote:
         if kv_deadline.target_s is None and plan.deadline_s is not None:  # the default objective's: watched too
             kv_deadline = Deadline.within(plan.deadline_s)
             if plan.predicted_s is None:  # a probe of an unknown link: waited on for a bounded time only
-                settings = self._settings(url, PROBE_WAIT * plan.deadline_s)
+                settings = self._settings(url, max(PROBE_WAIT * plan.deadline_s, PROBE_MIN_WAIT_S))
         stream = engine.open_kv_stream(prompt_ids, keep, head=plan.head)
         budget = self.planner.budget_for(len(prompt_ids) - keep - plan.head, plan.budget)
         if plan.head:
