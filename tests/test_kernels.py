@@ -119,8 +119,9 @@ def odd_k(kind: QType) -> int:
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
-# 5: tiles of activation rows (4 or 2 in the one-row SIMD paths) and a remainder; 37 (from 16 rows on): AVX-512's
-# packed tiles of 16 weight rows (37 = two and a part) against 8 activation rows at a time, and a remainder
+# 5: tiles of activation rows (4 or 2 in the one-row SIMD paths) and a remainder; 37 (from 16 rows on, 32 for the
+# K-quants): AVX-512's packed tiles of 16 weight rows (37 = two and a part) against 8 activation rows at a time, and
+# a remainder
 @pytest.mark.parametrize("m", [1, 5, 37])
 def test_int8_activations_give_the_integer_block_products(isa, kind, m):
     rng = np.random.default_rng(int(kind) * 10 + m)

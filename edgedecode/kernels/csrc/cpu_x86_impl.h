@@ -555,7 +555,10 @@ KERNEL void block_weights(int qi, const uint8_t *w, int sub, __m256 out[4]) {
  * tile of 16 weight rows is first unpacked into a scratch buffer, in L2, with the rows side by side (int32 lane r of
  * a 512-bit vector holds four codes of row r), so every dpbusd serves 16 rows and the float work is per 16 rows.
  * The scratch is per call and the GGUF stays the only copy of the weights. */
-enum { PACK_ROWS = 16, PACK_ACTS = 8, PACK_MIN_M = 16 }; /* below 16 rows the packing costs more than it saves */
+/* Below these many activation rows packing costs more than it saves (tools/bench/matmul_gguf.py, 1B shape, one
+ * thread): from 16 rows for the 32-element types, from 32 for the K-quants, whose blocks take longer to unpack
+ * (Q4_K qkv at 16 rows: 2.08-2.12 ms packed against 1.63-1.64 one row at a time). */
+enum { PACK_ROWS = 16, PACK_ACTS = 8, PACK_MIN_M = 16, PACK_MIN_M_KQUANT = 32 };
 
 /* One 32-element chunk of a 16-row tile: codes[g], lane r = row r's codes 4g..4g+3 (unsigned bytes); scale[h] and
  * bias[h], lane r = the scale and bias of row r's codes 16h..16h+15. Signed codes (Q8_0) are stored + 128. */
@@ -707,7 +710,8 @@ KERNEL int gemm_tiled(tiled_form f, int qi, int bytes, const uint8_t *rows, size
     return 1;
 }
 #define TILED(form, qi, bytes)                                                                                    \
-    if (m >= PACK_MIN_M && gemm_tiled(form, qi, bytes, rows, row_bytes, n, k, a, m, y, y_stride))                \
+    if (m >= ((form).elements == 256 ? PACK_MIN_M_KQUANT : PACK_MIN_M) &&                                       \
+        gemm_tiled(form, qi, bytes, rows, row_bytes, n, k, a, m, y, y_stride))                \
         return;
 #else
 #define TILED(form, qi, bytes)
