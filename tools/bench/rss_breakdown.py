@@ -6,8 +6,9 @@ kept after prompt runs, as before issue 34), each measured in a fresh
 process with the daemon's heap settings (serving/heap.py).
 
 Stages (a daemon's own order): Python and the imports; the model's spec and tokenizer (the GGUF
-reader is dropped once they are read); the INT4 decode session with --slots engines (weights,
-onnxruntime's prepacked copies; the slots' KV buffers commit no page yet); a --prompt-tokens turn
+reader is dropped once they are read); the INT4 decode session the daemon ships, with --slots engines
+(the weights: the GGUF's blocks mapped from the graph's side file in the own kernels' form, onnxruntime's
+prepacked copies in the stock one; the slots' KV buffers commit no page yet); a --prompt-tokens turn
 of prose (tools/bench/prompts.py) computed locally plus 16 decode steps (its KV, float32, and the
 activations); the KV given back (``Engine.release_unused``: what stays is onnxruntime's working
 memory); a second such turn. Then the peak (VmHWM) and how much of the graph's side file is resident
